@@ -1,0 +1,312 @@
+"""One pure-functional decoder-only transformer for Qwen2 and Llama/DeepSeek-Math.
+
+Free functions over registered dataclass pytrees; the config is static. Shapes use
+B = batch rows, T = new tokens in this call, S = cache slots, L = layers,
+D = hidden size, H / Hkv = query / key-value heads, Dh = head size, V = vocabulary,
+F = MLP size, K = number of captured or lensed layers.
+
+Positions and cache slots are the same thing: the token at position p of a row
+writes its keys and values to slot p of that row and attends to slots <= p. Rows
+of different lengths therefore need no left padding: right-pad each row and give
+padding entries positions after the row's real tokens (e.g. keep counting). A
+padded entry may write garbage into a slot, but every later real token at that
+position overwrites it before any query can read it, and queries never see slots
+beyond their own position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+Array = jax.Array
+
+
+def _pytree_dataclass(cls):
+    cls = dataclasses.dataclass(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_pytree_dataclass
+class LayerParams:
+    """One transformer block. Linear weights are stored [in, out] (x @ W)."""
+
+    attn_norm: Array  # [D]
+    q: Array  # [D, H*Dh]
+    k: Array  # [D, Hkv*Dh]
+    v: Array  # [D, Hkv*Dh]
+    q_bias: Optional[Array]  # [H*Dh] (Qwen2) or None (Llama)
+    k_bias: Optional[Array]  # [Hkv*Dh] or None
+    v_bias: Optional[Array]  # [Hkv*Dh] or None
+    o: Array  # [H*Dh, D]
+    mlp_norm: Array  # [D]
+    gate: Array  # [D, F]
+    up: Array  # [D, F]
+    down: Array  # [F, D]
+
+
+@_pytree_dataclass
+class Params:
+    embed: Array  # [V, D]
+    layers: list  # L x LayerParams
+    final_norm: Array  # [D]
+    lm_head: Optional[Array]  # [V, D]; None when the embeddings are tied
+
+    def unembedding(self) -> Array:
+        """W_U, [V, D]: the output projection, shared with the embedding when tied."""
+        return self.embed if self.lm_head is None else self.lm_head
+
+
+@_pytree_dataclass
+class KVCache:
+    k: Array  # [L, B, S, Hkv, Dh]
+    v: Array  # [L, B, S, Hkv, Dh]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+@_pytree_dataclass
+class LensStats:
+    """Logit-lens statistics of `softmax(W_U · RMSNorm_final(h_l))`, fp32."""
+
+    entropy: Array  # [K, B, T] nats
+    top1: Array  # [K, B, T] int32 argmax token
+    top1_prob: Array  # [K, B, T]
+
+
+@_pytree_dataclass
+class ForwardOutput:
+    logits: Array  # [B, T, V] fp32 (or [B, 1, V] with logits_at)
+    cache: Optional[KVCache]
+    residuals: Optional[Array]  # [K, B, T, D] pre-final-norm, in `capture` order
+    lens: Optional[LensStats]  # stats for `lens_layers`, in that order
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The expected shape of every tensor, as a Params of tuples (for checkpoint checks)."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bias = cfg.qkv_bias
+    layer = LayerParams(
+        attn_norm=(D,), q=(D, q_out), k=(D, kv_out), v=(D, kv_out),
+        q_bias=(q_out,) if bias else None, k_bias=(kv_out,) if bias else None,
+        v_bias=(kv_out,) if bias else None, o=(q_out, D), mlp_norm=(D,),
+        gate=(D, F), up=(D, F), down=(F, D),
+    )
+    return Params(
+        embed=(V, D), layers=[layer] * cfg.num_layers, final_norm=(D,),
+        lm_head=None if cfg.tie_word_embeddings else (V, D),
+    )
+
+
+def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
+    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, shape in zip(keys, leaves):
+        if len(shape) == 1:  # norm weights and biases
+            out.append((1.0 + scale * jax.random.normal(k, shape)).astype(dtype))
+        else:
+            out.append((scale * jax.random.normal(k, shape)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """HF Qwen2/Llama RMSNorm: normalise in fp32, cast back, then multiply by the weight."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T].
+
+    Angles are computed in fp32 (bf16 positions lose integers above 256), then cos/sin
+    are cast to x's dtype before the multiply, as HF does.
+    """
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array) -> Array:
+    """Grouped-query causal attention by position.
+
+    q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; q_pos: [B, T]; k_pos: [B, S].
+    Key j is visible to query t iff k_pos[j] <= q_pos[t]. Returns [B, T, H, Dh].
+    Scores and softmax in fp32; probabilities cast to v's dtype for the PV product (as HF).
+    """
+    B, T, H, Dh = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(B, T, hkv, H // hkv, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (Dh ** -0.5)
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
+           cache: Optional[KVCache], index: int):
+    """Block `index` (0-based), pre-norm. x: [B, T, D]; cache holds all layers and is
+    updated in place at layer `index` (one scatter, no copy of other layers)."""
+    B, T, _ = x.shape
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
+    if cfg.qkv_bias:
+        q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+    q = _rope(q.reshape(B, T, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
+    k = _rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cache is None:
+        keys, values, k_pos = k, v, positions
+    else:
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
+        # mode="drop": a padding entry positioned past the cache end writes nothing.
+        cache = KVCache(
+            k=cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype), mode="drop"))
+        keys, values = cache.k[index], cache.v[index]
+        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
+    attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+    x = x + attn.reshape(B, T, -1) @ layer.o
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ layer.gate) * (h @ layer.up)) @ layer.down
+    return x, cache
+
+
+def _vocab_chunks(vocab: int, chunk: int):
+    """Static (start, size) pairs covering the vocabulary; the last may be shorter."""
+    if chunk <= 0:
+        raise ValueError(f"lens chunk size must be positive, got {chunk}")
+    return [(s, min(chunk, vocab - s)) for s in range(0, vocab, chunk)]
+
+
+def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int = 8192):
+    """Unembed rows while streaming the vocabulary once.
+
+    w_u: [V, D]; h_out: [N, D] final-normed rows whose full fp32 logits are returned
+    (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
+    kept. Per lens row we carry the running max m, s = sum exp(z - m) and
+    t = sum exp(z - m)·z, so H = m + log s - t / s and p_top1 = 1 / s at the end; no
+    [M, V] array exists, only one [N + M, chunk] block at a time. Logits and all
+    statistics are fp32 whatever the weight dtype. Returns (logits [N, V] | None,
+    entropy [M], top1 [M], top1_prob [M]). The result does not depend on `chunk`
+    beyond fp32 summation order.
+    """
+    n_out = 0 if h_out is None else h_out.shape[0]
+    rows = h_lens if h_out is None else jnp.concatenate([h_out, h_lens.astype(h_out.dtype)], 0)
+    M = h_lens.shape[0]
+    m = jnp.full((M,), -jnp.inf, jnp.float32)
+    s = jnp.zeros((M,), jnp.float32)
+    t = jnp.zeros((M,), jnp.float32)
+    top = jnp.zeros((M,), jnp.int32)
+
+    def update(carry, z, start):
+        m, s, t, top = carry
+        zl = z[n_out:]
+        cmax = jnp.max(zl, axis=-1)
+        carg = jnp.argmax(zl, axis=-1).astype(jnp.int32) + start
+        new_m = jnp.maximum(m, cmax)
+        old_scale = jnp.exp(m - new_m)  # exp(-inf) = 0 on the first chunk
+        e = jnp.exp(zl - new_m[:, None])
+        s = s * old_scale + jnp.sum(e, -1)
+        t = t * old_scale + jnp.sum(e * zl, -1)
+        top = jnp.where(cmax > m, carg, top)  # strict: first maximum wins, as argmax
+        return (new_m, s, t, top)
+
+    V = w_u.shape[0]
+    spans = _vocab_chunks(V, chunk)
+    full = [sp for sp in spans if sp[1] == chunk]
+    carry = (m, s, t, top)
+    out_blocks = []
+    if full:
+        def body(carry, start):
+            w = jax.lax.dynamic_slice_in_dim(w_u, start, chunk, axis=0)
+            z = jnp.einsum("nd,vd->nv", rows, w.astype(rows.dtype), preferred_element_type=jnp.float32)
+            return update(carry, z, start), z[:n_out]
+
+        starts = jnp.arange(len(full), dtype=jnp.int32) * chunk
+        carry, ys = jax.lax.scan(body, carry, starts)  # ys: [n_full, N, chunk]
+        out_blocks.append(jnp.transpose(ys, (1, 0, 2)).reshape(n_out, -1))
+    if len(full) < len(spans):
+        start, size = spans[-1]
+        z = jnp.einsum("nd,vd->nv", rows, w_u[start:].astype(rows.dtype), preferred_element_type=jnp.float32)
+        carry = update(carry, z, start)
+        out_blocks.append(z[:n_out])
+    m, s, t, top = carry
+    entropy = m + jnp.log(s) - t / s
+    logits = None if h_out is None else jnp.concatenate(out_blocks, axis=-1)
+    return logits, entropy, top, 1.0 / s
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk"))
+def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
+            cache: Optional[KVCache] = None, capture: tuple[int, ...] = (),
+            lens_layers: tuple[int, ...] = (), lens_chunk: int = 8192,
+            logits_at: Optional[Array] = None) -> ForwardOutput:
+    """Run the transformer on `tokens`.
+
+    tokens, positions: [B, T] int32 (see the module docstring for padding).
+    cache: a KVCache with S slots, updated at `positions` and returned; None runs
+      attention over the given tokens only (and returns cache=None).
+    capture: static layer indices (HF `hidden_states` numbering: 0 = embeddings,
+      l = after block l) whose residuals, pre final norm, are returned [K, B, T, D].
+    lens_layers: static layer indices whose logit-lens entropy / top-1 are returned
+      [K, B, T] (fused: one pass over W_U serves these and the output logits).
+    logits_at: optional [B] int32 index into T; returns logits [B, 1, V] at those
+      entries only (e.g. the last real prompt token of each row).
+    """
+    L = cfg.num_layers
+    for name, layers in (("capture", capture), ("lens_layers", lens_layers)):
+        bad = [l for l in layers if not 0 <= l <= L]
+        if bad:
+            raise ValueError(f"{name} layers {bad} out of range 0..{L}")
+    B, T = tokens.shape
+    x = params.embed[tokens]
+    wanted = set(capture) | set(lens_layers)
+    saved = {0: x} if 0 in wanted else {}
+    for l, layer in enumerate(params.layers):
+        x, cache = _block(layer, cfg, x, positions, cache, l)
+        if l + 1 in wanted:
+            saved[l + 1] = x
+
+    h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+    h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+    w_u = params.unembedding()
+    lens = None
+    if lens_layers:
+        lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps) for l in lens_layers])
+        K = len(lens_layers)
+        flat_logits, ent, top, ptop = streamed_head(
+            w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)
+        logits = flat_logits.reshape(*h.shape[:2], -1)
+        lens = LensStats(entropy=ent.reshape(K, B, T), top1=top.reshape(K, B, T),
+                         top1_prob=ptop.reshape(K, B, T))
+    else:
+        logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=jnp.float32)
+    residuals = jnp.stack([saved[l] for l in capture]) if capture else None
+    return ForwardOutput(logits=logits, cache=cache, residuals=residuals, lens=lens)
