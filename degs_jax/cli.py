@@ -1,0 +1,172 @@
+"""The `degs` command line.
+
+  degs generate "prompt"                      greedy continuation (embedded default model)
+  degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
+  degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+METHOD_HELP = """decoders: greedy, temperature, best_of_n, best_of_n_entropy, degs_rerank,
+power_mcmc, degs_mcmc (DESIGN §4). Hyperparameters a method does not take are rejected."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="built-in name (smollm2-135m [default], qwen2.5-coder-0.5b), a local HF "
+                        "directory, a .gguf file, or a hub id (needs network)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="parameter dtype (default bfloat16)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="feed the prompt as raw text even if the tokenizer has a chat template")
+
+
+def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
+    p.add_argument("--method", default=default_method, help=METHOD_HELP)
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed (same seed, same tokens)")
+    g = p.add_argument_group("hyperparameters (default: the method's, as in the paper)")
+    g.add_argument("--max-new-tokens", type=int, help="token budget of non-MCMC methods (3072)")
+    g.add_argument("--temperature", type=float, help="sampling temperature")
+    g.add_argument("--top-k", type=int, help="truncate the sampling/proposal distribution (0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus truncation (1.0 = off)")
+    g.add_argument("--n", type=int, help="candidates for the Best-of-N family (16)")
+    g.add_argument("--alpha", type=float, help="power / likelihood weight (4)")
+    g.add_argument("--beta", type=float, help="weight of D(x) (5; power_mcmc: 0)")
+    g.add_argument("--tau", type=float, help="collapse threshold in nats (0.25)")
+    g.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")),
+                   help="probed layers, comma-separated (default grid of DESIGN §3)")
+    g.add_argument("--block-len", type=int, help="MCMC block length (192)")
+    g.add_argument("--num-blocks", type=int, help="MCMC blocks (16)")
+    g.add_argument("--mh-steps", type=int, help="MH steps per block (10)")
+    g.add_argument("--n-chains", type=int, help="independent MCMC chains per prompt (1)")
+    g.add_argument("--reference-quirks", action="store_true", default=None,
+                   help="reproduce the public power-sampling code's deviations (off)")
+
+
+_HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "beta", "tau", "lsub",
+             "block_len", "num_blocks", "mh_steps", "n_chains", "reference_quirks")
+
+
+def _hyperparameters(args) -> dict:
+    return {k: getattr(args, k) for k in _HP_NAMES if getattr(args, k, None) is not None}
+
+
+def _load(args):
+    from .models.loading import DEFAULT_MODEL, load
+
+    source = args.model or DEFAULT_MODEL
+    t0 = time.perf_counter()
+    model = load(source, dtype=args.dtype, progress=True)
+    print(f"loaded {model.name} ({model.cfg.architecture}, {model.cfg.num_layers} layers) "
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return model
+
+
+def cmd_generate(args) -> int:
+    from .decoders import sample
+
+    model = _load(args)
+    result = sample(model, args.prompt, "greedy", chat=not args.no_chat,
+                    max_new_tokens=args.max_new_tokens, probe=False)
+    print(result.outputs[0].chosen.text)
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import jax
+
+    from .decoders import sample
+
+    model = _load(args)
+    result = sample(model, args.prompt, args.method, key=jax.random.key(args.seed),
+                    chat=not args.no_chat, progress=True, **_hyperparameters(args))
+    out = result.outputs[0]
+    c = out.chosen
+    fe = result.forward_equivalents(model.cfg.num_layers)
+    report = {
+        "method": result.method, "seed": args.seed, "completion": c.text,
+        "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
+        "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
+        "counters": result.counters, "forward_equivalents": fe,
+        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(c.text)
+    print("---", file=sys.stderr)
+    depth = "n/a (not probed)" if c.depth is None else f"{c.depth:.4f}"
+    print(f"method {result.method}  tokens {len(c.tokens)}{'' if c.ended else ' (budget reached, no EOS)'}"
+          f"  log p {c.log_p:.3f}  D(x) {depth}  final-layer entropy {c.final_entropy:.3f}",
+          file=sys.stderr)
+    if c.acceptance is not None:
+        print("acceptance per block: " + " ".join(f"{a:.2f}" for a in c.acceptance), file=sys.stderr)
+    s = result.seconds
+    print(f"time: prefill {s['prefill']:.2f}s  decode {s['decode']:.2f}s  total {s['total']:.2f}s "
+          f"(first call includes compilation)  |  generated {result.counters['generated_tokens']} tokens, "
+          f"{fe:.0f} forward-equivalent tokens", file=sys.stderr)
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from .probe import run_probe
+
+    model = _load(args)
+    return run_probe(model, Path(args.input), Path(args.out), tau=args.tau, lsub=args.lsub,
+                     chat=not args.no_chat, max_new_tokens=args.max_new_tokens or 256,
+                     limit=args.limit)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="degs", description="Depth-Entropy Guided Sampling (DEGS) and power sampling in JAX.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="greedy continuation of a prompt")
+    g.add_argument("prompt")
+    _add_model_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="token budget (128)")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("sample", help="decode a prompt with any decoder and print its statistics",
+                       description=METHOD_HELP)
+    s.add_argument("prompt")
+    _add_model_args(s)
+    _add_decoder_args(s, "degs_mcmc")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    s.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("probe", help="collapse depth D(x) and layer entropies of completions")
+    _add_model_args(p)
+    p.add_argument("--input", required=True,
+                   help="JSONL with 'prompt' and optional 'completion' (else completed greedily)")
+    p.add_argument("--out", required=True, help="output directory (probe.jsonl, entropy.png)")
+    p.add_argument("--tau", type=float, default=0.25, help="collapse threshold in nats (0.25)")
+    p.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="probed layers for D(x) (default grid)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="budget for greedy completion of prompts without one (256)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N rows")
+    p.set_defaults(func=cmd_probe)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"degs: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

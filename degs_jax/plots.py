@@ -1,0 +1,60 @@
+"""Figures for the lens analyses (matplotlib, Agg; never touches pyplot's global state)."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+def plot_entropy_trajectories(
+        curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+        path: str | os.PathLike, title: str = "", *,
+        normalize_depth: Optional[bool] = None,
+        num_layers: Optional[Mapping[str, int]] = None,
+        tau: Optional[float] = None, ylabel: str = "mean layer entropy $H_l$ (nats)") -> str:
+    """Overlay layer-entropy trajectories (the paper's Figure 1) and save a PNG.
+
+    curves: label -> (layers [K], mean entropy [K]), e.g. from
+      `lens.entropy_trajectory` (`.layers`, `.mean`) for two models or two groups.
+    normalize_depth: plot against l / L instead of l; default: only when the curves'
+      depths L differ. L of a curve is `num_layers[label]` if given, else its largest
+      layer index.
+    tau: draw the collapse threshold as a dashed horizontal line.
+    Returns the path written.
+    """
+    if not curves:
+        raise ValueError("plot_entropy_trajectories needs at least one curve")
+    data = {}
+    for label, (layers, mean) in curves.items():
+        layers, mean = np.asarray(layers, float), np.asarray(mean, float)
+        if layers.ndim != 1 or layers.shape != mean.shape or layers.size == 0:
+            raise ValueError(f"curve {label!r}: layers {layers.shape} and entropies "
+                             f"{mean.shape} must be equal non-empty 1-D shapes")
+        depth = (num_layers or {}).get(label, layers.max())
+        data[label] = (layers, mean, float(depth))
+    if normalize_depth is None:
+        normalize_depth = len({d for _, _, d in data.values()}) > 1
+
+    fig = Figure(figsize=(6.0, 4.0), dpi=150)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, (layers, mean, depth) in data.items():
+        x = layers / depth if normalize_depth else layers
+        ax.plot(x, mean, marker="o", markersize=3, linewidth=1.8, label=label)
+    if tau is not None:
+        ax.axhline(tau, color="grey", linestyle="--", linewidth=1.0, label=f"$\\tau$ = {tau:g}")
+    ax.set_xlabel("normalised depth $l / L$" if normalize_depth else "layer $l$")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0.0)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, format="png")
+    return path

@@ -1,0 +1,93 @@
+"""`degs probe`: collapse depth and layer entropies of completions from a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from .decoders import decode, encode_prompt, eos_ids_of
+from .lens import LensConfig, default_lsub, entropy_trajectory
+from .plots import plot_entropy_trajectories
+from .scoring import score_sequences
+
+
+def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
+    if not path.exists():
+        raise FileNotFoundError(f"input file not found: {path}")
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: each row needs a string 'prompt'")
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub=None,
+              chat: bool = True, max_new_tokens: int = 256, limit: Optional[int] = None,
+              batch_size: int = 8) -> int:
+    """Score every row's completion (greedy-completing rows without one) and write
+    `probe.jsonl` (id, D, per-layer mean entropies, mean final-layer entropy, log p)
+    and `entropy.png` (mean entropy per layer over all rows)."""
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
+    lens = LensConfig(lsub=tuple(lsub) if lsub else default_lsub(cfg.num_layers), tau=tau)
+    lens.validate_for(cfg.num_layers)
+    rows = read_rows(input_path, limit)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eos = eos_ids_of(cfg, tok)
+    prompts = [encode_prompt(tok, r["prompt"], chat) for r in rows]
+    completions: list[list[int]] = [
+        tok.encode(r["completion"], add_special_tokens=False) if isinstance(r.get("completion"), str) else None
+        for r in rows]
+    todo = [i for i, c in enumerate(completions) if c is None]
+    for start in tqdm(range(0, len(todo), batch_size), desc="greedy completion", disable=not todo):
+        idx = todo[start:start + batch_size]
+        res = decode(params, cfg, [prompts[i] for i in idx], "greedy", jax.random.key(0),
+                     eos_ids=eos, max_new_tokens=max_new_tokens, probe=False)
+        for i, out in zip(idx, res.outputs):
+            completions[i] = out.chosen.tokens
+            rows[i]["completion"] = tok.decode(out.chosen.tokens, skip_special_tokens=True)
+
+    scores = []
+    for start in tqdm(range(0, len(rows), batch_size), desc="probing", unit="batch"):
+        sl = slice(start, start + batch_size)
+        scores += score_sequences(params, cfg, prompts[sl], completions[sl], lens, eos,
+                                  batch_size=batch_size)
+    sequences = []
+    for p, c, s in zip(prompts, completions, scores):
+        mask = np.zeros(len(p) + len(c), bool)
+        mask[len(p): len(p) + len(c) - int(s["ended"])] = True
+        sequences.append((list(p) + list(c), mask))
+    traj = entropy_trajectory(params, cfg, sequences, batch_size=batch_size)
+
+    with (out_dir / "probe.jsonl").open("w") as f:
+        for i, (row, s) in enumerate(zip(rows, scores)):
+            record = {
+                "id": row.get("id", i), "completion": row["completion"],
+                "D": s["depth"], "log_p": s["log_p"], "n_tokens": s["n_tokens"],
+                "mean_final_entropy": s["final_entropy"],
+                "layer_entropy": [None if np.isnan(v) else float(v) for v in traj.per_sequence[i]],
+            }
+            f.write(json.dumps(record) + "\n")
+    plot_entropy_trajectories({model.name: (traj.layers, traj.mean)}, out_dir / "entropy.png",
+                              title=f"logit-lens entropy per layer ({len(rows)} completions)", tau=tau)
+    mean_d = float(np.mean([s["depth"] for s in scores]))
+    print(f"probed {len(rows)} completions: mean D(x) {mean_d:.4f}; wrote {out_dir / 'probe.jsonl'} "
+          f"and {out_dir / 'entropy.png'}", file=sys.stderr)
+    return 0

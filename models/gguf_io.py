@@ -1,0 +1,178 @@
+"""Read llama.cpp GGUF checkpoints (llama and qwen2 architectures) as HF-named fp32 tensors.
+
+A GGUF file holds the config as metadata key/values and each tensor, possibly
+block-quantised, under llama.cpp names. We build a `ModelConfig` from the
+metadata, dequantise every tensor to fp32 with `gguf.quants.dequantize`, rename
+it to its Hugging Face name and undo the q/k row permutation that
+llama.cpp's `convert_hf_to_gguf.py` applies to llama-architecture files (its
+rope kernel pairs adjacent dimensions, HF's `rotate_half` pairs halves). Qwen2
+files are written without that permutation. The result feeds
+`checkpoint.params_from_hf`, which does all shape checks.
+
+Shapes: GGUF lists dimensions fastest-first (`ne` order, what `ReaderTensor.shape`
+shows); the numpy arrays the reader and `dequantize` return are row-major, i.e.
+already in HF order ([out, in] for linear weights).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+
+from .checkpoint import CheckpointError
+from .config import ConfigError, ModelConfig
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file is unreadable (truncated, corrupt, not GGUF)."""
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` over `path` (memory-mapped); unreadable files raise GGUFError
+    naming the file, a missing file FileNotFoundError."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ... on bad bytes
+        raise GGUFError(f"cannot read GGUF file {path} (truncated or corrupt?): "
+                        f"{type(e).__name__}: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    """ModelConfig from GGUF metadata. Unknown architectures, partial rotary and rope
+    scaling raise ConfigError."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"unknown GGUF architecture {arch!r}; supported: "
+                          f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def need(key):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
+        if isinstance(value, list):  # e.g. per-layer head counts
+            raise ConfigError(f"GGUF metadata {arch}.{key} is per-layer ({value[:4]}...); not supported")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // heads)
+    rotary = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ConfigError(f"partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConfigError(f"GGUF rope scaling {scaling!r} is not supported")
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ConfigError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        vocab = len(tokens.data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        qkv_bias=arch == "qwen2",
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF tensor name of a llama.cpp tensor name; unknown names are returned
+    unchanged so that the shape check reports them as unexpected."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    return gguf_name
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rope permutation of a q or k projection, w: [n_heads*Dh, ...].
+
+    convert_hf_to_gguf.py reorders each head's rows from HF's halves layout
+    (x_0..x_{Dh/2-1}, x_{Dh/2}..x_{Dh-1}) to interleaved pairs via
+    `w.reshape(n_heads, 2, Dh/2, ...).swapaxes(1, 2)`; the inverse swaps the
+    other way. Pure index shuffle: bit-exact.
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (the inverse of `unpermute_rows`), for writing test files."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_hf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, fp32 array in HF layout) for every tensor of the file, in file order.
+
+    Dequantisation is exact in fp32 (scale * quant + min per block), so the arrays
+    equal what llama.cpp and HF's GGUF loader compute. q/k rows are un-permuted for
+    llama files only, and only when the row count fits the config (otherwise the
+    array is passed through and the shape check names it).
+    """
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+        except Exception as e:
+            raise GGUFError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of "
+                            f"{reader.data.filename}: {type(e).__name__}: {e}") from e
+        name = hf_name(t.name)
+        if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            if arr.ndim == 2 and arr.shape[0] == heads * cfg.head_dim:
+                arr = unpermute_rows(arr, heads)
+        yield name, arr

@@ -1,0 +1,331 @@
+"""Checkpoint loading on tiny models: HF directories, GGUF files, built-ins, caches, errors."""
+
+import hashlib
+import json
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.flax import save_file as save_flax
+from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from degs_jax.models import ConfigError, forward, init_params
+from degs_jax.models import loading
+from degs_jax.models.checkpoint import CheckpointError, params_to_hf
+from degs_jax.models.gguf_io import GGUFError, hf_name, permute_rows
+from degs_jax.models.loading import ChecksumError, file_sha256, load
+from hf_reference import tiny_config
+
+# Printable ASCII maps to itself in byte-level BPE; one merge because transformers'
+# GGUF tokenizer converter wants at least one; the last token is EOS.
+TOKENS = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["he", "<|end|>"]
+VOCAB = len(TOKENS)
+
+
+def tiny(architecture="LlamaForCausalLM", tie=False, seed=0):
+    cfg = tiny_config(architecture, vocab=VOCAB, tie=tie)
+    return cfg, init_params(cfg, jax.random.PRNGKey(seed), jnp.float32)
+
+
+def assert_params_equal(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def write_hf_dir(directory, cfg, params, shards=1, dtype=jnp.float32, config=None):
+    """config.json, tokenizer files and weights (one file or `shards` files + index)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config or cfg.to_hf()))
+    vocab = {t: i for i, t in enumerate(TOKENS)}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<|end|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>").save_pretrained(directory)
+    tensors = {k: jnp.asarray(v, dtype) for k, v in params_to_hf(params, cfg).items()}
+    if shards == 1:
+        save_flax(tensors, str(directory / "model.safetensors"))
+        return directory
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_flax({n: tensors[n] for n in part}, str(directory / file))
+        weight_map.update({n: file for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def gguf_tensors(cfg, params):
+    """Our params as llama.cpp-named fp32 arrays, with convert_hf_to_gguf's q/k
+    permutation applied for llama."""
+    gguf_names = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
+        f"blk.{i}.{s}" for i in range(cfg.num_layers) for s in (
+            "attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+            "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.weight", "ffn_gate.weight",
+            "ffn_up.weight", "ffn_down.weight")]
+    to_gguf = {hf_name(g): g for g in gguf_names}
+    out = {}
+    for name, arr in params_to_hf(params, cfg).items():
+        if cfg.family == "llama" and name.endswith("q_proj.weight"):
+            arr = permute_rows(arr, cfg.num_heads)
+        elif cfg.family == "llama" and name.endswith("k_proj.weight"):
+            arr = permute_rows(arr, cfg.num_kv_heads)
+        out[to_gguf[name]] = np.ascontiguousarray(arr, dtype=np.float32)
+    return out
+
+
+def write_gguf(path, cfg, params, arch=None, mutate=lambda t: t):
+    """A GGUF file of `params` as llama.cpp would write it; `mutate` edits the tensor dict."""
+    w = gguf.GGUFWriter(str(path), arch or cfg.family)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(TOKENS)
+    w.add_token_types([1] * (VOCAB - 1) + [3])
+    w.add_token_merges(["h e"])
+    w.add_bos_token_id(VOCAB - 1)
+    w.add_eos_token_id(VOCAB - 1)
+    for name, arr in mutate(gguf_tensors(cfg, params)).items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ----------------------------------------------------------------------------- round trips
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("arch,tie", [("Qwen2ForCausalLM", True), ("LlamaForCausalLM", False)])
+def test_hf_dir_round_trip(tmp_path, arch, tie, shards):
+    cfg, params = tiny(arch, tie)
+    write_hf_dir(tmp_path / "m", cfg, params, shards=shards)
+    got = load(tmp_path / "m", "float32", progress=False)
+    assert got.cfg == cfg
+    assert_params_equal(got.params, params)
+    assert got.name == "m" and got.source == str(tmp_path / "m")
+    assert got.tokenizer.convert_tokens_to_ids("he") == VOCAB - 2
+
+
+def test_dtype_choice_and_bf16_checkpoint(tmp_path):
+    cfg, params = tiny()
+    write_hf_dir(tmp_path / "m", cfg, params, dtype=jnp.bfloat16)  # bf16 on disk: numpy can't read it
+    as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    for dtype, want in [(None, jnp.bfloat16), ("bfloat16", jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
+                        ("float32", jnp.float32), (jnp.float32, jnp.float32)]:
+        got = load(tmp_path / "m", progress=False) if dtype is None else load(tmp_path / "m", dtype, progress=False)
+        assert {x.dtype for x in jax.tree.leaves(got.params)} == {jnp.dtype(want)}
+        assert_params_equal(jax.tree.map(lambda x: x.astype(jnp.bfloat16), got.params), as_bf16)
+    for bad in ("float16", "int8", "fp32"):
+        with pytest.raises(ValueError, match=bad):
+            load(tmp_path / "m", bad, progress=False)
+
+
+@pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", False), ("LlamaForCausalLM", True),
+                                      ("Qwen2ForCausalLM", False)])
+def test_gguf_round_trip_undoes_llama_permutation(tmp_path, arch, tie):
+    cfg, params = tiny(arch, tie)
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    got = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)
+    assert got.cfg == cfg.__class__(**{**cfg.__dict__, "rms_norm_eps": got.cfg.rms_norm_eps,
+                                       "bos_token_id": VOCAB - 1, "pad_token_id": None})
+    assert got.cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps, rel=1e-6)  # stored as float32
+    assert_params_equal(got.params, params)
+    assert got.name == "tiny" and got.source == str(path)
+    assert got.tokenizer("he!")["input_ids"] == [VOCAB - 2, 0]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_tiny_gguf_logits_match_hf_gguf_loader(tmp_path, arch):
+    """Ties our q/k convention to transformers' GGUF loader, independently of `permute_rows`."""
+    cfg, params = tiny(arch)
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    ours = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(tokens)).logits.numpy()
+    got = forward(ours.params, ours.cfg, jnp.asarray(tokens, jnp.int32), jnp.arange(24)[None]).logits
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
+    cfg, params = tiny()
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    first = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)
+    sha = file_sha256(path, tmp_path / "cache")
+    assert (tmp_path / "cache" / "gguf" / sha / "model.safetensors").is_file()
+
+    def no_reading(*args):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(loading, "open_gguf", no_reading)
+    second = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)
+    assert second.cfg == first.cfg and second.source == first.source and second.name == first.name
+    assert_params_equal(second.params, first.params)
+    text = "he said!hello"
+    assert second.tokenizer(text)["input_ids"] == first.tokenizer(text)["input_ids"]
+
+
+def test_sha256_is_streamed_once_per_file_version(tmp_path, monkeypatch):
+    f = tmp_path / "blob"
+    f.write_bytes(b"x" * (9 << 20))  # more than one 8 MiB block
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    assert file_sha256(f, tmp_path) == want
+    with monkeypatch.context() as mp:
+        mp.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed again"))
+        assert file_sha256(f, tmp_path) == want
+    f.write_bytes(b"y" * 10)  # new size and mtime: rehashed
+    assert file_sha256(f, tmp_path) == hashlib.sha256(b"y" * 10).hexdigest()
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+@pytest.fixture
+def fake_builtin(tmp_path, monkeypatch):
+    """A built-in model split over two files of an importable package `fake_degs_weights`."""
+    cfg, params = tiny()
+    blob = write_gguf(tmp_path / "whole.gguf", cfg, params).read_bytes()
+    package = tmp_path / "site" / "fake_degs_weights"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "data" / "a.bin").write_bytes(blob[:1000])
+    (package / "data" / "b.bin").write_bytes(blob[1000:])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+    def register(sha=hashlib.sha256(blob).hexdigest(), module="fake_degs_weights"):
+        spec = loading.BuiltinModel(filename="fake.gguf", sha256=sha, parts=(
+            (module, "fake-degs-weights", "data/a.bin"), (module, "fake-degs-weights", "data/b.bin")))
+        monkeypatch.setitem(loading.BUILTIN_MODELS, "fake-tiny", spec)
+        return spec
+
+    return cfg, params, register
+
+
+def test_builtin_parts_are_concatenated_and_verified(tmp_path, fake_builtin):
+    cfg, params, register = fake_builtin
+    register()
+    got = load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False)
+    assert got.name == "fake-tiny"
+    assert got.source == str(tmp_path / "cache" / "builtin" / "fake.gguf")
+    assert_params_equal(got.params, params)
+
+
+def test_builtin_hash_mismatch_is_refused(tmp_path, fake_builtin):
+    cfg, params, register = fake_builtin
+    spec = register(sha="0" * 64)
+    with pytest.raises(ChecksumError) as err:
+        load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False)
+    actual = file_sha256(tmp_path / "whole.gguf", tmp_path)
+    assert spec.sha256 in str(err.value) and actual in str(err.value) and "fake-tiny" in str(err.value)
+    got = load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False, verify=False)
+    assert_params_equal(got.params, params)
+
+
+def test_builtin_missing_package(tmp_path, fake_builtin):
+    register = fake_builtin[2]
+    register(module="no_such_degs_package")
+    with pytest.raises(FileNotFoundError, match="fake-degs-weights"):
+        load("fake-tiny", cache_dir=tmp_path / "cache", progress=False)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_missing_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load(tmp_path / "nope.gguf", progress=False)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        load("no-such-model", progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load(tmp_path / "empty", progress=False)
+    cfg, params = tiny()
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps(cfg.to_hf()))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load(tmp_path / "noweights", progress=False)
+    write_hf_dir(tmp_path / "sharded", cfg, params, shards=2)
+    os.remove(tmp_path / "sharded" / "model-00002-of-00002.safetensors")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load(tmp_path / "sharded", progress=False)
+
+
+def test_truncated_or_corrupt_gguf(tmp_path):
+    cfg, params = tiny()
+    blob = write_gguf(tmp_path / "tiny.gguf", cfg, params).read_bytes()
+    for cut in (10, 300, len(blob) // 2, len(blob) - 16):  # header, metadata, tensor data
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(blob[:cut])
+        with pytest.raises(GGUFError, match=f"cut{cut}.gguf"):
+            load(bad, cache_dir=tmp_path / "cache", progress=False)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(GGUFError, match="junk.gguf"):
+        load(junk, cache_dir=tmp_path / "cache", progress=False)
+
+
+def _misshape(t):
+    return {**t, "blk.1.ffn_up.weight": t["blk.1.ffn_up.weight"][:-1]}
+
+
+def _drop(t):
+    return {k: v for k, v in t.items() if k != "blk.2.attn_v.weight"}
+
+
+def _extra(t):
+    return {**t, "blk.0.attn_extra.weight": np.zeros((4, 4), np.float32)}
+
+
+@pytest.mark.parametrize("mutate,hf_tensor,words", [
+    (_misshape, "model.layers.1.mlp.up_proj.weight", "shape"),
+    (_drop, "model.layers.2.self_attn.v_proj.weight", "missing"),
+    (_extra, "blk.0.attn_extra.weight", "unexpected"),
+])
+def test_gguf_tensor_errors_name_the_tensor(tmp_path, mutate, hf_tensor, words):
+    cfg, params = tiny()
+    path = write_gguf(tmp_path / "bad.gguf", cfg, params, mutate=mutate)
+    with pytest.raises(CheckpointError) as err:
+        load(path, cache_dir=tmp_path / "cache", progress=False)
+    assert hf_tensor in str(err.value) and words in str(err.value) and "bad.gguf" in str(err.value)
+    assert not (tmp_path / "cache" / "gguf").exists()  # nothing cached
+
+
+@pytest.mark.parametrize("edit,tensor,words", [
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:5]}), "model.norm.weight", "shape"),
+    (lambda t: t.pop("model.layers.0.mlp.gate_proj.weight"), "model.layers.0.mlp.gate_proj.weight", "missing"),
+    (lambda t: t.update({"model.layers.9.mlp.up_proj.weight": t["lm_head.weight"]}),
+     "model.layers.9.mlp.up_proj.weight", "unexpected"),
+])
+def test_hf_dir_tensor_errors_name_the_tensor(tmp_path, edit, tensor, words):
+    cfg, params = tiny()
+    write_hf_dir(tmp_path / "m", cfg, params)
+    path = tmp_path / "m" / "model.safetensors"
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError) as err:
+        load(tmp_path / "m", progress=False)
+    assert tensor in str(err.value) and words in str(err.value)
+
+
+def test_unknown_architecture(tmp_path):
+    cfg, params = tiny()
+    write_hf_dir(tmp_path / "m", cfg, params, config={**cfg.to_hf(), "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        load(tmp_path / "m", progress=False)
+    path = write_gguf(tmp_path / "phi.gguf", cfg, params, arch="phi3")
+    with pytest.raises(ConfigError, match="phi3") as err:
+        load(path, cache_dir=tmp_path / "cache", progress=False)
+    assert "phi.gguf" in str(err.value)

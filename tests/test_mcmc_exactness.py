@@ -1,0 +1,198 @@
+"""The MH chain targets exactly pi(x) ∝ p(x)^alpha · exp(beta · D(x)).
+
+A tiny random model with a 4-token vocabulary (3 ordinary tokens + EOS) and one
+3-token block has 40 possible completions. We enumerate them, compute pi exactly
+from full (uncached) forward passes, run thousands of independent chains in one
+batch, and compare the empirical distribution of final states with pi in total
+variation. The pass threshold is the 99.9th percentile of the TV distance between
+pi and an i.i.d. sample *from pi itself* of the same size (simulated), plus 0.01 for
+the chain's finite mixing; so a correct chain fails with probability ~1e-3 per seed
+(the seed is fixed, so the test is deterministic). The same test with a deliberately
+wrong ratio must fail it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from degs_jax import mcmc as mcmc_mod
+from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.lens import LensConfig, collapse_depth
+from degs_jax.mcmc import MCMCConfig, mcmc_block
+from degs_jax.models import forward, init_params
+from hf_reference import tiny_config
+
+EOS = 3
+PROMPT = [0, 1]
+BLOCK = 3
+N_CHAINS = 6000
+LSUB = (1, 2, 3)
+MODEL_SEED, MODEL_SCALE = 70, 0.3
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config("LlamaForCausalLM", vocab=4, layers=3, hidden=16, head_dim=4,
+                      num_heads=4, num_kv_heads=2, intermediate=24)
+    # Seed and scale chosen (by enumerating pi) so that pi puts substantial mass on
+    # completions of different lengths (about 0.001, 0.30 and 0.70 on lengths 1, 2, 3; no completion above 0.37). The
+    # EOS-only completion is kept improbable on purpose: its proposal probability is tiny,
+    # so a chain that must find it mixes slowly (seen with other seeds: TV 0.46 -> 0.03
+    # only after 100 steps), which would test patience rather than exactness:
+    # a concentrated pi would let a wrong ratio pass unnoticed.
+    params = init_params(cfg, jax.random.key(MODEL_SEED), jnp.float32, scale=MODEL_SCALE)
+    return cfg, params
+
+
+def support():
+    """Every completion of at most BLOCK tokens: EOS only last, or BLOCK tokens without EOS."""
+    out = []
+    for n in range(1, BLOCK + 1):
+        for body in itertools.product(range(EOS), repeat=n - 1):
+            out.append(tuple(body) + (EOS,))
+    out.extend(itertools.product(range(EOS), repeat=BLOCK))
+    return out
+
+
+def exact_stats(cfg, params, tau):
+    """log p(x), D(x) for every completion in `support()`, from uncached forwards."""
+    seqs = support()
+    logp, depth_score, entropies = [], [], []
+    for comp in seqs:
+        toks = np.array([PROMPT + list(comp)], np.int32)
+        pos = np.arange(toks.shape[1], dtype=np.int32)[None]
+        out = forward(params, cfg, jnp.asarray(toks), jnp.asarray(pos), lens_layers=LSUB)
+        lp = jax.nn.log_softmax(out.logits[0], -1)
+        P = len(PROMPT)
+        logp.append(sum(float(lp[P - 1 + i, t]) for i, t in enumerate(comp)))
+        ent = np.asarray(out.lens.entropy[:, 0])  # [K, T]
+        scored = [P + i for i, t in enumerate(comp) if t != EOS]
+        entropies.append(ent[:, scored].ravel())
+        if tau is None:
+            depth_score.append(0.0)
+        else:
+            d = np.asarray(collapse_depth(ent, LSUB, cfg.num_layers, tau))
+            depth_score.append(float(np.mean(d[scored]) / cfg.num_layers) if scored else 0.0)
+    return seqs, np.array(logp), np.array(depth_score), np.concatenate(entropies)
+
+
+def pick_tau(entropies):
+    """A tau in the middle of the widest gap between lens entropies near their median,
+    so d_t varies across completions and no entropy sits within numerical noise of tau."""
+    e = np.sort(entropies)
+    lo, hi = len(e) // 4, 3 * len(e) // 4
+    gaps = np.diff(e[lo:hi])
+    i = lo + int(np.argmax(gaps))
+    return float((e[i] + e[i + 1]) / 2)
+
+
+def run_chains(cfg, params, mc, steps_seed=0):
+    toks, lens = pad_prompts([PROMPT], multiple=1)
+    state = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens), len(PROMPT) + BLOCK, jnp.float32)
+    state = repeat_rows(state, N_CHAINS)
+    keys = jax.random.split(jax.random.key(steps_seed), N_CHAINS)
+    state, accepted, _ = mcmc_block(params, cfg, state, keys, jnp.int32(0), mc)
+    tokens, length = np.asarray(state.tokens), np.asarray(state.length)
+    P = len(PROMPT)
+    return [tuple(tokens[b, P:length[b]].tolist()) for b in range(N_CHAINS)], np.asarray(accepted)
+
+
+def tv_and_threshold(seqs, target, samples, seed=0):
+    index = {s: i for i, s in enumerate(seqs)}
+    counts = np.bincount([index[s] for s in samples], minlength=len(seqs))
+    tv = 0.5 * np.abs(counts / counts.sum() - target).sum()
+    rng = np.random.default_rng(seed)
+    null = 0.5 * np.abs(rng.multinomial(len(samples), target, size=2000) / len(samples) - target).sum(1)
+    return tv, float(np.quantile(null, 0.999)) + 0.01
+
+
+def target(logp, depth, alpha, beta):
+    logits = alpha * logp + beta * depth
+    w = np.exp(logits - logits.max())
+    return w / w.sum()
+
+
+@pytest.fixture(scope="module")
+def depth_setup(model):
+    cfg, params = model
+    _, _, _, ent = exact_stats(cfg, params, None)
+    tau = pick_tau(ent)
+    seqs, logp, depth, _ = exact_stats(cfg, params, tau)
+    assert len(set(np.round(depth, 6))) > 3, "tau should make D(x) vary across completions"
+    return tau, seqs, logp, depth
+
+
+CASES = {
+    "power": dict(beta=0.0),
+    "degs": dict(beta=3.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chain_matches_exact_target(model, depth_setup, case):
+    cfg, params = model
+    tau, seqs, logp, depth = depth_setup
+    beta = CASES[case]["beta"]
+    mc = MCMCConfig(alpha=4.0, beta=beta, block_len=BLOCK, num_blocks=1, mh_steps=24,
+                    lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,))
+    pi = target(logp, depth, 4.0, beta)
+    samples, accepted = run_chains(cfg, params, mc)
+    tv, threshold = tv_and_threshold(seqs, pi, samples)
+    assert accepted.mean() > 0.5, "the chain should move"
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+
+
+def test_tv_falls_with_more_steps(model, depth_setup):
+    cfg, params = model
+    tau, seqs, logp, depth = depth_setup
+    pi = target(logp, depth, 4.0, 3.0)
+    tvs = []
+    for steps in (1, 24):
+        mc = MCMCConfig(alpha=4.0, beta=3.0, block_len=BLOCK, num_blocks=1, mh_steps=steps,
+                        lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,))
+        samples, _ = run_chains(cfg, params, mc)
+        tvs.append(tv_and_threshold(seqs, pi, samples)[0])
+    assert tvs[1] < tvs[0] - 0.02, tvs
+
+
+def _no_cut_ratio(current, proposal, cut, cfg, mc):
+    n_x = (current.length - current.prompt_len).astype(jnp.float32)
+    n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
+    return CORRECT_RATIO(current, proposal, cut, cfg, mc) - (jnp.log(n_x) - jnp.log(n_y))
+
+
+def _q_sign_flipped(current, proposal, cut, cfg, mc):
+    dq = (mcmc_mod._suffix_sum(current.logq, cut, current.length)
+          - mcmc_mod._suffix_sum(proposal.logq, cut, proposal.length))
+    return CORRECT_RATIO(current, proposal, cut, cfg, mc) - 2 * dq
+
+
+CORRECT_RATIO = mcmc_mod.log_acceptance_ratio
+
+
+@pytest.mark.parametrize("wrong", ["no_cut_index_ratio", "q_sign_flipped", "reference_quirks"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_wrong_ratio_fails_the_bound(model, depth_setup, monkeypatch, wrong, case):
+    cfg, params = model
+    tau, seqs, logp, depth = depth_setup
+    beta = CASES[case]["beta"]
+    quirks = wrong == "reference_quirks"
+    if wrong == "no_cut_index_ratio":
+        monkeypatch.setattr(mcmc_mod, "log_acceptance_ratio", _no_cut_ratio)
+    elif wrong == "q_sign_flipped":
+        monkeypatch.setattr(mcmc_mod, "log_acceptance_ratio", _q_sign_flipped)
+    jax.clear_caches()  # the jitted block must be retraced with the patched ratio
+    try:
+        mc = MCMCConfig(alpha=4.0, beta=beta, block_len=BLOCK, num_blocks=1, mh_steps=24,
+                        lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,),
+                        reference_quirks=quirks)
+        samples, _ = run_chains(cfg, params, mc)
+    finally:
+        jax.clear_caches()
+    tv, threshold = tv_and_threshold(seqs, target(logp, depth, 4.0, beta), samples)
+    assert tv > threshold, f"a wrong ratio ({wrong}) passed: TV {tv:.4f} < {threshold:.4f}"

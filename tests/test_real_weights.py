@@ -1,0 +1,103 @@
+"""Real GGUF weights (the two built-in models) against transformers' own GGUF loader.
+
+Both sides dequantise the same file to fp32, so the only differences left are the
+q/k un-permutation (gross if wrong), the config mapping and fp32 kernel order.
+"""
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import degs_jax.models.transformer as transformer_module
+from degs_jax.models import forward, init_cache
+from degs_jax.models import loading
+from degs_jax.models.loading import BUILTIN_MODELS, file_sha256, load
+
+pytestmark = pytest.mark.slow
+
+EXPECTED = {"smollm2-135m": ("LlamaForCausalLM", 30), "qwen2.5-coder-0.5b": ("Qwen2ForCausalLM", 24)}
+PROMPT_TOKENS = 600
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=list(EXPECTED))
+def loads(request, tmp_path_factory):
+    """(first load, second load, their wall times) of one built-in model in a fresh cache;
+    the second load must not parse the GGUF file again."""
+    cache = tmp_path_factory.mktemp("degs_cache")
+    start = time.perf_counter()
+    first = load(request.param, "float32", cache_dir=cache, progress=False)
+    mid = time.perf_counter()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loading, "open_gguf", lambda *a: pytest.fail("GGUF parsed again on a cached load"))
+        second = load(request.param, "float32", cache_dir=cache, progress=False)
+    end = time.perf_counter()
+    print(f"\n{request.param}: first load {mid - start:.1f}s, cached load {end - mid:.1f}s")
+    return first, second, cache
+
+
+def test_builtin_resolves_verifies_and_caches(loads):
+    first, second, cache = loads
+    arch, layers = EXPECTED[first.name]
+    assert (first.cfg.architecture, first.cfg.num_layers) == (arch, layers)
+    assert file_sha256(Path(first.source), cache) == BUILTIN_MODELS[first.name].sha256
+    assert second.cfg == first.cfg and second.source == first.source
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 first.params, second.params)
+
+
+def _prompt_ids(tokenizer) -> np.ndarray:
+    """The first PROMPT_TOKENS tokens of a fixed in-repo text (code and prose)."""
+    ids = tokenizer(Path(transformer_module.__file__).read_text())["input_ids"]
+    assert len(ids) >= PROMPT_TOKENS
+    return np.asarray(ids[:PROMPT_TOKENS])
+
+
+def _log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _greedy(params, cfg, ids: np.ndarray, n: int):
+    """Prefill `ids` into a KV cache, then decode `n` argmax tokens one at a time (the jitted
+    `forward` compiles once for the [1, 1] step). Returns (prompt logits [T, V], tokens [n])."""
+    T = len(ids)
+    cache = init_cache(cfg, 1, T + n, jnp.float32)
+    out = forward(params, cfg, jnp.asarray(ids, jnp.int32)[None], jnp.arange(T, dtype=jnp.int32)[None], cache)
+    prompt_logits = np.asarray(out.logits[0])
+    tokens = [int(np.argmax(prompt_logits[-1]))]
+    for pos in range(T, T + n - 1):
+        out = forward(params, cfg, jnp.full((1, 1), tokens[-1], jnp.int32), jnp.full((1, 1), pos, jnp.int32),
+                      out.cache)
+        tokens.append(int(jnp.argmax(out.logits[0, -1])))
+    return prompt_logits, tokens
+
+
+def test_logits_and_greedy_match_transformers(loads):
+    _, ours, _ = loads
+    path = Path(ours.source)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = _prompt_ids(ours.tokenizer)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)[None]).logits[0].numpy()
+        # No EOS and no length constraints: exactly NEW_TOKENS argmax steps, like ours.
+        gen = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                               pad_token_id=ours.cfg.pad_token_id or 0)
+        hf_tokens = hf.generate(torch.from_numpy(ids)[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                generation_config=gen)[0, len(ids):].tolist()
+    got, our_tokens = _greedy(ours.params, ours.cfg, ids, NEW_TOKENS)
+
+    lp_hf, lp_ours = _log_softmax64(want), _log_softmax64(got)
+    kl = (np.exp(lp_hf) * (lp_hf - lp_ours)).sum(-1)  # [T]: KL(HF || ours) per position
+    print(f"\n{ours.name}: max KL {kl.max():.3e}, max |logit diff| {np.abs(want - got).max():.3e}, "
+          f"greedy {our_tokens}")
+    assert kl.max() <= 1e-3
+    assert len(hf_tokens) == NEW_TOKENS
+    assert our_tokens == hf_tokens

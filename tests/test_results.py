@@ -1,0 +1,128 @@
+"""Resumable result store and summary statistics."""
+
+import json
+import math
+
+import pytest
+
+from degs_jax.eval.benchmarks import Problem
+from degs_jax.eval.results import (
+    ResultStore,
+    accuracy,
+    numeric_means,
+    package_versions,
+    summarize,
+    transcript_fields,
+    wilson_interval,
+    write_summary,
+)
+
+
+def test_append_resume_and_skip(tmp_path):
+    path = tmp_path / "run" / "results.jsonl"
+    with ResultStore(path) as store:
+        assert store.done_ids == frozenset()
+        store.append({"id": "a", "correct": True})
+        store.append({"id": "b", "correct": False})
+    with ResultStore(path) as store:
+        assert store.done_ids == {"a", "b"}
+        todo = [i for i in ["a", "b", "c"] if not store.is_done(i)]
+        assert todo == ["c"]
+        store.append({"id": "c", "correct": True})
+        assert [r["id"] for r in store.records] == ["a", "b", "c"]
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with ResultStore(path) as store:
+        store.append({"id": "a", "correct": True})
+        with pytest.raises(ValueError, match="duplicate"):
+            store.append({"id": "a", "correct": False})
+    with ResultStore(path) as store:
+        with pytest.raises(ValueError, match="duplicate"):
+            store.append({"id": "a", "correct": False})
+    assert len(path.read_text().splitlines()) == 1
+    # A file that already holds a duplicate (e.g. concatenated by hand) is an error.
+    path.write_text('{"id": "x"}\n{"id": "x"}\n')
+    with pytest.raises(ValueError, match="duplicate id"):
+        ResultStore(path)
+
+
+@pytest.mark.parametrize("torn", [b'{"id": "c", "corr', b'{"id": "c"}', b"\x00\x00\x00"])
+def test_torn_last_line_is_truncated(tmp_path, torn):
+    path = tmp_path / "results.jsonl"
+    with ResultStore(path) as store:
+        store.append({"id": "a", "correct": True})
+        store.append({"id": "b", "correct": False})
+    intact = path.read_bytes()
+    path.write_bytes(intact + torn)  # a crash in the middle of writing "c"
+    with ResultStore(path) as store:
+        assert store.done_ids == {"a", "b"}
+        assert path.read_bytes() == intact
+        store.append({"id": "c", "correct": True})
+    with ResultStore(path) as store:
+        assert [r["id"] for r in store.records] == ["a", "b", "c"]
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        ResultStore(path)
+
+
+def test_second_writer_is_refused(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with ResultStore(path):
+        with pytest.raises(RuntimeError, match="another run"):
+            ResultStore(path)
+
+
+def test_wilson_interval_known_values():
+    # 8/10 at 95%: (0.4902, 0.9433), e.g. statsmodels proportion_confint(method="wilson").
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.490162, abs=1e-6)
+    assert high == pytest.approx(0.943318, abs=1e-6)
+    # Boundaries stay inside [0, 1] and are not degenerate.
+    assert wilson_interval(0, 20)[0] == 0.0 and 0 < wilson_interval(0, 20)[1] < 0.2
+    assert wilson_interval(20, 20)[1] == 1.0
+    assert all(math.isnan(v) for v in wilson_interval(0, 0))
+
+
+def test_wilson_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    ci = stats.binomtest(37, 120).proportion_ci(confidence_level=0.95, method="wilson")
+    assert wilson_interval(37, 120) == pytest.approx((ci.low, ci.high), abs=1e-9)
+
+
+def test_summary(tmp_path):
+    records = [
+        {"id": "a", "correct": True, "logp": -1.0, "tokens": 10, "d": None, "method": "degs"},
+        {"id": "b", "correct": False, "logp": -3.0, "tokens": 20, "d": 0.5, "method": "degs"},
+        {"id": "c", "correct": True, "logp": -2.0, "tokens": 30, "d": 0.7, "method": "degs"},
+    ]
+    acc = accuracy(records)
+    assert (acc.n, acc.correct) == (3, 2) and acc.accuracy == pytest.approx(2 / 3)
+    assert (acc.ci_low, acc.ci_high) == pytest.approx(wilson_interval(2, 3))
+    assert numeric_means(records) == pytest.approx({"logp": -2.0, "tokens": 20.0, "d": 0.6})
+    summary = summarize(records, template_sha256="x" * 64)
+    path = write_summary(tmp_path, summary)
+    loaded = json.loads(path.read_text())
+    assert path.name == "summary.json"
+    assert loaded["accuracy"]["correct"] == 2 and loaded["template_sha256"] == "x" * 64
+    assert loaded["means"]["tokens"] == 20.0
+
+
+def test_package_versions():
+    versions = package_versions()
+    assert set(versions) >= {"jax", "jaxlib", "transformers", "numpy", "degs-jax", "python"}
+    assert versions["degs-jax"] == "0.1.0" and versions["numpy"]
+
+
+def test_transcript_fields_hide_gpqa_completions():
+    gpqa = Problem(id="rec1", benchmark="gpqa_diamond", question="q", answer="A")
+    stored = transcript_fields(gpqa, "a long transcript")
+    assert "completion" not in stored and stored["completion_chars"] == 17
+    math_problem = Problem(id="m", benchmark="math500", question="q", answer="1")
+    assert transcript_fields(math_problem, "text") == {"completion": "text"}
