@@ -101,7 +101,7 @@ class SamplerSpec:
 def proposal_log_density(logits: Array, spec: SamplerSpec) -> Array:
     """log q over the vocabulary, [B, V] fp32, with -inf outside a truncation."""
     z = logits / spec.temperature
-    if spec.top_k:
+    if spec.top_k and spec.top_k < z.shape[-1]:
         kth = jax.lax.top_k(z, spec.top_k)[0][:, -1:]
         z = jnp.where(z >= kth, z, -jnp.inf)
     if spec.top_p < 1.0:

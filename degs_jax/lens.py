@@ -153,7 +153,7 @@ def collapse_depth(entropy: Array, lsub: Sequence[int], num_layers: int, tau) ->
         raise ValueError(f"entropy has shape {entropy.shape}; expected [{len(lsub)}, ...] "
                          f"for L_sub {lsub}")
     depth = jnp.asarray(lsub, jnp.int32).reshape((-1,) + (1,) * (entropy.ndim - 1))
-    candidates = jnp.where(entropy < tau, depth, jnp.int32(num_layers))
+    candidates = jnp.where(entropy <= tau, depth, jnp.int32(num_layers))
     return jnp.min(candidates, axis=0)
 
 

@@ -119,24 +119,20 @@ def _row_keys(keys: Array, *tags: int | Array) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mc"))
-def mcmc_block(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
-               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
-    """Block `block` for every row: extend, then `mc.mh_steps` MH steps.
+def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
+             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array]:
+    """`mc.mh_steps` MH steps on every active row; one jitted `lax.fori_loop`.
 
-    state: GenState of B chains; keys: [B] chain keys (a row's randomness depends only
-    on its key, the block and the step). Returns (state, accepted [B] int32 count,
-    active [B] bool: rows that ran this block, i.e. had not ended before it).
+    limit: [B] the block boundary (total length) proposals regenerate up to;
+    active: [B] rows that move (others are left untouched). keys: [B] chain keys; step
+    s of block k draws from fold_in(key, k, s + 1). Returns (state, accepted [B] int32).
     """
     spec = mc.proposal
-    active = ~state.ended
-    boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
-    limit = jnp.where(active, boundary, state.length)
-    state = generate(params, cfg, state, limit, _row_keys(keys, block, 0), spec)
 
-    def mh_step(step, carry):
+    def step(i, carry):
         current, accepted = carry
-        step_keys = _row_keys(keys, block, step + 1)
-        k_cut, k_gen, k_acc = (_row_keys(step_keys, i) for i in range(3))
+        step_keys = _row_keys(keys, block, i + 1)
+        k_cut, k_gen, k_acc = (_row_keys(step_keys, j) for j in range(3))
         n_x = current.length - current.prompt_len
         m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(k_cut, n_x)
         cut = jnp.where(active, current.prompt_len + m, current.length)
@@ -153,6 +149,22 @@ def mcmc_block(params: Params, cfg: ModelConfig, state: GenState, keys: Array, b
         current = dataclasses.replace(select_rows(accept, proposal, current), **counters)
         return current, accepted + accept
 
-    state, accepted = jax.lax.fori_loop(0, mc.mh_steps, mh_step,
-                                        (state, jnp.zeros(active.shape, jnp.int32)))
+    return jax.lax.fori_loop(0, mc.mh_steps, step, (state, jnp.zeros(active.shape, jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mc"))
+def mcmc_block(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
+               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
+    """Block `block` for every row: extend with the proposal to EOS or the boundary
+    (block + 1)·block_len, then `mc.mh_steps` MH steps.
+
+    state: GenState of B chains; keys: [B] chain keys (a row's randomness depends only
+    on its key, the block and the step). Returns (state, accepted [B] int32 count,
+    active [B] bool: rows that ran this block, i.e. had not ended before it).
+    """
+    active = ~state.ended
+    boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
+    limit = jnp.where(active, boundary, state.length)
+    state = generate(params, cfg, state, limit, _row_keys(keys, block, 0), mc.proposal)
+    state, accepted = mh_steps(params, cfg, state, keys, block, limit, active, mc)
     return state, accepted, active

@@ -13,7 +13,7 @@ Sources, tried in this order:
 GGUF conversion (metadata parsing, dequantisation, tokenizer conversion) takes
 tens of seconds, so its result is cached as an ordinary HF directory (fp32
 `model.safetensors`, `config.json`, tokenizer files) under
-`<cache_dir>/gguf/<sha256 of the GGUF file>/`; the second load reads that
+`<cache_dir>/gguf-v<N>/<sha256 of the GGUF file>/`; the second load reads that
 directory. File hashes are cached too, keyed by path, size and mtime, in
 `<cache_dir>/sha256.json`. The cache dir defaults to `$DEGS_JAX_CACHE` or
 `~/.cache/degs_jax`.
@@ -44,6 +44,10 @@ from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf
 from .transformer import Params
 
 DEFAULT_MODEL = "smollm2-135m"
+
+# Part of the converted-GGUF cache path: bump it whenever the conversion's output changes,
+# so that stale conversions are not reused.
+GGUF_CACHE_VERSION = 1
 
 
 class ChecksumError(ValueError):
@@ -306,7 +310,7 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str) -> LoadedModel:
     """Read back the converted directory of a GGUF file, converting it the first time."""
-    entry = cache_dir / "gguf" / file_sha256(path, cache_dir, progress)
+    entry = cache_dir / f"gguf-v{GGUF_CACHE_VERSION}" / file_sha256(path, cache_dir, progress)
     if (entry / "config.json").is_file():
         _note(f"using converted fp32 weights of {path.name} cached in {entry}", progress)
         return dataclasses.replace(_load_hf_dir(entry, dtype, progress, name=name), source=str(path))

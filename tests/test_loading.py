@@ -165,7 +165,7 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
     first = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)
     sha = file_sha256(path, tmp_path / "cache")
-    assert (tmp_path / "cache" / "gguf" / sha / "model.safetensors").is_file()
+    assert (tmp_path / "cache" / f"gguf-v{loading.GGUF_CACHE_VERSION}" / sha / "model.safetensors").is_file()
 
     def no_reading(*args):
         raise AssertionError("the GGUF file was parsed again")
@@ -298,7 +298,7 @@ def test_gguf_tensor_errors_name_the_tensor(tmp_path, mutate, hf_tensor, words):
     with pytest.raises(CheckpointError) as err:
         load(path, cache_dir=tmp_path / "cache", progress=False)
     assert hf_tensor in str(err.value) and words in str(err.value) and "bad.gguf" in str(err.value)
-    assert not (tmp_path / "cache" / "gguf").exists()  # nothing cached
+    assert not (tmp_path / "cache" / f"gguf-v{loading.GGUF_CACHE_VERSION}").exists()  # nothing cached
 
 
 @pytest.mark.parametrize("edit,tensor,words", [

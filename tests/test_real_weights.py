@@ -22,7 +22,7 @@ from degs_jax.models.loading import BUILTIN_MODELS, file_sha256, load
 pytestmark = pytest.mark.slow
 
 EXPECTED = {"smollm2-135m": ("LlamaForCausalLM", 30), "qwen2.5-coder-0.5b": ("Qwen2ForCausalLM", 24)}
-PROMPT_TOKENS = 600
+PROMPT_TOKENS = 520
 NEW_TOKENS = 32
 
 
@@ -48,6 +48,9 @@ def test_builtin_resolves_verifies_and_caches(loads):
     assert (first.cfg.architecture, first.cfg.num_layers) == (arch, layers)
     assert file_sha256(Path(first.source), cache) == BUILTIN_MODELS[first.name].sha256
     assert second.cfg == first.cfg and second.source == first.source
+    text = Path(transformer_module.__file__).read_text()  # cached tokenizer == GGUF tokenizer
+    assert second.tokenizer(text)["input_ids"] == first.tokenizer(text)["input_ids"]
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  first.params, second.params)
 
