@@ -81,6 +81,7 @@ class LensStats:
     entropy: Array  # [K, B, T] nats
     top1: Array  # [K, B, T] int32 argmax token
     top1_prob: Array  # [K, B, T]
+    logsumexp: Array  # [K, B, T]: log of the softmax normaliser (log p(v) = z_v - logsumexp)
 
 
 @_pytree_dataclass
@@ -211,10 +212,12 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int 
     w_u: [V, D]; h_out: [N, D] final-normed rows whose full fp32 logits are returned
     (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
     kept. Per lens row we carry the running max m, s = sum exp(z - m) and
-    t = sum exp(z - m)·z, so H = m + log s - t / s and p_top1 = 1 / s at the end; no
-    [M, V] array exists, only one [N + M, chunk] block at a time. Logits and all
+    t = sum exp(z - m)·(z - m), so H = log s - t / s and p_top1 = 1 / s at the end; no
+    [M, V] array exists, only one [N + M, chunk] block at a time. Carrying (z - m)
+    rather than z keeps the fp32 error of H independent of the logits' magnitude
+    (with sum exp·z, the rounding error of s is multiplied by |m|). Logits and all
     statistics are fp32 whatever the weight dtype. Returns (logits [N, V] | None,
-    entropy [M], top1 [M], top1_prob [M]). The result does not depend on `chunk`
+    entropy [M], top1 [M], top1_prob [M], logsumexp [M]). The result does not depend on `chunk`
     beyond fp32 summation order.
     """
     n_out = 0 if h_out is None else h_out.shape[0]
@@ -232,9 +235,11 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int 
         carg = jnp.argmax(zl, axis=-1).astype(jnp.int32) + start
         new_m = jnp.maximum(m, cmax)
         old_scale = jnp.exp(m - new_m)  # exp(-inf) = 0 on the first chunk
-        e = jnp.exp(zl - new_m[:, None])
+        shift = jnp.where(jnp.isfinite(m), m - new_m, 0.0)  # re-centre old terms on new_m
+        centred = zl - new_m[:, None]
+        e = jnp.exp(centred)
+        t = old_scale * (t + s * shift) + jnp.sum(e * centred, -1)
         s = s * old_scale + jnp.sum(e, -1)
-        t = t * old_scale + jnp.sum(e * zl, -1)
         top = jnp.where(cmax > m, carg, top)  # strict: first maximum wins, as argmax
         return (new_m, s, t, top)
 
@@ -247,20 +252,21 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int 
         def body(carry, start):
             w = jax.lax.dynamic_slice_in_dim(w_u, start, chunk, axis=0)
             z = jnp.einsum("nd,vd->nv", rows, w.astype(rows.dtype), preferred_element_type=jnp.float32)
-            return update(carry, z, start), z[:n_out]
+            return update(carry, z, start), (None if h_out is None else z[:n_out])
 
         starts = jnp.arange(len(full), dtype=jnp.int32) * chunk
         carry, ys = jax.lax.scan(body, carry, starts)  # ys: [n_full, N, chunk]
-        out_blocks.append(jnp.transpose(ys, (1, 0, 2)).reshape(n_out, -1))
+        if h_out is not None:
+            out_blocks.append(jnp.transpose(ys, (1, 0, 2)).reshape(n_out, len(full) * chunk))
     if len(full) < len(spans):
         start, size = spans[-1]
         z = jnp.einsum("nd,vd->nv", rows, w_u[start:].astype(rows.dtype), preferred_element_type=jnp.float32)
         carry = update(carry, z, start)
         out_blocks.append(z[:n_out])
     m, s, t, top = carry
-    entropy = m + jnp.log(s) - t / s
+    entropy = jnp.log(s) - t / s
     logits = None if h_out is None else jnp.concatenate(out_blocks, axis=-1)
-    return logits, entropy, top, 1.0 / s
+    return logits, entropy, top, 1.0 / s, m + jnp.log(s)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk"))
@@ -301,11 +307,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     if lens_layers:
         lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps) for l in lens_layers])
         K = len(lens_layers)
-        flat_logits, ent, top, ptop = streamed_head(
+        flat_logits, ent, top, ptop, lse = streamed_head(
             w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)
         logits = flat_logits.reshape(*h.shape[:2], -1)
         lens = LensStats(entropy=ent.reshape(K, B, T), top1=top.reshape(K, B, T),
-                         top1_prob=ptop.reshape(K, B, T))
+                         top1_prob=ptop.reshape(K, B, T), logsumexp=lse.reshape(K, B, T))
     else:
         logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=jnp.float32)
     residuals = jnp.stack([saved[l] for l in capture]) if capture else None
