@@ -3,6 +3,7 @@
   degs generate "prompt"                      greedy continuation (embedded default model)
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
+  degs eval / degs analyze                    benchmarks and the paper's analyses (eval/commands.py)
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="budget for greedy completion of prompts without one (256)")
     p.add_argument("--limit", type=int, default=None, help="only the first N rows")
     p.set_defaults(func=cmd_probe)
+
+    from .eval.commands import add_commands  # degs eval, degs analyze
+
+    add_commands(sub, _add_model_args, _add_decoder_args, _hyperparameters, _load)
     return parser
 
 
