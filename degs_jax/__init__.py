@@ -1,3 +1,7 @@
 """degs-jax: Depth-Entropy Guided Sampling and power sampling for LLM reasoning, in JAX."""
 
 __version__ = "0.1.0"
+
+from .decoders import METHODS, DecodeResult, decode, sample  # noqa: E402
+
+__all__ = ["METHODS", "DecodeResult", "decode", "sample", "__version__"]

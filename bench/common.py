@@ -1,0 +1,87 @@
+"""Shared pieces of the GPU benchmarks: model shapes, environment record, timing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+
+import jax
+import jax.numpy as jnp
+
+from degs_jax.models import ModelConfig, init_params
+
+# Qwen2.5 shapes (config.json of the hub checkpoints), random weights.
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                         num_kv_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
+                        num_kv_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def shape_config(name: str, max_len: int = 32768) -> ModelConfig:
+    s = SHAPES[name]
+    return ModelConfig(architecture="Qwen2ForCausalLM", head_dim=s["hidden_size"] // s["num_heads"],
+                       rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=max_len,
+                       qkv_bias=True, **s)
+
+
+def random_model(name: str, seed: int = 0):
+    cfg = shape_config(name)
+    return cfg, init_params(cfg, jax.random.key(seed), jnp.bfloat16)
+
+
+def param_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def environment() -> dict:
+    def version(pkg):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+    dev = jax.devices()[0]
+    return {
+        "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count(),
+        "platform": dev.platform, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in ("jax", "jaxlib", "degs-jax", "transformers", "torch")},
+    }
+
+
+def timed(fn, *args, repeats: int = 3):
+    """Median wall-clock seconds of fn(*args) after one warm-up (compilation) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-memory bandwidth in bytes/s from a large elementwise pass (read + write)."""
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    sec = timed(f, x, repeats=5)
+    return 2 * x.size * 4 / sec
+
+
+def emit(record: dict, out_name: str) -> None:
+    """Print one JSON record and append it to $OUT/<out_name> (if $OUT is set)."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, out_name), "a") as f:
+            f.write(line + "\n")
