@@ -1,6 +1,7 @@
 """Cost of the fused logit-lens probe (K = 7 layers) inside the forward pass vs the
 plain forward, for a Qwen2.5-7B-shaped random model: prefill of 2048 tokens (batch 1)
-and one decode step at batch 1, 16, 64 (cache of 2048 + 64 slots).
+and decode steps at batch 1, 16, 64 inside the generation loop (prompt 2048, 64 steps,
+temperature 1), where the cache is carried in place as in real sampling.
 
     python bench/probe_overhead.py
 """
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 
 from common import emit, environment, random_model, timed
-from degs_jax.lens import default_lsub
-from degs_jax.models import forward, init_cache
+from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.lens import LensConfig, default_lsub
+from degs_jax.models import forward
 
 
 def main():
@@ -23,37 +26,51 @@ def main():
     ap.add_argument("--shape", default="qwen2.5-7b")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="stream the lens in chunks of this size (default: the model's choice)")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     args = ap.parse_args()
     emit({"bench": "environment", **environment()}, "probe.jsonl")
     cfg, params = random_model(args.shape)
     lsub = default_lsub(cfg.num_layers)
 
     @functools.partial(jax.jit, static_argnames=("lens",))
-    def step(params, tokens, positions, cache, lens):
-        out = forward(params, cfg, tokens, positions, cache, lens_layers=lens,
-                      lens_chunk=args.chunk, logits_at=positions[:, -1] * 0 + tokens.shape[1] - 1)
-        return out.logits, out.cache, out.lens
+    def prefill_forward(params, tokens, positions, lens):
+        out = forward(params, cfg, tokens, positions, lens_layers=lens, lens_chunk=args.chunk,
+                      logits_at=jnp.full((tokens.shape[0],), tokens.shape[1] - 1, jnp.int32))
+        return out.logits, out.lens
 
     T = args.prefill
     tokens = jax.random.randint(jax.random.key(0), (1, T), 0, cfg.vocab_size, jnp.int32)
     pos = jnp.arange(T, dtype=jnp.int32)[None]
-    cache = init_cache(cfg, 1, T, jnp.bfloat16)
-    base = timed(step, params, tokens, pos, cache, (), repeats=5)
-    probed = timed(step, params, tokens, pos, cache, lsub, repeats=5)
-    emit({"bench": "probe_prefill", "shape": args.shape, "tokens": T, "lsub": lsub,
+    base = timed(prefill_forward, params, tokens, pos, (), repeats=5)
+    probed = timed(prefill_forward, params, tokens, pos, lsub, repeats=5)
+    emit({"bench": "probe_prefill", "shape": args.shape, "tokens": T, "chunk": args.chunk, "lsub": lsub,
           "plain_ms": 1e3 * base, "probed_ms": 1e3 * probed, "ratio": probed / base}, "probe.jsonl")
 
-    S = T + 64
+    # Decode steps inside the real generation loop (cache carried in place), prompt T.
+    lens = LensConfig(lsub=lsub, chunk=args.chunk)
     for B in (int(b) for b in args.batches.split(",")):
-        cache = init_cache(cfg, B, S, jnp.bfloat16)
-        tok = jax.random.randint(jax.random.key(B), (B, 1), 0, cfg.vocab_size, jnp.int32)
-        p = jnp.full((B, 1), T, jnp.int32)
-        base = timed(step, params, tok, p, cache, (), repeats=20)
-        probed = timed(step, params, tok, p, cache, lsub, repeats=20)
-        emit({"bench": "probe_decode", "shape": args.shape, "batch": B, "cache_slots": S,
-              "lsub": lsub, "plain_ms": 1e3 * base, "probed_ms": 1e3 * probed,
-              "ratio": probed / base}, "probe.jsonl")
+        toks = jax.random.randint(jax.random.key(B), (B, T), 0, cfg.vocab_size, jnp.int32)
+        lengths = jnp.full((B,), T, jnp.int32)
+        keys = jax.random.split(jax.random.key(1), B)
+        times = {}
+        for label, l in (("plain", None), ("probed", lens)):
+            spec = SamplerSpec(temperature=1.0, eos_ids=(), lens=l)
+
+            def run():
+                st = prefill(params, cfg, toks, lengths, T + args.steps, jnp.bfloat16)
+                jax.block_until_ready(st.length)
+                t = time.perf_counter()
+                jax.block_until_ready(generate(params, cfg, st, lengths + args.steps, keys, spec).length)
+                return time.perf_counter() - t
+
+            run()
+            times[label] = sorted(run() for _ in range(3))[1] / (args.steps + 1)
+        emit({"bench": "probe_decode", "shape": args.shape, "batch": B, "prompt": T, "chunk": args.chunk,
+              "steps": args.steps, "lsub": lsub, "plain_ms_per_step": 1e3 * times["plain"],
+              "probed_ms_per_step": 1e3 * times["probed"],
+              "ratio": times["probed"] / times["plain"]}, "probe.jsonl")
 
 
 if __name__ == "__main__":

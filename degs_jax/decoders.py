@@ -32,7 +32,7 @@ RERANK_METHODS = ("best_of_n", "best_of_n_entropy", "degs_rerank")
 MCMC_METHODS = ("power_mcmc", "degs_mcmc")
 METHODS = ("greedy", "temperature") + RERANK_METHODS + MCMC_METHODS
 
-_COMMON = dict(tau=0.25, lsub=None, lens_chunk=8192, top_k=0, top_p=1.0, cache_dtype=None)
+_COMMON = dict(tau=0.25, lsub=None, lens_chunk=None, top_k=0, top_p=1.0, cache_dtype=None)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "greedy": dict(max_new_tokens=3072, probe=True),
     "temperature": dict(max_new_tokens=3072, temperature=0.25, probe=True),
@@ -88,7 +88,7 @@ def resolve_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str,
     unknown = sorted(set(overrides) - set(hp))
     if unknown:
         raise ValueError(f"{method} does not take {', '.join(unknown)}; it takes {', '.join(sorted(hp))}")
-    hp.update({k: v for k, v in overrides.items() if v is not None or k in ("lsub", "cache_dtype")})
+    hp.update({k: v for k, v in overrides.items() if v is not None or k in ("lsub", "cache_dtype", "lens_chunk")})
     if method == "power_mcmc" and hp["beta"] != 0:
         raise ValueError("power_mcmc is the beta = 0 chain; use degs_mcmc for beta > 0")
     if method in RERANK_METHODS and (not isinstance(hp["n"], int) or hp["n"] < 1):

@@ -159,7 +159,7 @@ def generate(params: Params, cfg: ModelConfig, state: GenState, limit: Array, ke
         # Inactive rows write their KV to slot S, which the scatter drops.
         pos = jnp.where(active, n - 1, S)[:, None]
         out = forward(params, cfg, consumed, pos, st.cache, lens_layers=lens_layers,
-                      lens_chunk=spec.lens.chunk if spec.lens is not None else 8192)
+                      lens_chunk=spec.lens.chunk if spec.lens is not None else None)
         logits = out.logits[:, 0]  # [B, V] fp32
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         write_stats = active & (n - 1 >= fresh_from)

@@ -27,7 +27,9 @@ from .models import ModelConfig, Params, forward
 Array = jax.Array
 
 DEFAULT_TAU = 0.25  # nats
-DEFAULT_CHUNK = 8192  # vocabulary entries per streamed block
+# Vocabulary chunk of the streamed lens; None lets the model pick (one block for
+# decode-sized probes, 8192-entry chunks for large ones: models.transformer.streamed_head).
+DEFAULT_CHUNK = None
 
 # The paper's probe sets for its 28-layer (Qwen2.5-7B) and 30-layer (DeepSeek-Math-7B)
 # models; they are not exactly round(j·L/7) (e.g. 13 vs 14 for L = 30).
@@ -101,17 +103,18 @@ class LensConfig:
 
     lsub: tuple[int, ...]
     tau: float = DEFAULT_TAU
-    chunk: int = DEFAULT_CHUNK
+    chunk: Optional[int] = DEFAULT_CHUNK
 
     def __post_init__(self):
         object.__setattr__(self, "lsub", validate_lsub(self.lsub))
         object.__setattr__(self, "tau", validate_tau(self.tau))
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, (int, np.integer)) or self.chunk < 1:
-            raise ValueError(f"lens chunk must be a positive integer, got {self.chunk!r}")
-        object.__setattr__(self, "chunk", int(self.chunk))
+        if self.chunk is not None:
+            if isinstance(self.chunk, bool) or not isinstance(self.chunk, (int, np.integer)) or self.chunk < 1:
+                raise ValueError(f"lens chunk must be a positive integer or None, got {self.chunk!r}")
+            object.__setattr__(self, "chunk", int(self.chunk))
 
     @classmethod
-    def default(cls, cfg: ModelConfig, tau: float = DEFAULT_TAU, chunk: int = DEFAULT_CHUNK) -> "LensConfig":
+    def default(cls, cfg: ModelConfig, tau: float = DEFAULT_TAU, chunk: Optional[int] = DEFAULT_CHUNK) -> "LensConfig":
         """The default L_sub of `cfg.num_layers` with the given tau and chunk."""
         return cls(lsub=default_lsub(cfg.num_layers), tau=tau, chunk=chunk)
 
@@ -122,7 +125,7 @@ class LensConfig:
 
 
 def layer_entropies(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
-                    layers: Sequence[int], chunk: int = DEFAULT_CHUNK) -> Array:
+                    layers: Sequence[int], chunk: Optional[int] = DEFAULT_CHUNK) -> Array:
     """Logit-lens entropies H_l at every position, fp32 nats, shape [K, B, T].
 
     tokens, positions: [B, T] int32 (padding as in `forward`); layers: static indices
@@ -132,7 +135,8 @@ def layer_entropies(params: Params, cfg: ModelConfig, tokens: Array, positions: 
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     out = forward(params, cfg, tokens, jnp.asarray(positions, jnp.int32),
-                  lens_layers=tuple(int(l) for l in layers), lens_chunk=int(chunk),
+                  lens_layers=tuple(int(l) for l in layers),
+                  lens_chunk=None if chunk is None else int(chunk),
                   logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
     return out.lens.entropy
 
@@ -205,7 +209,7 @@ class EntropyTrajectory(NamedTuple):
 def entropy_trajectory(params: Params, cfg: ModelConfig,
                        sequences: Sequence[tuple[Sequence[int], Sequence[bool]]],
                        layers: Optional[Sequence[int]] = None, batch_size: int = 8,
-                       bucket: int = 64, chunk: int = DEFAULT_CHUNK,
+                       bucket: int = 64, chunk: Optional[int] = DEFAULT_CHUNK,
                        pad_id: int = 0) -> EntropyTrajectory:
     """Layer-entropy trajectory (the paper's Figure 1) over a set of completions.
 

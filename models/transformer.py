@@ -199,6 +199,16 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     return x, cache
 
 
+# With `chunk=None`, a lens whose whole [rows, V] fp32 block fits in this many bytes is
+# computed as one block; larger ones stream in DEFAULT_LENS_CHUNK-token chunks. Slicing
+# W_U into chunks makes XLA copy each slice before its matmul (measured on H200, 7B
+# shape: +0.7 ms per decode step, i.e. the copy of W_U), while a decode step's block
+# (K·B rows) is tens of MB, far below the KV cache; prefills and teacher-forced scoring
+# of many positions still stream, which bounds their memory to one chunk per row.
+SINGLE_BLOCK_MAX_BYTES = 256 * 2**20
+DEFAULT_LENS_CHUNK = 8192
+
+
 def _vocab_chunks(vocab: int, chunk: int):
     """Static (start, size) pairs covering the vocabulary; the last may be shorter."""
     if chunk <= 0:
@@ -206,14 +216,15 @@ def _vocab_chunks(vocab: int, chunk: int):
     return [(s, min(chunk, vocab - s)) for s in range(0, vocab, chunk)]
 
 
-def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int = 8192):
+def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Optional[int] = None):
     """Unembed rows while streaming the vocabulary once.
 
     w_u: [V, D]; h_out: [N, D] final-normed rows whose full fp32 logits are returned
     (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
     kept. Per lens row we carry the running max m, s = sum exp(z - m) and
     t = sum exp(z - m)·(z - m), so H = log s - t / s and p_top1 = 1 / s at the end; no
-    [M, V] array exists, only one [N + M, chunk] block at a time. Carrying (z - m)
+    [M, V] array exists, only one [N + M, chunk] block at a time (chunk=None: one
+    block when it fits SINGLE_BLOCK_MAX_BYTES, else DEFAULT_LENS_CHUNK). Carrying (z - m)
     rather than z keeps the fp32 error of H independent of the logits' magnitude
     (with sum exp·z, the rounding error of s is multiplied by |m|). Logits and all
     statistics are fp32 whatever the weight dtype. Returns (logits [N, V] | None,
@@ -244,6 +255,8 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int 
         return (new_m, s, t, top)
 
     V = w_u.shape[0]
+    if chunk is None:
+        chunk = V if rows.shape[0] * V * 4 <= SINGLE_BLOCK_MAX_BYTES else DEFAULT_LENS_CHUNK
     spans = _vocab_chunks(V, chunk)
     full = [sp for sp in spans if sp[1] == chunk]
     carry = (m, s, t, top)
@@ -255,7 +268,11 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int 
             return update(carry, z, start), (None if h_out is None else z[:n_out])
 
         starts = jnp.arange(len(full), dtype=jnp.int32) * chunk
-        carry, ys = jax.lax.scan(body, carry, starts)  # ys: [n_full, N, chunk]
+        if len(full) == 1:  # one block: no slicing of W_U, no loop
+            z = jnp.einsum("nd,vd->nv", rows, w_u.astype(rows.dtype), preferred_element_type=jnp.float32)
+            carry, ys = update(carry, z, 0), z[None, :n_out]
+        else:
+            carry, ys = jax.lax.scan(body, carry, starts)  # ys: [n_full, N, chunk]
         if h_out is not None:
             out_blocks.append(jnp.transpose(ys, (1, 0, 2)).reshape(n_out, len(full) * chunk))
     if len(full) < len(spans):
@@ -272,7 +289,7 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: int 
 @functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk"))
 def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
             cache: Optional[KVCache] = None, capture: tuple[int, ...] = (),
-            lens_layers: tuple[int, ...] = (), lens_chunk: int = 8192,
+            lens_layers: tuple[int, ...] = (), lens_chunk: Optional[int] = None,
             logits_at: Optional[Array] = None) -> ForwardOutput:
     """Run the transformer on `tokens`.
 
@@ -283,6 +300,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
       l = after block l) whose residuals, pre final norm, are returned [K, B, T, D].
     lens_layers: static layer indices whose logit-lens entropy / top-1 are returned
       [K, B, T] (fused: one pass over W_U serves these and the output logits).
+    lens_chunk: vocabulary chunk of the streamed lens; None picks one block for small
+      (decode-sized) probes and 8192-token chunks otherwise (see streamed_head).
     logits_at: optional [B] int32 index into T; returns logits [B, 1, V] at those
       entries only (e.g. the last real prompt token of each row).
     """

@@ -281,7 +281,7 @@ def test_entropy_shape_mismatch():
 def test_lens_config():
     cfg = tiny_config(layers=3)
     a = lens.LensConfig.default(cfg)
-    assert a == lens.LensConfig(lsub=(1, 2, 3), tau=0.25, chunk=8192)
+    assert a == lens.LensConfig(lsub=(1, 2, 3), tau=0.25, chunk=None)
     assert hash(a) == hash(lens.LensConfig(lsub=[1, 2, 3]))  # lists become tuples
     assert a.validate_for(3) is a
     with pytest.raises(ValueError, match=r"out of range 1\.\.2"):
@@ -339,3 +339,24 @@ def test_plot_entropy_trajectories(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="equal non-empty 1-D shapes"):
         plot_entropy_trajectories({"x": ([0, 1], [1.0])}, tmp_path / "bad.png")
+
+
+def test_auto_chunk_matches_streaming_and_single_block():
+    """chunk=None picks one block for small probes and streams large ones; both paths
+    and an explicit chunk give the same statistics and logits."""
+    from degs_jax.models import transformer
+
+    rows = jnp.asarray(engineered_rows())
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(97, 97)).astype(np.float32))
+    h_out = rows[:2]
+    single = streamed_head(w, h_out, rows, None)
+    streamed = streamed_head(w, h_out, rows, 7)
+    old = transformer.SINGLE_BLOCK_MAX_BYTES
+    transformer.SINGLE_BLOCK_MAX_BYTES = 0  # force the streamed path under chunk=None
+    try:
+        forced = streamed_head(w, h_out, rows, None)
+    finally:
+        transformer.SINGLE_BLOCK_MAX_BYTES = old
+    for other in (streamed, forced):
+        for a, b in zip(single, other):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

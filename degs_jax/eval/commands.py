@@ -1,5 +1,119 @@
-"""`degs eval` and `degs analyze` subcommands (registered by degs_jax.cli)."""
+"""`degs eval` and `degs analyze` subcommands (registered by degs_jax.cli).
+
+  degs eval --benchmark math500 --method degs_mcmc --out runs/m500   resumable benchmark run
+  degs analyze runs/pool                                             D(x) as a predictor of correctness
+  degs analyze runs/pool --lsub-sweep "4,8,12;16,20,24,28;default"   re-score per probe set
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
+
+EVAL_DESCRIPTION = """Run a decoder over a benchmark, grade every answer and record it.
+
+Results are appended per problem to OUT/results.jsonl (resumable: rerun the same command
+after an interruption; finished problems are skipped). OUT/run.json holds the exact
+configuration; OUT/summary.json the accuracy (95%% interval) and per-problem means.
+Problem i uses the PRNG key fold_in(key(seed), i), independent of batching and restarts.
+
+For the predictive-validity analysis (`degs analyze`) keep and grade every candidate:
+  degs eval --benchmark math500 --method best_of_n --n 16 --temperature 0.8 --top-p 0.9 \\
+            --keep-candidates --out runs/pool
+"""
+
+ANALYZE_DESCRIPTION = """Collapse depth D(x) as a predictor of correctness, on a `degs eval` run
+(best with --keep-candidates): D of correct vs incorrect (mean gap, Mann-Whitney U), AUC,
+Spearman rho, within-problem pairwise ranking accuracy and accuracy by D quartile; writes
+analysis.json and analysis.png.
+
+--lsub-sweep re-scores every kept candidate with each probe set (needs the model; default
+the run's) and reports AUC, pairwise accuracy and DEGS-rerank accuracy per set. Sets are
+separated by ';', layers by ','; 'all' = every layer, 'default' = the default grid.
+"""
 
 
 def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_model) -> None:
     """Register the evaluation subcommands on the `degs` subparsers object."""
+    import argparse
+
+    e = sub.add_parser("eval", help="evaluate a decoder on a benchmark (resumable)",
+                       description=EVAL_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(e)
+    add_decoder_args(e, "degs_mcmc")
+    g = e.add_argument_group("evaluation")
+    g.add_argument("--benchmark", required=True, choices=BENCHMARK_CHOICES)
+    g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
+    g.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    g.add_argument("--batch-size", type=int, default=1,
+                   help="problems per decode call (1; sampling methods decode one problem per "
+                        "call so that each problem's randomness is its own)")
+    g.add_argument("--keep-candidates", action="store_true",
+                   help="grade and store every candidate (tokens, log p, D, final entropy, verdict)")
+    g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA or "
+                                                    "../shared/data)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.set_defaults(func=lambda args: cmd_eval(args, hyperparameters, load_model))
+
+    a = sub.add_parser("analyze", help="D(x) as a predictor of correctness; L_sub sweep",
+                       description=ANALYZE_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("run_dir", help="a `degs eval` directory")
+    a.add_argument("--out", default=None, help="where to write the analysis (default RUN_DIR)")
+    a.add_argument("--buckets", type=int, default=4, help="D(x) quantile buckets (4)")
+    a.add_argument("--lsub-sweep", default=None,
+                   help='probe sets to re-score with, e.g. "4,8,12;16,20,24,28;all;default"')
+    a.add_argument("--alpha", type=float, default=None,
+                   help="DEGS-rerank likelihood weight in the sweep (the run's, else 4)")
+    a.add_argument("--beta", type=float, default=None,
+                   help="DEGS-rerank depth weight in the sweep (the run's, else 5)")
+    a.add_argument("--batch-size", type=int, default=8, help="sequences per scoring call (8)")
+    a.add_argument("--data-dir", default=None, help="benchmark files (for the sweep's prompts)")
+    add_model_args(a)
+    a.set_defaults(dtype=None, func=lambda args: cmd_analyze(args, load_model))
+
+
+def cmd_eval(args, hyperparameters, load_model) -> int:
+    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.eval.runner import run_eval
+
+    hp = hyperparameters(args)
+    resolve_hyperparameters(args.method, hp)  # fail on bad names before loading the model
+    model = load_model(args)
+    run_eval(model, Path(args.out), benchmark=args.benchmark, method=args.method,
+             hyperparameters=hp, seed=args.seed, limit=args.limit, batch_size=args.batch_size,
+             keep_candidates=args.keep_candidates, chat=not args.no_chat,
+             progress=not args.no_progress, data_dir=args.data_dir, argv=sys.argv[1:])
+    return 0
+
+
+def cmd_analyze(args, load_model) -> int:
+    from degs_jax.analysis import analyze_run, load_run, lsub_sweep, parse_lsub_sweep
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir
+    run, records = load_run(run_dir)
+    if records and all(c.get("D") is not None for r in records
+                       for c in r.get("candidates", [r])):
+        analyze_run(run_dir, out, n_buckets=args.buckets)
+    elif not args.lsub_sweep:
+        raise ValueError(f"{run_dir}: the outputs have no D(x) (the method did not probe); "
+                         "use --lsub-sweep default to re-score them")
+    if args.lsub_sweep:
+        model_cfg = run["config"]["model"]
+        if args.model is None:  # the run's model: a built-in name, else its recorded path
+            from degs_jax.models.loading import BUILTIN_MODELS
+
+            source = (run.get("invocations") or [{}])[-1].get("model_source")
+            args.model = (model_cfg["name"] if model_cfg["name"] in BUILTIN_MODELS or not source
+                          else source)
+        if args.dtype is None:
+            args.dtype = model_cfg.get("dtype") or "bfloat16"
+        model = load_model(args)
+        sets = parse_lsub_sweep(args.lsub_sweep, model.cfg.num_layers)
+        lsub_sweep(model, run_dir, sets, alpha=args.alpha, beta=args.beta,
+                   batch_size=args.batch_size, out_dir=out, data_dir=args.data_dir)
+    return 0

@@ -1,0 +1,546 @@
+"""The paper's analyses of collapse depth as a predictor of correctness (DESIGN §5).
+
+Statistics over a pool of graded candidates, each with a score ``D(x)`` and a verdict:
+
+- mean gap ``mean D(correct) − mean D(incorrect)`` and a two-sided Mann–Whitney U test;
+- AUC = the Mann–Whitney statistic normalised, ``P(D_c > D_w) + ½·P(D_c = D_w)`` over
+  all (correct, incorrect) pairs of the pool (ties count one half);
+- Spearman ρ between ``D`` and correctness (0/1);
+- pairwise ranking accuracy: the same quantity as the AUC but only over pairs of one
+  correct and one incorrect candidate *of the same problem* (ties count one half; the
+  tie fraction is reported separately);
+- accuracy by ``D`` quantile bucket (quartiles by default): bucket ``b`` holds
+  ``q_b < D ≤ q_{b+1}`` (the first bucket also ``D = q_0``), where ``q`` are the pool's
+  quantiles (numpy's linear interpolation), so equal scores always share a bucket and a
+  bucket may be empty when many scores tie.
+
+``analyze_run`` reads a ``degs eval --keep-candidates`` directory (every candidate graded)
+and writes ``analysis.json`` and ``analysis.png``; ``lsub_sweep`` re-scores the kept
+candidates with :func:`degs_jax.scoring.score_sequences` for each probe set ``L_sub`` and
+reports the predictive statistics and DEGS-rerank accuracy per set (the paper's L_sub
+table). Nothing here imports JAX except ``lsub_sweep`` (lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from scipy import stats as _stats
+
+from degs_jax.eval.results import wilson_interval, write_json
+
+__all__ = [
+    "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
+    "pairwise_ranking_accuracy", "bucket_accuracy", "predictive_validity", "rerank_accuracy",
+    "pool_from_records", "load_run", "analyze_run", "format_report",
+    "plot_predictive_validity", "parse_lsub_sweep", "lsub_sweep", "format_lsub_table",
+]
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _split(scores, labels) -> tuple[np.ndarray, np.ndarray]:
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, bool)
+    if scores.shape != labels.shape or scores.ndim != 1:
+        raise ValueError(f"scores {scores.shape} and labels {labels.shape} must be equal 1-D shapes")
+    if np.isnan(scores).any():
+        raise ValueError("scores contain NaN")
+    return scores[labels], scores[~labels]
+
+
+def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """Area under the ROC curve of ``scores`` for ``labels`` (True = positive).
+
+    Equals ``U / (n_pos · n_neg)`` with ``U`` the Mann–Whitney statistic of the positives:
+    the probability that a random positive scores above a random negative, ties counted
+    one half. NaN when either class is empty.
+    """
+    pos, neg = _split(scores, labels)
+    if len(pos) == 0 or len(neg) == 0:
+        return math.nan
+    ranks = _stats.rankdata(np.concatenate([pos, neg]))  # average ranks for ties
+    u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2
+    return float(u / (len(pos) * len(neg)))
+
+
+def mean_gap(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """``mean(score | correct) − mean(score | incorrect)`` (NaN if a class is empty)."""
+    pos, neg = _split(scores, labels)
+    if len(pos) == 0 or len(neg) == 0:
+        return math.nan
+    return float(pos.mean() - neg.mean())
+
+
+def mann_whitney(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, float]:
+    """Two-sided Mann–Whitney U test of correct vs incorrect scores: ``(U, p)``.
+
+    ``U`` is the statistic of the correct group (scipy's convention); NaNs when a class
+    is empty or every score is equal.
+    """
+    pos, neg = _split(scores, labels)
+    if len(pos) == 0 or len(neg) == 0 or np.all(np.concatenate([pos, neg]) == pos[0]):
+        return math.nan, math.nan
+    res = _stats.mannwhitneyu(pos, neg, alternative="two-sided")
+    return float(res.statistic), float(res.pvalue)
+
+
+def spearman(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, float]:
+    """Spearman ρ between scores and correctness (0/1), with its p-value.
+
+    NaNs when either variable is constant.
+    """
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, np.float64)
+    if len(scores) < 2 or np.all(scores == scores[0]) or np.all(labels == labels[0]):
+        return math.nan, math.nan
+    res = _stats.spearmanr(scores, labels)
+    return float(res.statistic), float(res.pvalue)
+
+
+@dataclass(frozen=True)
+class PairwiseStat:
+    """Within-problem ranking of (correct, incorrect) pairs.
+
+    accuracy: (wins + ½·ties) / pairs, where a win is a pair whose correct candidate has
+    the strictly larger score (NaN without pairs); ties: tied pairs; tie_fraction:
+    ties / pairs; problems: problems contributing at least one pair.
+    """
+
+    accuracy: float
+    pairs: int
+    wins: int
+    ties: int
+    tie_fraction: float
+    problems: int
+
+
+def pairwise_ranking_accuracy(groups: Iterable[tuple[Sequence[float], Sequence[bool]]]) -> PairwiseStat:
+    """Pairwise ranking accuracy over problems; ``groups`` yields (scores, labels) per problem."""
+    pairs = wins = ties = problems = 0
+    for scores, labels in groups:
+        pos, neg = _split(scores, labels)
+        if len(pos) == 0 or len(neg) == 0:
+            continue
+        diff = pos[:, None] - neg[None, :]
+        pairs += diff.size
+        wins += int((diff > 0).sum())
+        ties += int((diff == 0).sum())
+        problems += 1
+    if pairs == 0:
+        return PairwiseStat(math.nan, 0, 0, 0, math.nan, 0)
+    return PairwiseStat((wins + 0.5 * ties) / pairs, pairs, wins, ties, ties / pairs, problems)
+
+
+@dataclass(frozen=True)
+class BucketStat:
+    """One quantile bucket: score range ``(low, high]`` (the first bucket is closed), the
+    smallest and largest score actually in it, its size and accuracy with a 95% Wilson
+    interval (NaN when empty)."""
+
+    bucket: int
+    low: float
+    high: float
+    min_score: float
+    max_score: float
+    n: int
+    correct: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+
+
+def bucket_accuracy(scores: Sequence[float], labels: Sequence[bool],
+                    n_buckets: int = 4) -> list[BucketStat]:
+    """Accuracy by score quantile bucket (quartiles by default); see the module docstring."""
+    if n_buckets < 1:
+        raise ValueError(f"n_buckets must be positive, got {n_buckets}")
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, bool)
+    _split(scores, labels)
+    if len(scores) == 0:
+        return []
+    edges = np.quantile(scores, np.linspace(0.0, 1.0, n_buckets + 1))
+    index = np.searchsorted(edges[1:-1], scores, side="left")
+    out = []
+    for b in range(n_buckets):
+        sel = index == b
+        n, k = int(sel.sum()), int(labels[sel].sum())
+        lo, hi = wilson_interval(k, n)
+        out.append(BucketStat(
+            bucket=b, low=float(edges[b]), high=float(edges[b + 1]),
+            min_score=float(scores[sel].min()) if n else math.nan,
+            max_score=float(scores[sel].max()) if n else math.nan,
+            n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=lo, ci_high=hi))
+    return out
+
+
+def rerank_accuracy(groups: Iterable[Mapping[str, Sequence]], alpha: float, beta: float) -> float:
+    """Accuracy of choosing, per problem, ``argmax alpha·log_p + beta·D`` (first on ties,
+    as `decoders.degs_rerank`); groups: dicts with ``log_p``, ``D`` and ``correct`` lists."""
+    chosen = []
+    for g in groups:
+        score = alpha * np.asarray(g["log_p"], np.float64) + beta * np.asarray(g["D"], np.float64)
+        chosen.append(bool(np.asarray(g["correct"])[int(np.argmax(score))]))
+    return float(np.mean(chosen)) if chosen else math.nan
+
+
+# --------------------------------------------------------------------------- pools
+
+
+@dataclass
+class Pool:
+    """Graded candidates of a run, flattened: one entry per candidate.
+
+    problem: problem id of each candidate; D, log_p, correct: its score, log p(x) and
+    verdict; unit: "candidates" (kept pools) or "chosen" (one output per problem).
+    """
+
+    problem: list[str]
+    D: np.ndarray
+    log_p: np.ndarray
+    correct: np.ndarray
+    unit: str
+
+    def groups(self, scores: Optional[np.ndarray] = None) -> list[dict[str, np.ndarray]]:
+        """Per-problem dicts (``id``, ``D``, ``log_p``, ``correct``), in first-seen order."""
+        scores = self.D if scores is None else np.asarray(scores, np.float64)
+        order: dict[str, list[int]] = {}
+        for i, pid in enumerate(self.problem):
+            order.setdefault(pid, []).append(i)
+        return [{"id": pid, "D": scores[idx], "log_p": self.log_p[idx], "correct": self.correct[idx]}
+                for pid, idx in ((p, np.asarray(i)) for p, i in order.items())]
+
+
+def pool_from_records(records: Sequence[Mapping[str, Any]]) -> Pool:
+    """Candidates of ``degs eval --keep-candidates`` records (every candidate graded), or,
+    for runs that did not keep candidates, the chosen output of each problem."""
+    if not records:
+        raise ValueError("no results to analyse")
+    kept = all("candidates" in r for r in records)
+    problem, d, logp, correct = [], [], [], []
+    for r in records:
+        items = r["candidates"] if kept else [{"D": r.get("D"), "log_p": r.get("log_p"),
+                                               "correct": r["correct"]}]
+        for c in items:
+            if c.get("D") is None:
+                raise ValueError(
+                    f"problem {r['id']!r} has a candidate without D(x) (the method did not probe, "
+                    "e.g. power_mcmc); re-score it with `degs analyze DIR --lsub-sweep default`")
+            if c.get("correct") is None:
+                raise ValueError(f"problem {r['id']!r} has an ungraded candidate")
+            problem.append(r["id"])
+            d.append(float(c["D"]))
+            logp.append(float(c["log_p"]))
+            correct.append(bool(c["correct"]))
+    return Pool(problem, np.asarray(d), np.asarray(logp), np.asarray(correct, bool),
+                "candidates" if kept else "chosen")
+
+
+def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
+                        n_buckets: int = 4) -> dict[str, Any]:
+    """Every statistic of the module docstring for ``pool`` (scored by ``scores``, default
+    the pool's own D(x)), as a JSON-able dict."""
+    d = pool.D if scores is None else np.asarray(scores, np.float64)
+    y = pool.correct
+    u, p = mann_whitney(d, y)
+    rho, rho_p = spearman(d, y)
+    pw = pairwise_ranking_accuracy((g["D"], g["correct"]) for g in pool.groups(d))
+    return {
+        "unit": pool.unit,
+        "n": int(len(d)), "n_correct": int(y.sum()), "n_problems": len(set(pool.problem)),
+        "accuracy": float(y.mean()) if len(y) else math.nan,
+        "mean_D_correct": float(d[y].mean()) if y.any() else math.nan,
+        "mean_D_incorrect": float(d[~y].mean()) if (~y).any() else math.nan,
+        "gap": mean_gap(d, y),
+        "mann_whitney_u": u, "mann_whitney_p": p,
+        "auc": auc(d, y),
+        "spearman_rho": rho, "spearman_p": rho_p,
+        "pairwise": asdict(pw),
+        "buckets": [asdict(b) for b in bucket_accuracy(d, y, n_buckets)],
+    }
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """(run.json, result records) of a ``degs eval`` directory."""
+    run_dir = Path(run_dir)
+    run_file, results = run_dir / "run.json", run_dir / "results.jsonl"
+    if not run_file.exists() or not results.exists():
+        raise FileNotFoundError(f"{run_dir} is not a `degs eval` directory (needs run.json and "
+                                "results.jsonl)")
+    run = json.loads(run_file.read_text())
+    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return run, records
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def format_report(stats: Mapping[str, Any], title: str = "") -> str:
+    """A plain-text table of :func:`predictive_validity`'s output."""
+    pw = stats["pairwise"]
+    p = stats["mann_whitney_p"]
+    lines = [title] if title else []
+    lines += [
+        f"pool: {stats['n']} {stats['unit']} of {stats['n_problems']} problems, "
+        f"{stats['n_correct']} correct (accuracy {_fmt(stats['accuracy'])})",
+        f"mean D(x)  correct {_fmt(stats['mean_D_correct'], 4)}  incorrect "
+        f"{_fmt(stats['mean_D_incorrect'], 4)}  gap {_fmt(stats['gap'], 4)}  "
+        f"(Mann-Whitney U {_fmt(stats['mann_whitney_u'], 1)}, p = {'n/a' if p is None or math.isnan(p) else f'{p:.3g}'})",
+        f"AUC {_fmt(stats['auc'])}   Spearman rho {_fmt(stats['spearman_rho'])}   "
+        f"pairwise ranking accuracy {_fmt(pw['accuracy'])} ({pw['pairs']} pairs in "
+        f"{pw['problems']} problems, {_fmt(pw['tie_fraction'])} of them tied)",
+        "accuracy by D(x) bucket:",
+        f"  {'bucket':>6}  {'D range':>17}  {'n':>5}  {'accuracy':>8}  95% interval",
+    ]
+    for b in stats["buckets"]:
+        lines.append(f"  {b['bucket'] + 1:>6}  [{b['low']:.4f}, {b['high']:.4f}]  {b['n']:>5}  "
+                     f"{_fmt(b['accuracy']):>8}  [{_fmt(b['ci_low'])}, {_fmt(b['ci_high'])}]")
+    return "\n".join(lines)
+
+
+def plot_predictive_validity(pool: Pool, stats: Mapping[str, Any], path: str | os.PathLike,
+                             title: str = "") -> str:
+    """The paper's three panels: D(x) of correct vs incorrect, accuracy by D bucket, and
+    the predictive statistics. Writes a PNG (Agg) and returns its path."""
+    fig = Figure(figsize=(13.0, 4.0), dpi=130)
+    FigureCanvasAgg(fig)
+    ax1, ax2, ax3 = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.2, 1.0, 0.8]})
+    d, y = pool.D, pool.correct
+    lo, hi = (float(d.min()), float(d.max())) if len(d) else (0.0, 1.0)
+    bins = np.linspace(lo, hi if hi > lo else lo + 1e-3, 21)
+    for sel, label, color in ((y, "correct", "tab:green"), (~y, "incorrect", "tab:red")):
+        if sel.any():
+            ax1.hist(d[sel], bins=bins, alpha=0.5, density=True, color=color,
+                     label=f"{label} (n={int(sel.sum())})")
+            ax1.axvline(float(d[sel].mean()), color=color, linestyle="--", linewidth=1.2)
+    ax1.set_xlabel("collapse depth $D(x)$")
+    ax1.set_ylabel("density")
+    ax1.set_title("(a) $D(x)$ of correct vs incorrect")
+    ax1.legend(frameon=False, fontsize=8)
+
+    buckets = stats["buckets"]
+    xs = np.arange(len(buckets))
+    acc = np.array([b["accuracy"] for b in buckets], float)
+    err = np.array([[b["accuracy"] - b["ci_low"], b["ci_high"] - b["accuracy"]]
+                    if b["n"] else [0.0, 0.0] for b in buckets], float).T
+    ax2.bar(xs, np.nan_to_num(acc), yerr=err, capsize=3, color="tab:blue", alpha=0.75)
+    for x, b in zip(xs, buckets):
+        ax2.text(x, 0.02, f"n={b['n']}", ha="center", va="bottom", fontsize=8, color="white"
+                 if b["n"] and b["accuracy"] > 0.1 else "black")
+    ax2.set_xticks(xs, [f"Q{b['bucket'] + 1}\n≤{b['high']:.3f}" for b in buckets], fontsize=8)
+    ax2.set_ylim(0, 1)
+    ax2.set_xlabel("$D(x)$ quantile bucket")
+    ax2.set_ylabel("accuracy")
+    ax2.set_title("(b) accuracy by $D(x)$ bucket")
+
+    ax3.axis("off")
+    pw = stats["pairwise"]
+    p = stats["mann_whitney_p"]
+    text = "\n".join([
+        "(c) predictive statistics", "",
+        f"AUC                 {_fmt(stats['auc'])}",
+        f"Spearman \u03c1          {_fmt(stats['spearman_rho'])}",
+        f"mean gap \u0394D         {_fmt(stats['gap'], 4)}",
+        f"pairwise rank acc.  {_fmt(pw['accuracy'])}",
+        f"Mann-Whitney p      {'n/a' if p is None or math.isnan(p) else f'{p:.3g}'}", "",
+        f"{stats['n']} {stats['unit']}, {stats['n_problems']} problems",
+        f"{pw['pairs']} within-problem pairs",
+    ])
+    ax3.text(0.0, 1.0, text, va="top", ha="left", family="monospace", fontsize=9,
+             transform=ax3.transAxes)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, format="png")
+    return path
+
+
+def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                n_buckets: int = 4, quiet: bool = False) -> dict[str, Any]:
+    """Predictive validity of D(x) on a ``degs eval`` run: prints the report and writes
+    ``analysis.json`` and ``analysis.png`` into ``out_dir`` (default ``run_dir``)."""
+    run, records = load_run(run_dir)
+    pool = pool_from_records(records)
+    stats = predictive_validity(pool, n_buckets=n_buckets)
+    cfg = run.get("config", {})
+    title = (f"{cfg.get('model', {}).get('name', '?')} · {cfg.get('benchmark', '?')} · "
+             f"{cfg.get('method', '?')}")
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "analysis.json", {"run": cfg, "predictive_validity": stats})
+    png = plot_predictive_validity(pool, stats, out / "analysis.png", title=title)
+    if not quiet:
+        print(format_report(stats, title=f"collapse depth as a predictor of correctness: {title}"))
+        if pool.unit == "chosen":
+            print("note: the run did not keep candidates; statistics are over one output per "
+                  "problem (no within-problem pairs). Use `degs eval --keep-candidates`.")
+        print(f"wrote {out / 'analysis.json'} and {png}", file=sys.stderr)
+    return stats
+
+
+# --------------------------------------------------------------------------- L_sub sweep
+
+
+def parse_lsub_sweep(spec: str, num_layers: int) -> list[tuple[int, ...]]:
+    """``"4,8,12;16,20,24,28;all;default"`` -> probe sets (``all`` = 1..L, ``default`` =
+    the default grid of DESIGN §3). Each set is validated against ``num_layers``."""
+    from degs_jax.lens import default_lsub, validate_lsub
+
+    sets = []
+    for part in spec.split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        if part == "all":
+            layers = tuple(range(1, num_layers + 1))
+        elif part == "default":
+            layers = default_lsub(num_layers)
+        else:
+            try:
+                layers = tuple(int(x) for x in part.split(","))
+            except ValueError:
+                raise ValueError(f"bad L_sub {part!r} in --lsub-sweep: expected comma-separated "
+                                 "layer numbers, 'all' or 'default'") from None
+        sets.append(validate_lsub(layers, num_layers))
+    if not sets:
+        raise ValueError("--lsub-sweep is empty")
+    return sets
+
+
+def decode_tokens(candidate: Mapping[str, Any]) -> list[int]:
+    """A kept candidate's token ids (stored as a list, or packed for GPQA)."""
+    if "tokens" in candidate:
+        return list(candidate["tokens"])
+    if "tokens_packed" in candidate:
+        from degs_jax.eval.runner import unpack_tokens
+
+        return unpack_tokens(candidate["tokens_packed"])
+    raise ValueError("candidate has no stored tokens (run `degs eval --keep-candidates`)")
+
+
+def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[int]], *,
+               alpha: Optional[float] = None, beta: Optional[float] = None,
+               batch_size: int = 8, out_dir: str | os.PathLike | None = None,
+               data_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Re-score every kept candidate of a run with each probe set and report, per set, the
+    predictive statistics of D(x) and the accuracy of DEGS reranking
+    (argmax ``alpha·log p + beta·D``, log p as recorded at generation).
+
+    alpha/beta default to the run's own (degs_rerank runs) or 4 and 5. Also reports the
+    likelihood-only (Best-of-N) and depth-only choices and the oracle (any candidate
+    correct) for reference. Writes ``lsub_sweep.json`` into ``out_dir`` (default the run).
+    """
+    from degs_jax.decoders import eos_ids_of
+    from degs_jax.eval import load_benchmark
+    from degs_jax.eval.runner import problem_prompt_ids
+    from degs_jax.lens import LensConfig
+    from degs_jax.scoring import score_sequences
+
+    run, records = load_run(run_dir)
+    cfg_run = run["config"]
+    if not records or not all("candidates" in r for r in records):
+        raise ValueError(f"{run_dir}: the L_sub sweep needs kept candidates "
+                         "(`degs eval --keep-candidates`)")
+    if cfg_run["model"]["name"] != model.name or cfg_run["model"]["num_layers"] != model.cfg.num_layers:
+        raise ValueError(f"the run used model {cfg_run['model']['name']!r}; --model gave {model.name!r}")
+    hp = cfg_run["hyperparameters"]
+    alpha = float(hp.get("alpha", 4.0) if alpha is None and cfg_run["method"] == "degs_rerank"
+                  else 4.0 if alpha is None else alpha)
+    beta = float(hp.get("beta", 5.0) if beta is None and cfg_run["method"] == "degs_rerank"
+                 else 5.0 if beta is None else beta)
+    tau = float(hp.get("tau", 0.25))
+    problems = {p.id: p for p in load_benchmark(cfg_run["benchmark"], data_dir=data_dir)}
+    prompts, completions, owner = [], [], []
+    for r in records:
+        ids = problem_prompt_ids(problems[r["id"]], model.tokenizer, cfg_run["chat"])
+        for c in r["candidates"]:
+            prompts.append(ids)
+            completions.append(decode_tokens(c))
+            owner.append(r["id"])
+    eos = eos_ids_of(model.cfg, model.tokenizer)
+    base = pool_from_records([{**r, "candidates": [{**c, "D": 0.0} for c in r["candidates"]]}
+                              for r in records])
+    groups = base.groups()
+    reference = {
+        "best_of_n": rerank_accuracy(groups, 1.0, 0.0),
+        "oracle": float(np.mean([bool(np.any(g["correct"])) for g in groups])),
+        "mean_candidate": float(base.correct.mean()),
+    }
+    rows = []
+    for lsub in lsub_sets:
+        lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.cfg.num_layers)
+        # Compile outside the timing (first batch once); the timed pass is warm.
+        score_sequences(model.params, model.cfg, prompts[:batch_size], completions[:batch_size],
+                        lens, eos, batch_size=batch_size)
+        t0 = time.perf_counter()
+        scored = score_sequences(model.params, model.cfg, prompts, completions, lens, eos,
+                                 batch_size=batch_size)
+        seconds = time.perf_counter() - t0
+        d = np.array([s["depth"] for s in scored])
+        stats = predictive_validity(base, scores=d)
+        rows.append({
+            "lsub": list(lsub), "K": len(lsub),
+            "probe_forward_equivalents_per_token": len(lsub) / model.cfg.num_layers,
+            "seconds": seconds,
+            "auc": stats["auc"], "spearman_rho": stats["spearman_rho"], "gap": stats["gap"],
+            "pairwise_accuracy": stats["pairwise"]["accuracy"],
+            "degs_rerank_accuracy": rerank_accuracy(base.groups(d), alpha, beta),
+            "depth_only_accuracy": rerank_accuracy(base.groups(d), 0.0, 1.0),
+            "mean_D": float(d.mean()),
+        })
+    result = {"run": cfg_run, "alpha": alpha, "beta": beta, "tau": tau,
+              "n_candidates": len(completions), "n_problems": len(records),
+              "reference": reference, "rows": rows}
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "lsub_sweep.json", result)
+    if not quiet:
+        print(format_lsub_table(result))
+        print(f"wrote {out / 'lsub_sweep.json'}", file=sys.stderr)
+    return result
+
+
+def format_lsub_table(result: Mapping[str, Any]) -> str:
+    """The sweep as a plain-text table (one row per probe set)."""
+    ref = result["reference"]
+    lines = [
+        f"L_sub sweep: {result['n_candidates']} candidates of {result['n_problems']} problems; "
+        f"DEGS rerank = argmax {result['alpha']:g}·log p + {result['beta']:g}·D, tau {result['tau']:g}",
+        f"reference: Best-of-N (log p) {_fmt(ref['best_of_n'])}, oracle {_fmt(ref['oracle'])}, "
+        f"mean candidate {_fmt(ref['mean_candidate'])}",
+        f"{'L_sub':<28} {'K':>3} {'K/L':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
+        f"{'DEGS rerank':>11} {'depth-only':>10} {'mean D':>7} {'seconds':>8}",
+    ]
+    for r in result["rows"]:
+        lsub = "{" + ",".join(map(str, r["lsub"])) + "}"
+        if len(lsub) > 28:
+            lsub = "{" + f"{r['lsub'][0]},...,{r['lsub'][-1]}" + "}"
+        lines.append(
+            f"{lsub:<28} {r['K']:>3} {r['probe_forward_equivalents_per_token']:>6.3f} "
+            f"{_fmt(r['auc']):>6} {_fmt(r['pairwise_accuracy']):>8} {_fmt(r['spearman_rho']):>7} "
+            f"{_fmt(r['degs_rerank_accuracy']):>11} {_fmt(r['depth_only_accuracy']):>10} "
+            f"{r['mean_D']:>7.4f} {r['seconds']:>8.1f}")
+    lines.append("(seconds: re-scoring every candidate, after compiling on the first batch; other "
+                 "sequence-length buckets may still compile)")
+    return "\n".join(lines)

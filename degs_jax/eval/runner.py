@@ -1,0 +1,403 @@
+"""`degs eval`: run a decoder over a benchmark, grade, and record everything (DESIGN §5).
+
+A run directory holds
+
+- ``run.json``: the configuration (model, benchmark, method, every resolved
+  hyperparameter, seed, key derivation, template hash, whether candidates are kept),
+  plus one entry per invocation (time, argv, limit, batch size, package versions);
+- ``results.jsonl``: one record per finished problem, appended through
+  :class:`~degs_jax.eval.results.ResultStore` (flushed and fsynced);
+- ``summary.json``: accuracy with a 95% Wilson interval and per-problem means,
+  rewritten after every batch and at the end of every invocation.
+
+Resuming: rerunning the same command skips the problems already in ``results.jsonl``;
+a directory whose ``run.json`` has a different configuration is refused.
+
+Randomness: problem ``i`` (its index in the benchmark file, independent of ``--limit``)
+is decoded with the key ``fold_in(key(seed), i)``, so its tokens do not depend on which
+problems ran before it, on restarts or on batching. ``decode`` splits one key over the
+rows of a call, so problems are decoded one per call unless the method is greedy (no
+randomness) or ``decode`` accepts per-prompt keys (a ``keys`` argument).
+
+Per problem: id, index, correct, extracted answer, completion (GPQA: only its hash and
+length, see :func:`~degs_jax.eval.results.transcript_fields`), completion tokens, log p,
+D(x), final-layer entropy, MCMC acceptance rates, generated tokens, forward tokens,
+probed token-layers, forward-equivalents (probing charged K/L of a forward per probed
+token) and wall-clock (decoding, including compilation on a new shape, plus grading).
+With ``keep_candidates`` every candidate (Best-of-N pool or MCMC chain) is graded and
+stored with its tokens, log p, D(x), final-layer entropy and verdict, for `degs analyze`.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import math
+import sys
+import time
+import zlib
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
+from degs_jax.eval.graders import Grader, pass_at_k
+from degs_jax.eval.prompts import template_hash, user_message, uses_chat_template
+from degs_jax.eval.results import (
+    ResultStore,
+    package_versions,
+    summarize,
+    transcript_fields,
+    write_json,
+    write_summary,
+)
+
+RUN_FILE = "run.json"
+RESULTS_FILE = "results.jsonl"
+SUMMARY_FILE = "summary.json"
+KEY_DERIVATION = "fold_in(key(seed), problem_index)"
+GPQA = "gpqa_diamond"
+
+__all__ = ["run_eval", "run_config", "problem_prompt_ids", "problem_key", "pack_tokens",
+           "unpack_tokens", "format_summary", "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE"]
+
+
+def problem_prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
+    """Token ids of ``problem``'s prompt: the benchmark template, through the tokenizer's
+    chat template when ``chat`` (same ids as ``build_prompt`` + tokenize)."""
+    from degs_jax.decoders import encode_prompt
+
+    chat = chat and uses_chat_template(tokenizer)
+    return encode_prompt(tokenizer, user_message(problem, chat=chat), chat=chat)
+
+
+def problem_key(seed: int, index: int):
+    """The PRNG key of problem ``index``: ``fold_in(key(seed), index)``."""
+    import jax
+
+    return jax.random.fold_in(jax.random.key(seed), index)
+
+
+def pack_tokens(tokens: Sequence[int]) -> str:
+    """Token ids as base64(zlib(int32 little-endian)): used for GPQA candidates, whose
+    transcripts must not be stored as (trivially decodable) readable text."""
+    return base64.b64encode(zlib.compress(np.asarray(tokens, "<i4").tobytes())).decode("ascii")
+
+
+def unpack_tokens(packed: str) -> list[int]:
+    """Inverse of :func:`pack_tokens`."""
+    return np.frombuffer(zlib.decompress(base64.b64decode(packed)), "<i4").tolist()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # e.g. a dtype
+
+
+def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str, Any],
+               seed: int, chat: bool, keep_candidates: bool) -> dict[str, Any]:
+    """The configuration that determines a run's results (what resuming must match).
+
+    Hyperparameters are resolved against the method's defaults (``lsub`` made explicit),
+    so spelling a default out or leaving it implicit gives the same configuration.
+    """
+    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.lens import default_lsub
+
+    bench = canonical_name(benchmark)
+    hp = dict(resolve_hyperparameters(method, dict(hyperparameters)))
+    if "lsub" in hp and hp["lsub"] is None:
+        hp["lsub"] = default_lsub(model.cfg.num_layers)
+    dtype = str(np.dtype(model.params.embed.dtype)) if hasattr(model.params, "embed") else None
+    return _jsonable({
+        "benchmark": bench,
+        "method": method,
+        "hyperparameters": hp,
+        "seed": int(seed),
+        "key_derivation": KEY_DERIVATION,
+        "model": {"name": model.name, "architecture": model.cfg.architecture,
+                  "num_layers": model.cfg.num_layers, "dtype": dtype},
+        "chat": bool(chat and uses_chat_template(model.tokenizer)),
+        "keep_candidates": bool(keep_candidates),
+        "template_sha256": template_hash(bench),
+    })
+
+
+def _config_differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
+    diffs = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs += _config_differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            diffs.append(f"{prefix}{k}: stored {a!r}, requested {b!r}")
+    return diffs
+
+
+def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
+    """Create or check ``run.json``; refuse a different configuration."""
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        import json
+
+        run = json.loads(run_file.read_text())
+        diffs = _config_differences(run.get("config", {}), config)
+        if diffs:
+            raise ValueError(
+                f"{out} holds a run with a different configuration; refusing to resume into it "
+                f"({'; '.join(diffs)}). Use another --out directory, or repeat the original "
+                "command to resume.")
+        old_versions = (run.get("invocations") or [{}])[0].get("versions")
+        if old_versions and old_versions != invocation["versions"]:
+            changed = sorted(k for k in set(old_versions) | set(invocation["versions"])
+                             if old_versions.get(k) != invocation["versions"].get(k))
+            print(f"warning: resuming {out} with different package versions ({', '.join(changed)}); "
+                  "see run.json", file=sys.stderr)
+        run.setdefault("invocations", []).append(invocation)
+    else:
+        if (out / RESULTS_FILE).exists():
+            raise ValueError(f"{out} has {RESULTS_FILE} but no {RUN_FILE}; refusing to mix runs")
+        run = {"config": config, "invocations": [invocation]}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(run_file, run)
+    return run
+
+
+def _mean_or_none(values: Optional[Sequence[float]]) -> Optional[float]:
+    return float(np.mean(values)) if values else None
+
+
+def _decode_supports_keys() -> bool:
+    from degs_jax import decoders
+
+    return "keys" in inspect.signature(decoders.decode).parameters
+
+
+def run_eval(model, out_dir, *, benchmark: str, method: str,
+             hyperparameters: Optional[Mapping[str, Any]] = None, seed: int = 0,
+             limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
+             batch_size: int = 1, keep_candidates: bool = False, chat: bool = True,
+             progress: bool = True, data_dir=None, grader: Optional[Grader] = None,
+             argv: Optional[Sequence[str]] = None, print_table: bool = True) -> dict[str, Any]:
+    """Evaluate ``method`` on ``benchmark`` with a loaded model, resumably, into ``out_dir``.
+
+    model: a ``LoadedModel`` (``degs_jax.models.loading.load``).
+    hyperparameters: overrides of the method's defaults (as ``decode``).
+    limit: the first ``limit`` problems; indices: explicit problem indices instead.
+    batch_size: problems per ``decode`` call (see the module docstring: only greedy, or a
+      ``decode`` taking per-prompt keys, actually batches; otherwise one per call).
+    keep_candidates: grade and store every candidate. chat: use the chat template when
+      the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
+    Returns the summary (also written to ``summary.json``).
+    """
+    import jax
+
+    from degs_jax.decoders import decode, eos_ids_of
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    out = Path(out_dir)
+    bench = canonical_name(benchmark)
+    hyperparameters = dict(hyperparameters or {})
+    config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates)
+    chat = config["chat"]
+    all_problems = load_benchmark(bench, data_dir=data_dir)
+    if indices is not None:
+        bad = [i for i in indices if not 0 <= i < len(all_problems)]
+        if bad:
+            raise ValueError(f"problem indices {bad} out of range 0..{len(all_problems) - 1}")
+        selected = [(int(i), all_problems[i]) for i in indices]
+    else:
+        selected = list(enumerate(all_problems[:limit] if limit is not None else all_problems))
+    invocation = {
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(argv) if argv is not None else None,
+        "limit": limit, "indices": list(indices) if indices is not None else None,
+        "batch_size": batch_size, "model_source": str(model.source),
+        "versions": package_versions(), "device": str(jax.devices()[0]),
+    }
+    run = _prepare_run_dir(out, config, invocation)
+
+    eos = eos_ids_of(model.cfg, model.tokenizer)
+    L = model.cfg.num_layers
+    per_prompt_keys = _decode_supports_keys()
+    can_batch = method == "greedy" or per_prompt_keys
+    step = batch_size if can_batch else 1
+    if batch_size > 1 and not can_batch:
+        print(f"note: {method} is decoded one problem per call (decode splits one key over a "
+              "batch, so batching would change each problem's randomness)", file=sys.stderr)
+
+    own_grader = grader is None
+    grader = Grader() if own_grader else grader
+    try:
+        with ResultStore(out / RESULTS_FILE) as store:
+            todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
+            bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
+                       desc=f"{bench} {method}", disable=not progress, file=sys.stderr)
+            for start in range(0, len(todo), step):
+                batch = todo[start:start + step]
+                prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
+                keys = [problem_key(seed, i) for i, _ in batch]
+                extra = {"keys": jax.numpy.stack(keys)} if per_prompt_keys and len(batch) > 1 else {}
+                t0 = time.perf_counter()
+                result = decode(model.params, model.cfg, prompts, method, keys[0], eos_ids=eos,
+                                **extra, **hyperparameters)
+                decode_s = time.perf_counter() - t0
+                for (index, problem), output in zip(batch, result.outputs):
+                    record = _record(model, problem, index, output, result, len(batch), decode_s,
+                                     L, grader, chat, keep_candidates)
+                    store.append(record)
+                    bar.update(1)
+                acc = np.mean([r["correct"] for r in store.records]) if store.records else math.nan
+                bar.set_postfix(acc=f"{acc:.3f}")
+                write_summary(out, _summary(store.records, run))
+            bar.close()
+            records = list(store.records)
+    finally:
+        if own_grader:
+            grader.close()
+    summary = _summary(records, run)
+    write_summary(out, summary)
+    if print_table:
+        print(format_summary(summary))
+    return summary
+
+
+def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> dict[str, Any]:
+    rec: dict[str, Any] = {}
+    if problem.benchmark == GPQA:
+        rec["tokens_packed"] = pack_tokens(cand.tokens)
+    else:
+        rec["tokens"] = list(map(int, cand.tokens))
+    rec.update({
+        "n_tokens": len(cand.tokens), "ended": cand.ended, "log_p": cand.log_p, "D": cand.depth,
+        "final_entropy": cand.final_entropy, "acceptance": cand.acceptance,
+        "correct": verdict.correct, "extracted": verdict.extracted, "chosen": chosen,
+    })
+    return rec
+
+
+def _record(model, problem: Problem, index: int, output, result, batch_len: int,
+            decode_s: float, num_layers: int, grader: Grader, chat: bool,
+            keep_candidates: bool) -> dict[str, Any]:
+    tok = model.tokenizer
+    chosen = output.chosen
+    t0 = time.perf_counter()
+    candidates = []
+    verdict = None
+    if keep_candidates:
+        for cand in output.candidates:
+            text = tok.decode(cand.tokens, skip_special_tokens=True)
+            v = grader.grade(problem, text, chat=chat)
+            if cand is chosen:
+                verdict, chosen_text = v, text
+            candidates.append(_candidate_record(model, problem, cand, v, cand is chosen))
+    if verdict is None:
+        chosen_text = tok.decode(chosen.tokens, skip_special_tokens=True)
+        verdict = grader.grade(problem, chosen_text, chat=chat)
+    grade_s = time.perf_counter() - t0
+
+    counters = getattr(output, "counters", None)
+    share = 1
+    if counters is None:
+        counters, share = result.counters, batch_len
+    counters = {k: v / share for k, v in counters.items()}
+    fwd_eq = counters["forward_tokens"] + counters["probed_token_layers"] / num_layers
+    record: dict[str, Any] = {
+        "id": problem.id, "index": index,
+        "correct": bool(verdict.correct), "extracted": verdict.extracted,
+        "grade_detail": verdict.detail if problem.benchmark != GPQA else verdict.detail[:40],
+        **transcript_fields(problem, chosen_text),
+        "n_tokens": len(chosen.tokens), "ended": chosen.ended,
+        "log_p": chosen.log_p, "D": chosen.depth, "final_entropy": chosen.final_entropy,
+        "acceptance": chosen.acceptance, "mean_acceptance": _mean_or_none(chosen.acceptance),
+        "generated_tokens": counters["generated_tokens"],
+        "forward_tokens": counters["forward_tokens"],
+        "probed_token_layers": counters["probed_token_layers"],
+        "forward_equivalents": fwd_eq,
+        "decode_s": decode_s / batch_len, "grade_s": grade_s,
+        "wall_clock_s": decode_s / batch_len + grade_s,
+    }
+    if share > 1:
+        record["batch_share"] = share  # counters are the batch's totals / share
+    if keep_candidates:
+        record["candidates"] = candidates
+        record["n_candidates"] = len(candidates)
+        record["n_candidates_correct"] = sum(c["correct"] for c in candidates)
+    return record
+
+
+_TABLE_FIELDS = ("n_tokens", "mean_acceptance", "generated_tokens", "forward_equivalents",
+                 "wall_clock_s", "D", "log_p")
+
+
+def _summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) -> dict[str, Any]:
+    cfg = run["config"]
+    summary = summarize(records, template_sha256=cfg["template_sha256"],
+                        versions=run["invocations"][-1]["versions"], config=cfg,
+                        n_problems=len(records))
+    summary["means"].pop("index", None)
+    if records and all("candidates" in r for r in records):
+        n = [len(r["candidates"]) for r in records]
+        c = [sum(x["correct"] for x in r["candidates"]) for r in records]
+        k_max = min(n)
+        summary["candidates"] = {
+            "n_candidates": int(sum(n)),
+            "candidate_accuracy": float(sum(c) / sum(n)) if sum(n) else math.nan,
+            "pass_at_k": {str(k): float(np.mean([pass_at_k(ni, ci, k) for ni, ci in zip(n, c)]))
+                          for k in sorted({1, k_max}) if k_max >= 1},
+        }
+    return summary
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The printed table of a run's summary."""
+    cfg = summary["config"]
+    acc = summary["accuracy"]
+    means = summary["means"]
+
+    def m(name: str, fmt: str, unit: str = "") -> str:
+        v = means.get(name)
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{fmt}}{unit}"
+
+    if acc["n"]:
+        acc_s = (f"{acc['accuracy']:.3f}  95% CI [{acc['ci_low']:.3f}, {acc['ci_high']:.3f}]  "
+                 f"({acc['correct']}/{acc['n']})")
+    else:
+        acc_s = "n/a (no problems)"
+    rows = [
+        ("accuracy", acc_s),
+        ("completion tokens", m("n_tokens", ".1f", " / problem")),
+        ("acceptance rate", m("mean_acceptance", ".3f")),
+        ("generated tokens", m("generated_tokens", ".1f", " / problem")),
+        ("forward-equivalents", m("forward_equivalents", ".1f", " / problem")),
+        ("wall-clock", m("wall_clock_s", ".2f", " s / problem")),
+        ("mean log p(x)", m("log_p", ".2f")),
+        ("mean D(x)", m("D", ".4f")),
+    ]
+    if "candidates" in summary:
+        c = summary["candidates"]
+        rows.append(("candidates", f"{c['n_candidates']} graded, accuracy "
+                                   f"{c['candidate_accuracy']:.3f}, " + ", ".join(
+                                       f"pass@{k} {v:.3f}" for k, v in c["pass_at_k"].items())))
+    head = (f"degs eval: {cfg['model']['name']} | {cfg['benchmark']} | {cfg['method']} | "
+            f"seed {cfg['seed']} | {summary['n_problems']} problems")
+    width = max(len(r[0]) for r in rows)
+    return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows] +
+                     ["  (wall-clock includes compilation of each new prompt-length bucket)"])

@@ -1,0 +1,238 @@
+"""`degs eval` / `degs analyze` end to end on the embedded default model (CPU).
+
+The model is loaded once per session and the CLI runs in-process with that model
+(`degs_jax.cli._load` patched), except the SIGKILL resumability test, which needs real
+processes; those share the session's converted-weights cache ($DEGS_JAX_CACHE) and a
+persistent XLA compilation cache, so only the first of them compiles.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from degs_jax import cli
+from degs_jax.eval import Grader, load_benchmark
+from degs_jax.eval.runner import unpack_tokens
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa")
+TINY = ["--max-new-tokens", "16", "--no-progress"]
+
+
+@pytest.fixture(scope="session")
+def model():
+    from degs_jax.models.loading import load
+
+    return load("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def grader():
+    with Grader() as g:
+        yield g
+
+
+@pytest.fixture
+def degs(model, grader, monkeypatch, capsys):
+    """Run `degs ...` in-process with the session's model and grader; returns (rc, out, err)."""
+    import degs_jax.eval.runner as runner
+
+    monkeypatch.setattr(cli, "_load", lambda args: model)
+    real = runner.run_eval
+    monkeypatch.setattr(runner, "run_eval", lambda *a, **k: real(*a, grader=grader, **k))
+
+    def run(*argv):
+        capsys.readouterr()
+        rc = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("benchmark", BENCHMARKS)
+def test_greedy_on_each_benchmark(benchmark, degs, tmp_path):
+    out = tmp_path / benchmark
+    extra = ["--keep-candidates"] if benchmark == "gpqa" else []
+    rc, stdout, err = degs("eval", "--benchmark", benchmark, "--method", "greedy", "--limit", 3,
+                           "--batch-size", 3, "--out", out, *TINY, *extra)
+    assert rc == 0, err
+    problems = load_benchmark(benchmark, limit=3)
+    records = _records(out)
+    assert [r["id"] for r in records] == [p.id for p in problems]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert isinstance(r["correct"], bool)
+        assert 1 <= r["n_tokens"] <= 16
+        assert 0.0 <= r["D"] <= 1.0 and r["log_p"] <= 0.0
+        assert r["generated_tokens"] > 0 and r["forward_equivalents"] > r["forward_tokens"] > 0
+        assert r["wall_clock_s"] > 0 and r["acceptance"] is None
+        if benchmark == "gpqa":
+            assert "completion" not in r and len(r["completion_sha256"]) == 64
+            assert r["extracted"] in (None, "A", "B", "C", "D")
+            (cand,) = r["candidates"]
+            assert "tokens" not in cand and len(unpack_tokens(cand["tokens_packed"])) == r["n_tokens"]
+        else:
+            assert isinstance(r["completion"], str) and r["completion"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"]["n"] == 3 and summary["n_problems"] == 3
+    assert summary["means"]["forward_equivalents"] > 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["method"] == "greedy" and run["config"]["seed"] == 0
+    assert run["config"]["hyperparameters"]["max_new_tokens"] == 16
+    assert run["config"]["hyperparameters"]["lsub"] == [4, 9, 14, 18, 22, 26, 30]
+    assert len(run["config"]["template_sha256"]) == 64
+    assert run["invocations"][0]["versions"]["jax"]
+    for field in ("accuracy", "95% CI", "completion tokens", "acceptance rate",
+                  "generated tokens", "forward-equivalents", "wall-clock"):
+        assert field in stdout
+    if benchmark == "gpqa":
+        _assert_no_gpqa_text(problems, out, stdout + err)
+
+
+def _assert_no_gpqa_text(problems, out, console):
+    needles = []
+    for p in problems:
+        needles += [p.question[:50], p.question[-50:]]
+        needles += [c for c in p.choices if len(c) >= 8]
+    written = {f: f.read_text(errors="replace") for f in out.rglob("*") if f.is_file()}
+    assert set(f.name for f in written) >= {"run.json", "results.jsonl", "summary.json"}
+    for text in list(written.values()) + [console]:
+        for needle in needles:
+            assert needle not in text
+
+
+def test_best_of_n_keeps_and_grades_candidates_then_analyze(degs, tmp_path):
+    out = tmp_path / "pool"
+    # deepmind500 problems 0 and 1 share a prompt-length bucket: one compilation
+    rc, stdout, err = degs("eval", "--benchmark", "deepmind500", "--method", "best_of_n", "--n", 2,
+                           "--limit", 2, "--keep-candidates", "--out", out, *TINY)
+    assert rc == 0, err
+    records = _records(out)
+    assert [r["id"] for r in records] == [f"deepmind500/{i}" for i in range(2)]
+    for r in records:
+        cands = r["candidates"]
+        assert len(cands) == 2 == r["n_candidates"]
+        assert all(isinstance(c["correct"], bool) and len(c["tokens"]) == c["n_tokens"] for c in cands)
+        (chosen,) = [c for c in cands if c["chosen"]]
+        assert chosen["log_p"] == max(c["log_p"] for c in cands) == r["log_p"]
+        assert chosen["correct"] == r["correct"] and chosen["D"] == r["D"]
+        assert r["generated_tokens"] == sum(c["n_tokens"] for c in cands)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["candidates"]["n_candidates"] == 4
+    assert set(summary["candidates"]["pass_at_k"]) == {"1", "2"}
+    assert "pass@2" in stdout
+
+    rc, stdout, err = degs("analyze", out)
+    assert rc == 0, err
+    assert "AUC" in stdout and "accuracy by D(x) bucket" in stdout
+    assert (out / "analysis.png").read_bytes()[:4] == b"\x89PNG"
+    stats = json.loads((out / "analysis.json").read_text())["predictive_validity"]
+    assert stats["n"] == 4 and stats["n_problems"] == 2
+
+    rc, stdout, err = degs("analyze", out, "--lsub-sweep", "4,9,14;default")
+    assert rc == 0, err
+    sweep = json.loads((out / "lsub_sweep.json").read_text())
+    assert [row["lsub"] for row in sweep["rows"]] == [[4, 9, 14], [4, 9, 14, 18, 22, 26, 30]]
+    for row in sweep["rows"]:
+        assert 0.0 <= row["degs_rerank_accuracy"] <= 1.0
+        assert row["probe_forward_equivalents_per_token"] == pytest.approx(row["K"] / 30)
+    assert "DEGS rerank" in stdout
+    # Re-scoring with the default probe set reproduces the D(x) recorded during
+    # generation (teacher-forced vs incremental: summation order only).
+    generated = [c["D"] for r in records for c in r["candidates"]]
+    rescored_mean = sweep["rows"][1]["mean_D"]
+    assert rescored_mean == pytest.approx(sum(generated) / len(generated), abs=0.02)
+
+
+def test_refuses_a_different_configuration(degs, tmp_path):
+    out = tmp_path / "run"
+    args = ["eval", "--benchmark", "gsm8k", "--method", "temperature", "--limit", 0, "--out", out,
+            *TINY]
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["n_problems"] == 0
+    rc, _, err = degs(*args)  # same configuration: resumes (nothing to do)
+    assert rc == 0, err
+    assert len(json.loads((out / "run.json").read_text())["invocations"]) == 2
+    # spelling out a default is the same configuration
+    rc, _, err = degs(*args, "--temperature", "0.25")
+    assert rc == 0, err
+    for changed in (["--seed", "1"], ["--temperature", "0.5"], ["--max-new-tokens", "17"]):
+        rc, _, err = degs(*args, *changed)  # argparse: the last value wins
+        assert rc == 2
+        assert "different configuration" in err
+    rc, _, err = degs("eval", "--benchmark", "math500", "--method", "temperature", "--limit", 0,
+                      "--out", out, *TINY)
+    assert rc == 2 and "benchmark: stored 'gsm8k', requested 'math500'" in err
+    rc, _, err = degs("eval", "--benchmark", "gsm8k", "--method", "greedy", "--n", 2, "--out",
+                      tmp_path / "x", *TINY)
+    assert rc == 2 and "does not take n" in err
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+def _eval_cmd(out):
+    # deepmind500 problems 0 and 1 share a prompt-length bucket (one compilation, cached on
+    # disk for the later processes); decoding one takes about a second, so a kill right
+    # after the first result line lands mid-run.
+    return [sys.executable, "-m", "degs_jax.cli", "eval", "--benchmark", "deepmind500", "--limit", "2",
+            "--method", "temperature", "--temperature", "1.0", "--seed", "7", "--out", str(out),
+            *TINY]
+
+
+def _count_lines(path):
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1")
+    killed, reference = tmp_path / "killed", tmp_path / "reference"
+    log = (tmp_path / "killed.log").open("wb")
+    proc = subprocess.Popen(_eval_cmd(killed), env=env, stdout=log, stderr=subprocess.STDOUT)
+    results = killed / "results.jsonl"
+    deadline = time.monotonic() + 400
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if _count_lines(results) >= 1:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    assert _count_lines(results) == 1  # killed mid-run, with one result written
+
+    for out in (killed, reference):  # resume the killed run; then an uninterrupted one
+        done = subprocess.run(_eval_cmd(out), env=env, capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "accuracy" in done.stdout
+
+    resumed, uninterrupted = _records(killed), _records(reference)
+    ids = [r["id"] for r in resumed]
+    assert len(ids) == len(set(ids)) == 2
+    assert ids == [r["id"] for r in uninterrupted]
+    for field in ("completion", "correct", "extracted", "n_tokens", "log_p", "D"):
+        assert [r[field] for r in resumed] == [r[field] for r in uninterrupted], field
+    assert len(json.loads((killed / "run.json").read_text())["invocations"]) == 2
+    assert json.loads((killed / "summary.json").read_text())["accuracy"] == \
+        json.loads((reference / "summary.json").read_text())["accuracy"]
