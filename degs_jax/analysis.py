@@ -343,6 +343,7 @@ def plot_predictive_validity(pool: Pool, stats: Mapping[str, Any], path: str | o
     acc = np.array([b["accuracy"] for b in buckets], float)
     err = np.array([[b["accuracy"] - b["ci_low"], b["ci_high"] - b["accuracy"]]
                     if b["n"] else [0.0, 0.0] for b in buckets], float).T
+    err = np.clip(err, 0.0, None)  # Wilson bounds can miss p = 0 or 1 by rounding
     ax2.bar(xs, np.nan_to_num(acc), yerr=err, capsize=3, color="tab:blue", alpha=0.75)
     for x, b in zip(xs, buckets):
         ax2.text(x, 0.02, f"n={b['n']}", ha="center", va="bottom", fontsize=8, color="white"

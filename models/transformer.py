@@ -202,10 +202,11 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
 # With `chunk=None`, a lens whose whole [rows, V] fp32 block fits in this many bytes is
 # computed as one block; larger ones stream in DEFAULT_LENS_CHUNK-token chunks. Slicing
 # W_U into chunks makes XLA copy each slice before its matmul (measured on H200, 7B
-# shape: +0.7 ms per decode step, i.e. the copy of W_U), while a decode step's block
-# (K·B rows) is tens of MB, far below the KV cache; prefills and teacher-forced scoring
-# of many positions still stream, which bounds their memory to one chunk per row.
-SINGLE_BLOCK_MAX_BYTES = 256 * 2**20
+# shape: +0.7 ms per decode step, i.e. the copy of W_U; +19% on a 64-chain MCMC run),
+# while a decode step's block (K·B rows: 311 MB for K = 7, B = 64, V = 152k) stays far
+# below its KV cache; prefills and teacher-forced scoring of many positions still
+# stream, which bounds their memory to one chunk per row.
+SINGLE_BLOCK_MAX_BYTES = 2**30
 DEFAULT_LENS_CHUNK = 8192
 
 

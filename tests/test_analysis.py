@@ -155,6 +155,23 @@ def test_analyze_run_writes_json_and_png(tmp_path, capsys):
     assert "accuracy by D(x) bucket" in capsys.readouterr().out
 
 
+def test_degenerate_pools_still_report_and_plot(tmp_path):
+    # one class only (a tiny model that never answers): statistics needing both are NaN
+    # (buckets of 3 all-incorrect candidates: the Wilson lower bound of 0/3 is 5.6e-17, not
+    # 0, which once made the error bars negative)
+    pool = A.Pool(["a"] * 6 + ["b"] * 6, np.linspace(0.6, 0.9, 12), -np.arange(12.0),
+                  np.zeros(12, bool), "candidates")
+    stats = A.predictive_validity(pool)
+    assert all(math.isnan(stats[k]) for k in ("auc", "gap", "spearman_rho", "mann_whitney_p"))
+    assert stats["pairwise"]["pairs"] == 0
+    assert [(b["n"], b["accuracy"]) for b in stats["buckets"]] == [(3, 0.0)] * 4
+    assert "n/a" in A.format_report(stats)
+    assert A.plot_predictive_validity(pool, stats, tmp_path / "one_class.png")
+    pool.correct[:] = True
+    stats = A.predictive_validity(pool)
+    assert A.plot_predictive_validity(pool, stats, tmp_path / "all_correct.png")
+
+
 def test_parse_lsub_sweep():
     assert A.parse_lsub_sweep("4,8,12; 16,20,24,28;all;default", 30) == [
         (4, 8, 12), (16, 20, 24, 28), tuple(range(1, 31)), (4, 9, 14, 18, 22, 26, 30)]
