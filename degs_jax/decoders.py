@@ -139,11 +139,15 @@ def _choose(method: str, pool: list[Candidate], hp: dict[str, Any]) -> Candidate
 
 
 def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], method: str,
-           key: jax.Array, *, eos_ids: Sequence[int], progress: bool = False,
-           **hyperparameters) -> DecodeResult:
-    """Run `method` on token-id prompts. `key` is one PRNG key; row r of the batch
-    (prompt i, candidate or chain j, r = i·n + j) uses `split(key, rows)[r]`, so results do
-    not depend on how prompts are batched beyond that index."""
+           key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None,
+           eos_ids: Sequence[int], progress: bool = False, **hyperparameters) -> DecodeResult:
+    """Run `method` on token-id prompts.
+
+    Randomness: with one `key`, row r of the batch (prompt i, candidate or chain j,
+    r = i·n + j) uses `split(key, rows)[r]`. With `keys` ([len(prompts)] PRNG keys, one
+    per prompt), prompt i's rows use `split(keys[i], n)`, so each prompt's samples do not
+    depend on which prompts share its batch (a single prompt decodes identically either way).
+    """
     hp = resolve_hyperparameters(method, hyperparameters)
     lens = _lens(cfg, hp)
     eos_ids = tuple(int(e) for e in eos_ids)
@@ -175,7 +179,14 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
     jax.block_until_ready(state.length)
     t1 = time.perf_counter()
     rows = state.length.shape[0]
-    keys = jax.random.split(key, rows)
+    if (key is None) == (keys is None):
+        raise ValueError("pass exactly one of key (one PRNG key) or keys (one per prompt)")
+    if keys is None:
+        keys = jax.random.split(key, rows)
+    else:
+        if keys.shape != (len(prompts),):
+            raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
+        keys = jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
     acceptance = None
     if method in MCMC_METHODS:
         acceptance = [[] for _ in range(rows)]

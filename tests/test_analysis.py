@@ -181,3 +181,20 @@ def test_parse_lsub_sweep():
         A.parse_lsub_sweep("4,x", 30)
     with pytest.raises(ValueError, match="empty"):
         A.parse_lsub_sweep(" ; ", 30)
+
+
+def test_degs_analyze_cli(tmp_path, capsys):
+    from degs_jax import cli
+
+    run = {"config": {"model": {"name": "synthetic"}, "benchmark": "math500", "method": "best_of_n"}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    assert cli.main(["analyze", str(tmp_path), "--out", str(tmp_path / "a")]) == 0
+    assert "AUC 0.812" in capsys.readouterr().out
+    assert (tmp_path / "a" / "analysis.png").exists()
+    # outputs without D(x) (power_mcmc does not probe): a clear error unless re-scored
+    (tmp_path / "results.jsonl").write_text(json.dumps(
+        {"id": "x", "correct": True, "D": None, "log_p": -1.0}) + "\n")
+    assert cli.main(["analyze", str(tmp_path)]) == 2
+    assert "--lsub-sweep default" in capsys.readouterr().err
+    assert cli.main(["analyze", str(tmp_path / "missing")]) == 2

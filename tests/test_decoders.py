@@ -514,3 +514,21 @@ def test_defaults_match_design():
     for m in RERANK_METHODS:
         hp = resolve_hyperparameters(m, {})
         assert hp["temperature"] == 1.0 and hp["top_p"] == 1.0
+
+
+def test_per_prompt_keys_make_samples_independent_of_batching():
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.key(11), jnp.float32, scale=0.3)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    keys = jax.random.split(jax.random.key(5), 3)
+    batched = decode(params, cfg, prompts, "best_of_n", keys=keys, eos_ids=(), n=2, max_new_tokens=4)
+    for i, p in enumerate(prompts):
+        alone = decode(params, cfg, [p], "best_of_n", keys=keys[i:i + 1], eos_ids=(), n=2, max_new_tokens=4)
+        single_key = decode(params, cfg, [p], "best_of_n", keys[i], eos_ids=(), n=2, max_new_tokens=4)
+        for a, b, c in zip(batched.outputs[i].candidates, alone.outputs[0].candidates,
+                           single_key.outputs[0].candidates):
+            assert a.tokens == b.tokens == c.tokens
+    with pytest.raises(ValueError, match="exactly one of key"):
+        decode(params, cfg, prompts, "greedy", jax.random.key(0), keys=keys, eos_ids=(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="one key per prompt"):
+        decode(params, cfg, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)

@@ -152,7 +152,11 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # The interval's ends are exactly 0 at k = 0 and 1 at k = n (centre ∓ half only up to
+    # rounding, which left 5.6e-17 and 1 - 1e-16).
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return (low, high)
 
 
 def accuracy(records: Iterable[Mapping[str, Any]], key: str = "correct") -> Accuracy:

@@ -14,10 +14,9 @@ Resuming: rerunning the same command skips the problems already in ``results.jso
 a directory whose ``run.json`` has a different configuration is refused.
 
 Randomness: problem ``i`` (its index in the benchmark file, independent of ``--limit``)
-is decoded with the key ``fold_in(key(seed), i)``, so its tokens do not depend on which
-problems ran before it, on restarts or on batching. ``decode`` splits one key over the
-rows of a call, so problems are decoded one per call unless the method is greedy (no
-randomness) or ``decode`` accepts per-prompt keys (a ``keys`` argument).
+is decoded with the key ``fold_in(key(seed), i)`` (passed to ``decode`` as its per-prompt
+``keys``), so its tokens do not depend on which problems ran before it, on restarts or
+on batching.
 
 Per problem: id, index, correct, extracted answer, completion (GPQA: only its hash and
 length, see :func:`~degs_jax.eval.results.transcript_fields`), completion tokens, log p,
@@ -31,7 +30,6 @@ stored with its tokens, log p, D(x), final-layer entropy and verdict, for `degs 
 from __future__ import annotations
 
 import base64
-import inspect
 import math
 import sys
 import time
@@ -181,12 +179,6 @@ def _mean_or_none(values: Optional[Sequence[float]]) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
 
-def _decode_supports_keys() -> bool:
-    from degs_jax import decoders
-
-    return "keys" in inspect.signature(decoders.decode).parameters
-
-
 def run_eval(model, out_dir, *, benchmark: str, method: str,
              hyperparameters: Optional[Mapping[str, Any]] = None, seed: int = 0,
              limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
@@ -198,8 +190,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     model: a ``LoadedModel`` (``degs_jax.models.loading.load``).
     hyperparameters: overrides of the method's defaults (as ``decode``).
     limit: the first ``limit`` problems; indices: explicit problem indices instead.
-    batch_size: problems per ``decode`` call (see the module docstring: only greedy, or a
-      ``decode`` taking per-prompt keys, actually batches; otherwise one per call).
+    batch_size: problems per ``decode`` call.
     keep_candidates: grade and store every candidate. chat: use the chat template when
       the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
     Returns the summary (also written to ``summary.json``).
@@ -236,12 +227,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
 
     eos = eos_ids_of(model.cfg, model.tokenizer)
     L = model.cfg.num_layers
-    per_prompt_keys = _decode_supports_keys()
-    can_batch = method == "greedy" or per_prompt_keys
-    step = batch_size if can_batch else 1
-    if batch_size > 1 and not can_batch:
-        print(f"note: {method} is decoded one problem per call (decode splits one key over a "
-              "batch, so batching would change each problem's randomness)", file=sys.stderr)
+    step = batch_size
 
     own_grader = grader is None
     grader = Grader() if own_grader else grader
@@ -253,11 +239,10 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
             for start in range(0, len(todo), step):
                 batch = todo[start:start + step]
                 prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
-                keys = [problem_key(seed, i) for i, _ in batch]
-                extra = {"keys": jax.numpy.stack(keys)} if per_prompt_keys and len(batch) > 1 else {}
+                keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
                 t0 = time.perf_counter()
-                result = decode(model.params, model.cfg, prompts, method, keys[0], eos_ids=eos,
-                                **extra, **hyperparameters)
+                result = decode(model.params, model.cfg, prompts, method, keys=keys, eos_ids=eos,
+                                **hyperparameters)
                 decode_s = time.perf_counter() - t0
                 for (index, problem), output in zip(batch, result.outputs):
                     record = _record(model, problem, index, output, result, len(batch), decode_s,
