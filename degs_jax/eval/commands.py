@@ -16,7 +16,7 @@ EVAL_DESCRIPTION = """Run a decoder over a benchmark, grade every answer and rec
 
 Results are appended per problem to OUT/results.jsonl (resumable: rerun the same command
 after an interruption; finished problems are skipped). OUT/run.json holds the exact
-configuration; OUT/summary.json the accuracy (95%% interval) and per-problem means.
+configuration; OUT/summary.json the accuracy (95% interval) and per-problem means.
 Problem i uses the PRNG key fold_in(key(seed), i), independent of batching and restarts.
 
 For the predictive-validity analysis (`degs analyze`) keep and grade every candidate:
