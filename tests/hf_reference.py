@@ -28,7 +28,7 @@ def hf_model(cfg: ModelConfig, params) -> "transformers.PreTrainedModel":
     hf_cfg._attn_implementation = "eager"
     with torch.device("cpu"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
-    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params_to_hf(params, cfg).items()}
+    state = {k: torch.from_numpy(np.array(v)) for k, v in params_to_hf(params, cfg).items()}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
