@@ -88,13 +88,12 @@ def resolve_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str,
     unknown = sorted(set(overrides) - set(hp))
     if unknown:
         raise ValueError(f"{method} does not take {', '.join(unknown)}; it takes {', '.join(sorted(hp))}")
-    hp.update({k: v for k, v in overrides.items() if v is not None or k in ("lsub", "cache_dtype", "lens_chunk")})
+    hp.update(overrides)
     if method == "power_mcmc" and hp["beta"] != 0:
         raise ValueError("power_mcmc is the beta = 0 chain; use degs_mcmc for beta > 0")
-    if method in RERANK_METHODS and (not isinstance(hp["n"], int) or hp["n"] < 1):
-        raise ValueError(f"n must be a positive integer, got {hp['n']!r}")
-    if "max_new_tokens" in hp and (not isinstance(hp["max_new_tokens"], int) or hp["max_new_tokens"] < 1):
-        raise ValueError(f"max_new_tokens must be a positive integer, got {hp['max_new_tokens']!r}")
+    for name in ("n", "n_chains", "max_new_tokens"):
+        if name in hp and (not isinstance(hp[name], int) or isinstance(hp[name], bool) or hp[name] < 1):
+            raise ValueError(f"{name} must be a positive integer, got {hp[name]!r}")
     if method == "degs_rerank" and not (hp["alpha"] >= 0 and hp["beta"] >= 0):
         raise ValueError("degs_rerank needs alpha >= 0 and beta >= 0")
     if method == "degs_rerank" and not hp["probe"]:
@@ -163,8 +162,6 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
         spec = SamplerSpec(temperature=temperature, top_k=hp["top_k"], top_p=hp["top_p"],
                            eos_ids=eos_ids, lens=lens if hp["probe"] else None)
         n, max_new = hp.get("n", 1), hp["max_new_tokens"]
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of candidates/chains must be a positive integer, got {n!r}")
     longest = max(len(p) for p in prompts) if prompts else 0
     if longest + max_new > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's "
@@ -196,7 +193,7 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
             accepted, active = jax.device_get((accepted, active))
             for r in np.flatnonzero(active):
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
-            if not active.any() or bool(jax.device_get(state.ended).all()):
+            if bool(jax.device_get(state.ended).all()):
                 break
         probed = mc.beta > 0
     else:

@@ -60,10 +60,12 @@ def score_sequences(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
     for start in range(0, len(prompts), batch_size):
         chunk = list(range(start, min(start + batch_size, len(prompts))))
         seqs = [list(prompts[i]) + list(completions[i]) for i in chunk]
-        T = -(-max(len(s) for s in seqs) // bucket) * bucket
-        if T > cfg.max_position_embeddings:
-            raise ValueError(f"sequence of {T} tokens exceeds the model context "
+        longest = max(len(s) for s in seqs)
+        if longest > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {longest} tokens exceeds the model context "
                              f"({cfg.max_position_embeddings})")
+        # Bucketed length bounds recompiles; padding never needs to exceed the context.
+        T = min(-(-longest // bucket) * bucket, cfg.max_position_embeddings)
         tokens = np.zeros((len(chunk), T), np.int32)
         for r, s in enumerate(seqs):
             tokens[r, : len(s)] = s

@@ -351,12 +351,14 @@ def test_auto_chunk_matches_streaming_and_single_block():
     h_out = rows[:2]
     single = streamed_head(w, h_out, rows, None)
     streamed = streamed_head(w, h_out, rows, 7)
-    old = transformer.SINGLE_BLOCK_MAX_BYTES
-    transformer.SINGLE_BLOCK_MAX_BYTES = 0  # force the streamed path under chunk=None
+    old = transformer.SINGLE_BLOCK_MAX_BYTES, transformer.DEFAULT_LENS_CHUNK
+    # Force the streamed path under chunk=None, in chunks smaller than the vocabulary.
+    transformer.SINGLE_BLOCK_MAX_BYTES, transformer.DEFAULT_LENS_CHUNK = 0, 10
     try:
         forced = streamed_head(w, h_out, rows, None)
+        jax.clear_caches()
     finally:
-        transformer.SINGLE_BLOCK_MAX_BYTES = old
+        transformer.SINGLE_BLOCK_MAX_BYTES, transformer.DEFAULT_LENS_CHUNK = old
     for other in (streamed, forced):
         for a, b in zip(single, other):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
