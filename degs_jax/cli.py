@@ -26,6 +26,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default bfloat16)")
     p.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as raw text even if the tokenizer has a chat template")
+    p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxMODEL",
+                   help="spread over local devices: DATA replicas (rows split between them) x "
+                        "MODEL-way tensor parallelism (heads and MLP split), e.g. 1x4 for a model "
+                        "too big for one GPU, 4x1 for four independent replicas (default: one device)")
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    from .models.sharding import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
@@ -63,7 +76,15 @@ def _load(args):
 
     source = args.model or DEFAULT_MODEL
     t0 = time.perf_counter()
-    model = load(source, dtype=args.dtype, progress=True)
+    mesh = None
+    if getattr(args, "mesh", None) is not None:
+        import jax
+
+        from .models.sharding import make_mesh
+
+        mesh = make_mesh(*args.mesh)
+        jax.set_mesh(mesh)  # for the rest of the command: every jitted call sees the mesh
+    model = load(source, dtype=args.dtype, progress=True, mesh=mesh)
     print(f"loaded {model.name} ({model.cfg.architecture}, {model.cfg.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model

@@ -7,8 +7,9 @@ may be left over; each failure names the tensor.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,10 +52,16 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def params_from_hf(tensors: Mapping[str, object], cfg: ModelConfig, dtype=jnp.bfloat16,
-                   to_numpy: Callable[[object], np.ndarray] = np.asarray) -> Params:
+                   to_numpy: Callable[[object], np.ndarray] = np.asarray,
+                   shardings: Optional[Params] = None) -> Params:
     """Build Params from HF-named tensors (numpy arrays, safetensors slices, torch tensors
     via `to_numpy`). Raises CheckpointError naming every missing, unexpected or
-    mis-shaped tensor."""
+    mis-shaped tensor.
+
+    shardings: a Params of `jax.sharding.Sharding` (see `sharding.param_shardings`):
+      each tensor goes straight from the host to its shards, so no single device ever
+      holds a model that only fits split.
+    """
     expected = hf_tensor_shapes(cfg)
     names = set(tensors)
     missing = sorted(set(expected) - names)
@@ -77,21 +84,25 @@ def params_from_hf(tensors: Mapping[str, object], cfg: ModelConfig, dtype=jnp.bf
     if problems:
         raise CheckpointError("checkpoint does not match config: " + "; ".join(problems))
 
-    def get(name, transpose=False):
+    def get(name, owner, field, transpose=False):
         arr = arrays[name]
-        return jnp.asarray(arr.T if transpose else arr, dtype=dtype)
+        arr = arr.T if transpose else arr
+        if owner is None:
+            return jnp.asarray(arr, dtype=dtype)
+        return jax.device_put(np.asarray(arr).astype(dtype), getattr(owner, field))
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        kw = {f: get(p + n + ".weight", transpose=True) for f, n in _LINEAR.items()}
-        kw.update({f: get(p + n) for f, n in _NORM.items()})
-        kw.update({f: get(p + n) if cfg.qkv_bias else None for f, n in _BIAS.items()})
+        owner = shardings.layers[i] if shardings is not None else None
+        kw = {f: get(p + n + ".weight", owner, f, transpose=True) for f, n in _LINEAR.items()}
+        kw.update({f: get(p + n, owner, f) for f, n in _NORM.items()})
+        kw.update({f: get(p + n, owner, f) if cfg.qkv_bias else None for f, n in _BIAS.items()})
         layers.append(LayerParams(**kw))
     return Params(
-        embed=get("model.embed_tokens.weight"), layers=layers,
-        final_norm=get("model.norm.weight"),
-        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight"),
+        embed=get("model.embed_tokens.weight", shardings, "embed"), layers=layers,
+        final_norm=get("model.norm.weight", shardings, "final_norm"),
+        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight", shardings, "lm_head"),
     )
 
 

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from .checkpoint import CheckpointError, params_from_hf
 from .config import ConfigError, ModelConfig
 from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf
+from .sharding import param_shardings
 from .transformer import Params
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -98,13 +99,15 @@ def default_cache_dir() -> Path:
 
 
 def load(source: str | os.PathLike, dtype="bfloat16", *, cache_dir: str | os.PathLike | None = None,
-         progress: bool = True, verify: bool = True) -> LoadedModel:
+         progress: bool = True, verify: bool = True, mesh=None) -> LoadedModel:
     """Load config, params and tokenizer from `source` (see the module docstring).
 
     dtype: parameter dtype, "bfloat16" (default) or "float32" (or the jnp dtypes).
     verify: check built-in files against their pinned sha256 (other sources have
       no reference hash).
     progress: tqdm bars and cache notes on stderr.
+    mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`): every tensor is
+      placed directly into its tensor-parallel shards (`sharding.param_specs`).
     Raises FileNotFoundError (naming the path), ChecksumError, ConfigError,
     CheckpointError (naming the offending tensor) or ValueError (bad dtype).
     """
@@ -113,16 +116,16 @@ def load(source: str | os.PathLike, dtype="bfloat16", *, cache_dir: str | os.Pat
     key = os.fspath(source)
     if key in BUILTIN_MODELS:
         path = _builtin_path(key, BUILTIN_MODELS[key], cache, verify, progress)
-        return _load_gguf(path, dtype, cache, progress, name=key)
+        return _load_gguf(path, dtype, cache, progress, name=key, mesh=mesh)
     path = Path(key).expanduser()
     if path.is_dir():
-        return _load_hf_dir(path, dtype, progress, name=path.name)
+        return _load_hf_dir(path, dtype, progress, name=path.name, mesh=mesh)
     if path.is_file():
-        return _load_gguf(path, dtype, cache, progress, name=path.stem)
+        return _load_gguf(path, dtype, cache, progress, name=path.stem, mesh=mesh)
     if path.suffix in (".gguf", ".safetensors", ".json") or not re.fullmatch(r"[\w.-]+/[\w.-]+", key):
         raise FileNotFoundError(f"model source {key!r} not found: not a built-in name "
                                 f"({', '.join(BUILTIN_MODELS)}), an existing directory or a file")
-    return _load_hf_dir(_hub_snapshot(key), dtype, progress, name=key)
+    return _load_hf_dir(_hub_snapshot(key), dtype, progress, name=key, mesh=mesh)
 
 
 def _parameter_dtype(dtype):
@@ -133,6 +136,10 @@ def _parameter_dtype(dtype):
     if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
     return dt
+
+
+def _shardings(cfg: ModelConfig, mesh):
+    return None if mesh is None else param_shardings(cfg, mesh)
 
 
 def _note(message: str, progress: bool) -> None:
@@ -216,7 +223,7 @@ def _builtin_path(name: str, spec: BuiltinModel, cache_dir: Path, verify: bool, 
 
 # ----------------------------------------------------------------------------- HF directories
 
-def _load_hf_dir(directory: Path, dtype, progress: bool, name: str) -> LoadedModel:
+def _load_hf_dir(directory: Path, dtype, progress: bool, name: str, mesh=None) -> LoadedModel:
     """config.json + model.safetensors (or a sharded index) + tokenizer files."""
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -232,13 +239,13 @@ def _load_hf_dir(directory: Path, dtype, progress: bool, name: str) -> LoadedMod
         weight_map = None
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
-    params = _read_safetensors(directory, weight_map, cfg, dtype, progress, label=name)
+    params = _read_safetensors(directory, weight_map, cfg, dtype, progress, label=name, mesh=mesh)
     return LoadedModel(cfg=cfg, params=params, tokenizer=_tokenizer(directory), source=str(directory),
                        name=name)
 
 
 def _read_safetensors(directory: Path, weight_map: dict[str, str] | None, cfg: ModelConfig,
-                      dtype, progress: bool, label: str) -> Params:
+                      dtype, progress: bool, label: str, mesh=None) -> Params:
     """Params from one file or from shards (`weight_map`: tensor name -> file name).
 
     Tensors are read with safetensors' numpy reader, except bf16 ones (numpy has no
@@ -278,7 +285,8 @@ def _read_safetensors(directory: Path, weight_map: dict[str, str] | None, cfg: M
             return arr
 
         try:
-            return params_from_hf({n: n for n in weight_map}, cfg, dtype, to_numpy=read)
+            return params_from_hf({n: n for n in weight_map}, cfg, dtype, to_numpy=read,
+                                  shardings=_shardings(cfg, mesh))
         except CheckpointError as e:
             raise CheckpointError(f"{directory}: {e}") from e
 
@@ -308,12 +316,13 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 # ----------------------------------------------------------------------------- GGUF
 
-def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str, mesh=None) -> LoadedModel:
     """Read back the converted directory of a GGUF file, converting it the first time."""
     entry = cache_dir / f"gguf-v{GGUF_CACHE_VERSION}" / file_sha256(path, cache_dir, progress)
     if (entry / "config.json").is_file():
         _note(f"using converted fp32 weights of {path.name} cached in {entry}", progress)
-        return dataclasses.replace(_load_hf_dir(entry, dtype, progress, name=name), source=str(path))
+        return dataclasses.replace(_load_hf_dir(entry, dtype, progress, name=name, mesh=mesh),
+                                   source=str(path))
     reader = open_gguf(path)
     try:
         cfg = config_from_gguf(reader)
@@ -322,7 +331,7 @@ def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str) ->
     tensors = dict(tqdm(iter_hf_tensors(reader, cfg), total=len(reader.tensors), file=sys.stderr,
                         desc=f"dequantising {path.name}", disable=not progress))
     try:  # checks every tensor before anything is cached
-        params = params_from_hf(tensors, cfg, dtype)
+        params = params_from_hf(tensors, cfg, dtype, shardings=_shardings(cfg, mesh))
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
     tokenizer = _tokenizer(path.parent, gguf_file=path.name)

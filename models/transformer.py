@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .sharding import CACHE, FFN, HEADS, HIDDEN, constrain
 
 Array = jax.Array
 
@@ -109,23 +110,38 @@ def param_shapes(cfg: ModelConfig) -> Params:
     )
 
 
-def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
-    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks."""
+def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02,
+                shardings: Optional[Params] = None) -> Params:
+    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks.
+
+    shardings: a Params of `jax.sharding.Sharding` (`sharding.param_shardings`): each
+      tensor is drawn directly into its shards, so a model that only fits split (a 72B
+      shape) never exists on one device. The values do not depend on the shardings.
+    """
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    placements = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
     keys = jax.random.split(key, len(leaves))
     out = []
-    for k, shape in zip(keys, leaves):
-        if len(shape) == 1:  # norm weights and biases
-            out.append((1.0 + scale * jax.random.normal(k, shape)).astype(dtype))
-        else:
-            out.append((scale * jax.random.normal(k, shape)).astype(dtype))
+    for k, shape, placement in zip(keys, leaves, placements):
+        # Scaled eagerly (op by op, keeping the placement): fused into one jitted draw,
+        # XLA would contract scale and 1 + into multiply-adds and change fp32 values.
+        x = scale * _normal(shape, placement)(k)
+        out.append((1.0 + x if len(shape) == 1 else x).astype(dtype))  # 1-D: norms, biases
     return jax.tree.unflatten(treedef, out)
 
 
+@functools.cache
+def _normal(shape: tuple[int, ...], sharding):
+    """A jitted fp32 normal draw placed on `sharding` (None: the default device)."""
+    return jax.jit(functools.partial(jax.random.normal, shape=shape, dtype=jnp.float32),
+                   out_shardings=sharding)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
+    """An empty cache, [L, batch, max_len, Hkv, Dh] (split by row and head under a mesh)."""
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVCache(k=constrain(jnp.zeros(shape, dtype), CACHE), v=constrain(jnp.zeros(shape, dtype), CACHE))
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -179,24 +195,24 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
     if cfg.qkv_bias:
         q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-    q = _rope(q.reshape(B, T, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
-    k = _rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = constrain(_rope(q.reshape(B, T, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
+    k = constrain(_rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
+    v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
     if cache is None:
         keys, values, k_pos = k, v, positions
     else:
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
         # mode="drop": a padding entry positioned past the cache end writes nothing.
         cache = KVCache(
-            k=cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype), mode="drop"))
+            k=constrain(cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype), mode="drop"), CACHE),
+            v=constrain(cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype), mode="drop"), CACHE))
         keys, values = cache.k[index], cache.v[index]
         k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
     attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
-    x = x + attn.reshape(B, T, -1) @ layer.o
+    x = constrain(x + attn.reshape(B, T, -1) @ layer.o, HIDDEN)
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ layer.gate) * (h @ layer.up)) @ layer.down
-    return x, cache
+    hidden = constrain(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
+    return constrain(x + hidden @ layer.down, HIDDEN), cache
 
 
 # With `chunk=None`, a lens whose whole [rows, V] fp32 block fits in this many bytes is
@@ -312,7 +328,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
         if bad:
             raise ValueError(f"{name} layers {bad} out of range 0..{L}")
     B, T = tokens.shape
-    x = params.embed[tokens]
+    x = constrain(params.embed[tokens], HIDDEN)
     wanted = set(capture) | set(lens_layers)
     saved = {0: x} if 0 in wanted else {}
     for l, layer in enumerate(params.layers):

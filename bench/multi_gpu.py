@@ -1,0 +1,152 @@
+"""Multi-GPU: tensor-parallel decode of a model too big for one GPU (Qwen2.5-72B shape,
+bf16, random weights drawn straight into their shards), data-parallel replicas of a
+smaller shape, and DEGS-MCMC on the sharded model (the unchanged sampler code).
+
+    python bench/multi_gpu.py --parts tp dp mcmc           # every GPU of the machine
+
+tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens, EOS suppressed,
+      greedy, per batch size; roofline = (weights + KV cache read per step) / N per
+      device over one device's measured copy bandwidth.
+dp:   the same decode on a smaller shape: one device at batch B against an N x 1 mesh
+      at batch N·B (scaling efficiency = throughput ratio / N).
+mcmc: degs_mcmc on the tensor-parallel model, a few problems, short blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import copy_bandwidth, emit, environment, param_bytes, shape_config
+from degs_jax.decoders import decode
+from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.models import init_params
+from degs_jax.models.sharding import make_mesh, param_shardings
+
+OUT = "multi_gpu.jsonl"
+
+
+def sharded_model(name: str, data: int, model: int):
+    cfg = shape_config(name)
+    mesh = make_mesh(data, model)
+    t = time.perf_counter()
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16, shardings=param_shardings(cfg, mesh))
+    jax.block_until_ready(params)
+    return cfg, mesh, params, time.perf_counter() - t
+
+
+def decode_time(cfg, params, batch: int, prompt: int, new: int, repeats: int):
+    """(median seconds of `generate` over `new` tokens, seconds of the first call with
+    compilation); prefill excluded, as in decode_throughput.py."""
+    spec = SamplerSpec(temperature=0.0, eos_ids=())
+    tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
+    lengths = jnp.full((batch,), prompt, jnp.int32)
+    keys = jax.random.split(jax.random.key(1), batch)
+
+    def once():
+        st = prefill(params, cfg, tokens, lengths, prompt + new, jnp.bfloat16)
+        jax.block_until_ready(st.length)
+        t = time.perf_counter()
+        st = generate(params, cfg, st, lengths + new, keys, spec)
+        jax.block_until_ready(st.length)
+        return time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    once()
+    first = time.perf_counter() - t0
+    return sorted(once() for _ in range(repeats))[repeats // 2], first
+
+
+def step_bytes(cfg, params, batch: int, prompt: int, new: int) -> float:
+    weights = param_bytes(params) - (0 if cfg.tie_word_embeddings else params.embed.size * 2)
+    kv = 2 * cfg.num_layers * batch * (prompt + new / 2) * cfg.num_kv_heads * cfg.head_dim * 2
+    return weights + kv
+
+
+def tensor_parallel(args, n: int, bw: float):
+    cfg, mesh, params, init_s = sharded_model(args.tp_shape, 1, n)
+    with jax.set_mesh(mesh):
+        for batch in args.tp_batches:
+            sec, first = decode_time(cfg, params, batch, args.prompt, args.new, args.repeats)
+            step = sec / (args.new + 1)
+            emit({"bench": "tensor_parallel_decode", "shape": args.tp_shape, "mesh": [1, n],
+                  "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
+                  "seconds": sec, "seconds_first_call": first, "init_seconds": init_s,
+                  "tokens_per_s": batch * args.new / sec, "ms_per_step": 1e3 * step,
+                  "param_GB": param_bytes(params) / 1e9,
+                  "roofline_fraction": step_bytes(cfg, params, batch, args.prompt, args.new) / n / step / bw},
+                 OUT)
+    return cfg, mesh, params
+
+
+def data_parallel(args, n: int):
+    one_cfg, _, one, _ = sharded_model(args.dp_shape, 1, 1)
+    single, _ = decode_time(one_cfg, one, args.dp_batch, args.prompt, args.new, args.repeats)
+    del one
+    cfg, mesh, params, _ = sharded_model(args.dp_shape, n, 1)
+    with jax.set_mesh(mesh):
+        sec, _ = decode_time(cfg, params, n * args.dp_batch, args.prompt, args.new, args.repeats)
+    one_tps = args.dp_batch * args.new / single
+    all_tps = n * args.dp_batch * args.new / sec
+    emit({"bench": "data_parallel_decode", "shape": args.dp_shape, "mesh": [n, 1],
+          "batch_per_device": args.dp_batch, "prompt": args.prompt, "new_tokens": args.new,
+          "one_device_tokens_per_s": one_tps, "mesh_tokens_per_s": all_tps,
+          "scaling_efficiency": all_tps / one_tps / n}, OUT)
+
+
+def mcmc(args, cfg, mesh, params):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, rng.integers(128, 321)).tolist()
+               for _ in range(args.mcmc_problems)]
+    hp = dict(block_len=args.mcmc_block_len, num_blocks=args.mcmc_blocks, mh_steps=args.mcmc_mh_steps)
+    with jax.set_mesh(mesh):
+        times = []
+        for _ in range(2):  # the first includes compilation
+            t = time.perf_counter()
+            res = decode(params, cfg, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(), **hp)
+            times.append(time.perf_counter() - t)
+    acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
+    emit({"bench": "tensor_parallel_mcmc", "method": "degs_mcmc", "shape": args.tp_shape,
+          "mesh": list(mesh.devices.shape), "problems": args.mcmc_problems, **hp,
+          "seconds": times[1], "seconds_with_compile": times[0],
+          "seconds_per_problem": times[1] / args.mcmc_problems,
+          "generated_tokens_per_s": res.counters["generated_tokens"] / times[1],
+          "mean_acceptance": float(np.mean(acc)) if acc else None,
+          "completion_tokens": int(np.mean([len(o.chosen.tokens) for o in res.outputs]))}, OUT)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["tp", "dp", "mcmc"], choices=["tp", "dp", "mcmc"])
+    ap.add_argument("--devices", type=int, default=None, help="devices to use (default: all local)")
+    ap.add_argument("--tp-shape", default="qwen2.5-72b")
+    ap.add_argument("--tp-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    ap.add_argument("--dp-shape", default="qwen2.5-7b")
+    ap.add_argument("--dp-batch", type=int, default=64, help="rows per device")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mcmc-problems", type=int, default=16)
+    ap.add_argument("--mcmc-block-len", type=int, default=64)
+    ap.add_argument("--mcmc-blocks", type=int, default=2)
+    ap.add_argument("--mcmc-mh-steps", type=int, default=2)
+    args = ap.parse_args()
+    n = args.devices or jax.local_device_count()
+    bw = copy_bandwidth()
+    emit({"bench": "environment", **environment(), "devices_used": n,
+          "copy_bandwidth_GBps": bw / 1e9}, OUT)
+    if "dp" in args.parts:
+        data_parallel(args, n)
+    if "tp" in args.parts or "mcmc" in args.parts:
+        cfg, mesh, params = tensor_parallel(args, n, bw) if "tp" in args.parts else (
+            sharded_model(args.tp_shape, 1, n)[:3])
+        if "mcmc" in args.parts:
+            mcmc(args, cfg, mesh, params)
+
+
+if __name__ == "__main__":
+    main()
