@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -83,7 +84,7 @@ def _load(args):
         from .models.sharding import make_mesh
 
         mesh = make_mesh(*args.mesh)
-        jax.set_mesh(mesh)  # for the rest of the command: every jitted call sees the mesh
+        args.scope.enter_context(jax.set_mesh(mesh))  # every later jitted call sees it
     model = load(source, dtype=args.dtype, progress=True, mesh=mesh)
     print(f"loaded {model.name} ({model.cfg.architecture}, {model.cfg.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -188,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with contextlib.ExitStack() as scope:  # what the command enters (the mesh) ends with it
+            args.scope = scope
+            return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"degs: error: {e}", file=sys.stderr)
         return 2

@@ -130,6 +130,58 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
     return buf.at[rows, idx].set(jnp.where(where, value.astype(buf.dtype), buf[rows, idx]))
 
 
+def decode_step(params: Params, cfg: ModelConfig, st: GenState, active: Array, limit: Array,
+                keys: Array, fresh_from: Array, spec: SamplerSpec) -> tuple[GenState, Array]:
+    """One step of every `active` row (see the module docstring); the body of `generate`'s
+    loop, also driven directly by loops that restart rows mid-way (mcmc.mh_steps).
+
+    active, limit, fresh_from: [B]; keys: [B] PRNG keys. Returns (state, active [B]: rows
+    that still have tokens to draw after this step).
+    """
+    B, S = st.tokens.shape
+    rows = jnp.arange(B)
+    lens_layers = spec.lens.lsub if spec.lens is not None else ()
+    n = st.length
+    consumed = jnp.take_along_axis(st.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
+    # Inactive rows write their KV to slot S, which the scatter drops.
+    pos = jnp.where(active, n - 1, S)[:, None]
+    out = forward(params, cfg, consumed, pos, st.cache, lens_layers=lens_layers,
+                  lens_chunk=spec.lens.chunk if spec.lens is not None else None)
+    logits = out.logits[:, 0]  # [B, V] fp32
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    write_stats = active & (n - 1 >= fresh_from)
+    h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    final_entropy = _set(st.final_entropy, n - 1, h_final, write_stats)
+    depth = st.depth
+    if spec.lens is not None:
+        d = collapse_depth(out.lens.entropy[:, :, 0], spec.lens.lsub, cfg.num_layers, spec.lens.tau)
+        depth = _set(depth, n - 1, d, write_stats)
+
+    sample = active & (n < limit)
+    if spec.temperature == 0.0:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logq_tok = jnp.zeros((B,), jnp.float32)
+    else:
+        logq_all = proposal_log_density(logits, spec)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, n)
+        tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
+        logq_tok = logq_all[rows, tok]
+    logp_tok = logp_all[rows, tok]
+    hit_eos = sample & _is_eos(tok, spec.eos_ids)
+    new = GenState(
+        tokens=_set(st.tokens, n, tok, sample),
+        logp=_set(st.logp, n, logp_tok, sample),
+        logq=_set(st.logq, n, logq_tok, sample),
+        depth=depth, final_entropy=final_entropy,
+        length=n + sample.astype(jnp.int32), prompt_len=st.prompt_len,
+        ended=st.ended | hit_eos, cache=out.cache,
+        n_generated=st.n_generated + sample,
+        n_forward=st.n_forward + active,
+        n_probed=st.n_probed + active * len(lens_layers),
+    )
+    return new, sample & ~hit_eos
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
 def generate(params: Params, cfg: ModelConfig, state: GenState, limit: Array, keys: Array,
              spec: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
@@ -142,59 +194,14 @@ def generate(params: Params, cfg: ModelConfig, state: GenState, limit: Array, ke
       (re)written; defaults to the current lengths.
     Rows that are already ended or at their limit are left untouched.
     """
-    B, S = state.tokens.shape
-    rows = jnp.arange(B)
     fresh_from = state.length if fresh_from is None else fresh_from
-    lens_layers = spec.lens.lsub if spec.lens is not None else ()
     active0 = ~state.ended & (state.length < limit)
-
-    def cond(carry):
-        _, active = carry
-        return jnp.any(active)
 
     def body(carry):
         st, active = carry
-        n = st.length
-        consumed = jnp.take_along_axis(st.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
-        # Inactive rows write their KV to slot S, which the scatter drops.
-        pos = jnp.where(active, n - 1, S)[:, None]
-        out = forward(params, cfg, consumed, pos, st.cache, lens_layers=lens_layers,
-                      lens_chunk=spec.lens.chunk if spec.lens is not None else None)
-        logits = out.logits[:, 0]  # [B, V] fp32
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
-        write_stats = active & (n - 1 >= fresh_from)
-        h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-        final_entropy = _set(st.final_entropy, n - 1, h_final, write_stats)
-        depth = st.depth
-        if spec.lens is not None:
-            d = collapse_depth(out.lens.entropy[:, :, 0], spec.lens.lsub, cfg.num_layers, spec.lens.tau)
-            depth = _set(depth, n - 1, d, write_stats)
+        return decode_step(params, cfg, st, active, limit, keys, fresh_from, spec)
 
-        sample = active & (n < limit)
-        if spec.temperature == 0.0:
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            logq_tok = jnp.zeros((B,), jnp.float32)
-        else:
-            logq_all = proposal_log_density(logits, spec)
-            step_keys = jax.vmap(jax.random.fold_in)(keys, n)
-            tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
-            logq_tok = logq_all[rows, tok]
-        logp_tok = logp_all[rows, tok]
-        hit_eos = sample & _is_eos(tok, spec.eos_ids)
-        new = GenState(
-            tokens=_set(st.tokens, n, tok, sample),
-            logp=_set(st.logp, n, logp_tok, sample),
-            logq=_set(st.logq, n, logq_tok, sample),
-            depth=depth, final_entropy=final_entropy,
-            length=n + sample.astype(jnp.int32), prompt_len=st.prompt_len,
-            ended=st.ended | hit_eos, cache=out.cache,
-            n_generated=st.n_generated + sample,
-            n_forward=st.n_forward + active,
-            n_probed=st.n_probed + active * len(lens_layers),
-        )
-        return new, sample & ~hit_eos
-
-    state, _ = jax.lax.while_loop(cond, body, (state, active0))
+    state, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1]), body, (state, active0))
     return state
 
 

@@ -11,7 +11,7 @@ regenerate from m to EOS or the boundary, accept with probability min(1, r),
 
 with whole-suffix sums of the per-token values stored when each token was generated.
 All rows (problems x chains) run in one batch; the MH steps of a block are one jitted
-`lax.fori_loop` around the generation `while_loop`.
+`lax.while_loop` of decode steps in which every row runs its own steps (`mh_steps`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import GenState, SamplerSpec, generate, select_rows
+from .generation import GenState, SamplerSpec, decode_step, generate, select_rows
 from .lens import LensConfig, sequence_depth
-from .models import ModelConfig, Params
+from .models import KVCache, ModelConfig, Params
 
 Array = jax.Array
 
@@ -118,38 +118,98 @@ def _row_keys(keys: Array, *tags: int | Array) -> Array:
     return keys
 
 
+_COUNTERS = ("n_generated", "n_forward", "n_probed")
+
+
+# Rows copied per gather/scatter in `_copy_cache_rows`.
+_ROWS_PER_COPY = 8
+
+
+def _copy_cache_rows(current: KVCache, proposal: KVCache, rows: Array, take_proposal: Array):
+    """For every row r with rows[r]: both caches' row r := proposal's if take_proposal[r]
+    else current's. Rows go _ROWS_PER_COPY at a time through one gather and in-place
+    scatters (a full-cache select would move the whole cache on every step that ends a
+    proposal); with the batch split over a mesh, XLA partitions the gather and scatters
+    per device (a dynamic slice of the split batch axis would all-gather the cache)."""
+    B = rows.shape[0]
+    R = min(B, _ROWS_PER_COPY)
+    order = jnp.nonzero(rows, size=B + R, fill_value=B)[0]  # B: out of range, dropped
+
+    def copy_chunk(i, caches):
+        cur, prop = caches
+        idx = jax.lax.dynamic_slice_in_dim(order, i * R, R)
+        take = take_proposal[jnp.minimum(idx, B - 1)][None, :, None, None, None]
+        rows_of = lambda a: jnp.take(a, idx, axis=1, mode="clip")  # [L, R, ...]
+        put = lambda a, v: a.at[:, idx].set(v, mode="drop")
+        k = jnp.where(take, rows_of(prop.k), rows_of(cur.k))
+        v = jnp.where(take, rows_of(prop.v), rows_of(cur.v))
+        return KVCache(put(cur.k, k), put(cur.v, v)), KVCache(put(prop.k, k), put(prop.v, v))
+
+    chunks = (jnp.sum(rows) + R - 1) // R
+    return jax.lax.fori_loop(0, chunks, copy_chunk, (current, proposal))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "mc"))
 def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
              limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array]:
-    """`mc.mh_steps` MH steps on every active row; one jitted `lax.fori_loop`.
+    """`mc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
     active: [B] rows that move (others are left untouched). keys: [B] chain keys; step
     s of block k draws from fold_in(key, k, s + 1). Returns (state, accepted [B] int32).
+
+    Rows advance independently: every loop iteration is one decode step of every row's
+    proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
+    there and starts its next step at once, so no row idles until the batch's longest
+    regeneration of the same step is done. The proposal lives in a second state whose
+    rows equal the current chain's except past the cut of a running proposal; after a
+    decision both rows are made equal again (row copies of the cache). A row's draws
+    depend only on its key, the block and its step, so the chain is the one of running
+    the steps in lock-step (or the row alone).
     """
     spec = mc.proposal
+    block_keys = _row_keys(keys, block)
 
-    def step(i, carry):
-        current, accepted = carry
-        step_keys = _row_keys(keys, block, i + 1)
-        k_cut, k_gen, k_acc = (_row_keys(step_keys, j) for j in range(3))
+    def begin(current, proposal, step, starting, cut, p_limit, gen_keys):
+        """Start step `step` of the rows in `starting`: draw the cut, truncate the proposal."""
+        step_keys = jax.vmap(jax.random.fold_in)(block_keys, step + 1)
+        k_cut, k_gen = _row_keys(step_keys, 0), _row_keys(step_keys, 1)
         n_x = current.length - current.prompt_len
         m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(k_cut, n_x)
-        cut = jnp.where(active, current.prompt_len + m, current.length)
-        prop_limit = current.length if mc.reference_quirks else limit
-        proposal = dataclasses.replace(current, length=cut, ended=current.ended & ~active)
-        proposal = generate(params, cfg, proposal, jnp.where(active, prop_limit, cut), k_gen,
-                            spec, fresh_from=cut)
-        log_r = log_acceptance_ratio(current, proposal, cut, cfg, mc)
-        log_u = jnp.log(jax.vmap(jax.random.uniform)(k_acc))
-        accept = active & (log_u < log_r)
-        # Work done on rejected proposals still counts in the compute accounting.
-        counters = dict(n_generated=proposal.n_generated, n_forward=proposal.n_forward,
-                        n_probed=proposal.n_probed)
-        current = dataclasses.replace(select_rows(accept, proposal, current), **counters)
-        return current, accepted + accept
+        # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
+        new_cut = current.prompt_len + m
+        new_limit = current.length if mc.reference_quirks else limit
+        proposal = dataclasses.replace(
+            proposal, length=jnp.where(starting, new_cut, proposal.length),
+            ended=proposal.ended & ~starting)
+        return (proposal, jnp.where(starting, new_cut, cut), jnp.where(starting, new_limit, p_limit),
+                jnp.where(starting, k_gen, gen_keys))
 
-    return jax.lax.fori_loop(0, mc.mh_steps, step, (state, jnp.zeros(active.shape, jnp.int32)))
+    def body(carry):
+        current, proposal, generating, step, cut, p_limit, gen_keys, accepted = carry
+        proposal, still = decode_step(params, cfg, proposal, generating, p_limit, gen_keys, cut, spec)
+        done = generating & ~still
+        step_keys = jax.vmap(jax.random.fold_in)(block_keys, step + 1)
+        log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys, 2)))
+        accept = done & (log_u < log_acceptance_ratio(current, proposal, cut, cfg, mc))
+        # Both states take the decided row; the proposal keeps the work counters (work on
+        # rejected proposals counts in the compute accounting).
+        counters = {name: getattr(proposal, name) for name in _COUNTERS}
+        k_cache, p_cache = _copy_cache_rows(current.cache, proposal.cache, done, accept)
+        current = dataclasses.replace(select_rows(accept, proposal, current), cache=k_cache)
+        proposal = dataclasses.replace(select_rows(done, current, proposal), cache=p_cache, **counters)
+        step = step + done
+        starting = done & (step < mc.mh_steps)
+        proposal, cut, p_limit, gen_keys = begin(current, proposal, step, starting, cut, p_limit, gen_keys)
+        return (current, proposal, (generating & still) | starting, step, cut, p_limit, gen_keys,
+                accepted + accept)
+
+    zeros = jnp.zeros(active.shape, jnp.int32)
+    proposal, cut, p_limit, gen_keys = begin(state, state, zeros, active, state.length, state.length,
+                                             keys)
+    carry = (state, proposal, active, zeros, cut, p_limit, gen_keys, zeros)
+    current, proposal, *_, accepted = jax.lax.while_loop(lambda c: jnp.any(c[2]), body, carry)
+    return dataclasses.replace(current, **{name: getattr(proposal, name) for name in _COUNTERS}), accepted
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mc"))

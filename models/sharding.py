@@ -35,7 +35,7 @@ DATA, MODEL = "data", "model"
 HIDDEN = P(DATA, None, None)  # [B, T, D]: replicated over "model" between blocks
 HEADS = P(DATA, None, MODEL, None)  # [B, T, heads, Dh]
 FFN = P(DATA, None, MODEL)  # [B, T, F]
-CACHE = P(None, DATA, None, MODEL, None)  # [L, B, S, Hkv, Dh]
+CACHE = P(None, DATA, MODEL, None, None)  # [L, B, Hkv, S, Dh] and [L, B, Hkv, Dh, S]
 
 
 def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:

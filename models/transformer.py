@@ -67,12 +67,17 @@ class Params:
 
 @_pytree_dataclass
 class KVCache:
-    k: Array  # [L, B, S, Hkv, Dh]
-    v: Array  # [L, B, S, Hkv, Dh]
+    """Keys and values of every layer, laid out as the attention products read them
+    (slots next to head size for Q·K, slots minor for P·V). In the row-major order XLA
+    keeps by default this is also the layout its GPU matmuls want, so no loop that
+    carries the cache (or copies its rows) needs a transpose of it per step."""
+
+    k: Array  # [L, B, Hkv, S, Dh]
+    v: Array  # [L, B, Hkv, Dh, S]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 @_pytree_dataclass
@@ -139,9 +144,10 @@ def _normal(shape: tuple[int, ...], sharding):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache, [L, batch, max_len, Hkv, Dh] (split by row and head under a mesh)."""
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(k=constrain(jnp.zeros(shape, dtype), CACHE), v=constrain(jnp.zeros(shape, dtype), CACHE))
+    """An empty cache (see KVCache; split by row and head under a mesh)."""
+    L, H, Dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    return KVCache(k=constrain(jnp.zeros((L, batch, H, max_len, Dh), dtype), CACHE),
+                   v=constrain(jnp.zeros((L, batch, H, Dh, max_len), dtype), CACHE))
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -170,19 +176,19 @@ def _rope(x: Array, positions: Array, theta: float) -> Array:
 def _attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array) -> Array:
     """Grouped-query causal attention by position.
 
-    q: [B, T, H, Dh]; k, v: [B, S, Hkv, Dh]; q_pos: [B, T]; k_pos: [B, S].
+    q: [B, T, H, Dh]; k: [B, Hkv, S, Dh]; v: [B, Hkv, Dh, S]; q_pos: [B, T]; k_pos: [B, S].
     Key j is visible to query t iff k_pos[j] <= q_pos[t]. Returns [B, T, H, Dh].
     Scores and softmax in fp32; probabilities cast to v's dtype for the PV product (as HF).
     """
     B, T, H, Dh = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1]
     qg = q.reshape(B, T, hkv, H // hkv, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5)
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bkds->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, Dh).astype(q.dtype)
 
 
@@ -199,13 +205,16 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     k = constrain(_rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
     v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
     if cache is None:
-        keys, values, k_pos = k, v, positions
+        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), positions
     else:
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
-        # mode="drop": a padding entry positioned past the cache end writes nothing.
+        # The indexed (row, slot) pairs come first in the updated slice: [B, T, Hkv, Dh]
+        # for both layouts. mode="drop": a padding entry past the cache end writes nothing.
         cache = KVCache(
-            k=constrain(cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype), mode="drop"), CACHE),
-            v=constrain(cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype), mode="drop"), CACHE))
+            k=constrain(cache.k.at[index, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
+                        CACHE),
+            v=constrain(cache.v.at[index, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
+                        CACHE))
         keys, values = cache.k[index], cache.v[index]
         k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
     attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)

@@ -64,3 +64,23 @@ def test_probe_scores_given_and_greedy_completions(tmp_path, capsys):
     assert (out / "entropy.png").stat().st_size > 1000
     assert main(["probe", "--input", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_mesh_option_splits_rows_and_refuses_uneven_heads(capsys):
+    import jax
+
+    # fp32: in bf16, the partitioned program rounds in other places (other fusions) and
+    # greedy tokens of this model can differ from one device's.
+    argv = ["generate", "What is 2 + 2?", "--max-new-tokens", "6", "--dtype", "float32"]
+    assert main(argv) == 0
+    alone = capsys.readouterr().out
+    # Two data-parallel replicas on the 4 host devices of the test session: same tokens.
+    assert main(argv + ["--mesh", "2x1"]) == 0
+    assert capsys.readouterr().out == alone
+    assert jax.sharding.get_abstract_mesh().empty  # the mesh ends with the command
+    # SmolLM2-135M has 3 key/value heads: they cannot be split over 4 devices.
+    assert main(argv + ["--mesh", "1x4"]) == 2
+    assert "key/value heads (3) not divisible by 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv + ["--mesh", "4"])
+    assert "DATAxMODEL" in capsys.readouterr().err

@@ -284,6 +284,24 @@ def test_mcmc_batch_equals_chains_one_by_one(eos_model):
     assert moved, "no MH step was accepted: the comparison would not cover the MH part"
 
 
+def test_mcmc_chains_keep_the_models_statistics(model):
+    """Many MH steps with both decisions, rows finishing proposals at different times:
+    every chain's stored log p, final entropy and D(x) equal a fresh teacher-forced pass.
+    After each decision the proposal's cache row must be reset to the chain's; a stale
+    row (the rejected proposal's keys past its cut) would change later proposals' values."""
+    cfg, params = model
+    res = decode(params, cfg, PROMPTS, "degs_mcmc", jax.random.key(5), eos_ids=(), block_len=12,
+                 num_blocks=2, mh_steps=6, n_chains=4, lsub=LSUB, tau=TAU, alpha=1.5)
+    acceptance = [a for o in res.outputs for c in o.candidates for a in c.acceptance]
+    assert 0.2 < np.mean(acceptance) < 0.9, acceptance  # both accepted and rejected steps
+    for i, out in enumerate(res.outputs):
+        for c, ref in zip(out.candidates, teacher_scores(model, [PROMPTS[i]] * 4, out.candidates)):
+            assert len(c.tokens) == 24
+            assert abs(c.log_p - ref["log_p"]) < 1e-4
+            assert abs(c.final_entropy - ref["final_entropy"]) < 1e-4
+            assert abs(c.depth - ref["depth"]) < 1e-6
+
+
 @pytest.mark.parametrize("method", ["temperature", "degs_mcmc"])
 def test_same_key_bitwise_different_key_differs(eos_model, results, method):
     first = results[method]

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from degs_jax.decoders import decode
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
+from degs_jax.mcmc import MCMCConfig, mh_steps
 from degs_jax.models import forward, init_params, load
 from degs_jax.models.sharding import (CACHE, make_mesh, param_shardings, param_specs,
                                       parse_mesh, shard_params)
@@ -102,8 +103,9 @@ def test_weights_and_cache_are_split(params):
         prompts = jnp.ones((4, 8), jnp.int32)
         state = prefill(sharded, CFG, prompts, jnp.full((4,), 5, jnp.int32), 32, jnp.float32)
     assert state.cache.k.sharding.is_equivalent_to(NamedSharding(mesh, CACHE), state.cache.k.ndim)
-    L, B, S, Hkv, Dh = state.cache.k.shape
-    assert state.cache.k.addressable_shards[0].data.shape == (L, B // 2, S, Hkv // 2, Dh)
+    L, B, Hkv, S, Dh = state.cache.k.shape
+    assert state.cache.k.addressable_shards[0].data.shape == (L, B // 2, Hkv // 2, S, Dh)
+    assert state.cache.v.addressable_shards[0].data.shape == (L, B // 2, Hkv // 2, Dh, S)
 
 
 def _collective_sizes(hlo: str) -> list[tuple[str, int]]:
@@ -116,26 +118,44 @@ def _collective_sizes(hlo: str) -> list[tuple[str, int]]:
     return sizes
 
 
-def test_decode_step_moves_no_weights_or_cache():
+def test_decode_step_and_mh_steps_move_no_weights_or_cache():
     # Wide enough that weights and cache dwarf a step's activations (B x D, B x V).
     cfg = tiny_config("Qwen2ForCausalLM", num_heads=4, num_kv_heads=2, vocab=96, hidden=128,
                       head_dim=32, intermediate=256, layers=2)
     params = init_params(cfg, jax.random.key(0), jnp.float32)
     mesh = make_mesh(2, 2)
-    B, S = 4, 64
-    with jax.set_mesh(mesh):
-        sharded = shard_params(params, cfg, mesh)
-        state = prefill(sharded, cfg, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32), S,
-                        jnp.float32)
-        spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=LensConfig(lsub=(1,), tau=0.25))
-        hlo = generate.lower(sharded, cfg, state, jnp.full((B,), 40, jnp.int32),
-                             jax.random.split(jax.random.key(0), B), spec).compile().as_text()
-    sizes = _collective_sizes(hlo)
+    S = 64
+    lens = LensConfig(lsub=(1,), tau=0.25)
+    mc = MCMCConfig(alpha=4.0, beta=5.0, block_len=8, num_blocks=1, mh_steps=2, lens=lens,
+                    eos_ids=(95,))
+
+    def compiled(fn, B):
+        with jax.set_mesh(mesh):
+            sharded = shard_params(params, cfg, mesh)
+            state = prefill(sharded, cfg, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32),
+                            S, jnp.float32)
+            keys = jax.random.split(jax.random.key(0), B)
+            limit = jnp.full((B,), 40, jnp.int32)
+            if fn is generate:
+                spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=lens)
+                return generate.lower(sharded, cfg, state, limit, keys, spec).compile().as_text()
+            return mh_steps.lower(sharded, cfg, state, keys, jnp.int32(0), limit,
+                                  jnp.ones((B,), bool), mc).compile().as_text()
+
+    B = 8
+    sizes = _collective_sizes(compiled(generate, B))
     assert any(op == "all-reduce" for op, _ in sizes)  # the row-parallel sums are there
     # Smallest weight shard: k, [128, 2 heads * 32 / 2] = 4096 elements; one layer's cache
-    # shard: [B/2, S, 1, 32] = 4096. A step's activations are at most B x V = 384.
-    largest = max(n for _, n in sizes)
-    assert largest <= B * cfg.vocab_size, sizes
+    # shard: [B/2, 1, S, 32] = 8192. A decode step's activations are at most B x V = 768.
+    assert max(n for _, n in sizes) <= B * cfg.vocab_size, sizes
+    # MH steps also copy cache rows between the chain and its proposal, _ROWS_PER_COPY (8)
+    # at a time: one all-reduce of 8 rows ([2, 8, 1, 64, 32] = 32768 elements per device)
+    # where the cache each device holds is [2, 16, 1, 64, 32] at B = 32. A slice of the
+    # split batch axis instead would all-gather the whole cache.
+    B = 32
+    cache_shard = cfg.num_layers * (B // 2) * (cfg.num_kv_heads // 2) * S * cfg.head_dim
+    sizes = _collective_sizes(compiled(mh_steps, B))
+    assert max(n for _, n in sizes) < cache_shard, sizes
 
 
 def test_load_places_each_tensor_in_its_shards(tmp_path, params):

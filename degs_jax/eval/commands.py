@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
@@ -22,6 +23,19 @@ Problem i uses the PRNG key fold_in(key(seed), i), independent of batching and r
 For the predictive-validity analysis (`degs analyze`) keep and grade every candidate:
   degs eval --benchmark math500 --method best_of_n --n 16 --temperature 0.8 --top-p 0.9 \\
             --keep-candidates --out runs/pool
+
+Several processes (hosts, or GPUs of one host) share the problems as one jax.distributed
+job: start the same command once per process, adding the coordinator (process 0's
+address and a free port) and each process's id; OUT must be a directory all of them
+see. Each claims batches in turn and writes OUT/results.process-K-of-N.jsonl; process 0
+merges them into OUT/results.jsonl (records as from a single process) and prints the
+summary. Resuming works with any number of processes. Two processes on one machine:
+  degs eval --benchmark math500 --method degs_mcmc --out runs/m500 \\
+            --coordinator 127.0.0.1:8476 --num-processes 2 --process-id 0 &
+  degs eval --benchmark math500 --method degs_mcmc --out runs/m500 \\
+            --coordinator 127.0.0.1:8476 --num-processes 2 --process-id 1
+(one GPU each: prefix CUDA_VISIBLE_DEVICES=0 and =1). Under Slurm or Open MPI,
+--distributed alone detects the three from the environment.
 """
 
 ANALYZE_DESCRIPTION = """Collapse depth D(x) as a predictor of correctness, on a `degs eval` run
@@ -56,6 +70,14 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA or "
                                                     "../shared/data)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d = e.add_argument_group("several processes (jax.distributed; see above)")
+    d.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="process 0's address and a free port (the same for every process)")
+    d.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    d.add_argument("--process-id", type=int, metavar="K", help="this process, 0..N-1")
+    d.add_argument("--distributed", action="store_true",
+                   help="join a jax.distributed job, detecting what the three options above "
+                        "leave out from the cluster environment (Slurm, Open MPI, TPU)")
     e.set_defaults(func=lambda args: cmd_eval(args, hyperparameters, load_model))
 
     a = sub.add_parser("analyze", help="D(x) as a predictor of correctness; L_sub sweep",
@@ -76,17 +98,81 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     a.set_defaults(dtype=None, func=lambda args: cmd_analyze(args, load_model))
 
 
+def _distributed_options(args) -> Optional[dict]:
+    """``jax.distributed.initialize`` arguments from `degs eval`'s options; None when the
+    run is not a distributed one. ValueError for an incomplete or inconsistent set."""
+    given = {"coordinator_address": args.coordinator, "num_processes": args.num_processes,
+             "process_id": args.process_id}
+    if not args.distributed and all(v is None for v in given.values()):
+        return None
+    if not args.distributed and any(v is None for v in given.values()):
+        missing = [f"--{k.replace('_address', '').replace('_', '-')}"
+                   for k, v in given.items() if v is None]
+        raise ValueError(f"--coordinator, --num-processes and --process-id go together (missing "
+                         f"{', '.join(missing)}); or add --distributed to detect the missing ones "
+                         "from a Slurm, Open MPI or TPU environment")
+    n, k = args.num_processes, args.process_id
+    if n is not None and n < 1:
+        raise ValueError(f"--num-processes must be positive, got {n}")
+    if k is not None and not (0 <= k and (n is None or k < n)):
+        raise ValueError(f"--process-id {k} is out of range"
+                         + (f" 0..{n - 1} (--num-processes {n})" if n is not None else ""))
+    if args.coordinator is not None:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    return {key: v for key, v in given.items() if v is not None}
+
+
+def _join_job(options: dict) -> None:
+    """Join the jax.distributed job; it must precede every JAX computation (model load).
+
+    SIGTERM (kill, Slurm's scancel) then ends this process through an exception, which
+    tells the others to stop (``run_eval``'s failure publishing). jax's preemption
+    service, which would otherwise catch SIGTERM and carry on, is switched off: an eval
+    has no preemption sync points."""
+    import signal
+
+    import jax
+
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        jax.distributed.initialize(**options)
+    except ValueError as e:  # auto-detection found no cluster environment
+        raise ValueError(f"cannot join a jax.distributed job: {e} (pass --coordinator, "
+                         "--num-processes and --process-id)") from e
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum, frame):
+    import signal
+
+    raise SystemExit(f"degs: terminated by {signal.Signals(signum).name}")
+
+
 def cmd_eval(args, hyperparameters, load_model) -> int:
     from degs_jax.decoders import resolve_hyperparameters
-    from degs_jax.eval.runner import run_eval
+    from degs_jax.eval.runner import PeerProcessError, publish_failure, run_eval
 
     hp = hyperparameters(args)
     resolve_hyperparameters(args.method, hp)  # fail on bad names before loading the model
-    model = load_model(args)
-    run_eval(model, Path(args.out), benchmark=args.benchmark, method=args.method,
-             hyperparameters=hp, seed=args.seed, limit=args.limit, batch_size=args.batch_size,
-             keep_candidates=args.keep_candidates, chat=not args.no_chat,
-             progress=not args.no_progress, data_dir=args.data_dir, argv=sys.argv[1:])
+    options = _distributed_options(args)
+    if options is not None:
+        _join_job(options)
+    try:
+        model = load_model(args)
+    except BaseException as e:  # e.g. a model path missing on one host: stop the others
+        publish_failure(e)
+        raise
+    try:
+        run_eval(model, Path(args.out), benchmark=args.benchmark, method=args.method,
+                 hyperparameters=hp, seed=args.seed, limit=args.limit,
+                 batch_size=args.batch_size, keep_candidates=args.keep_candidates,
+                 chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
+                 argv=sys.argv[1:])
+    except PeerProcessError as e:  # the failing process reports the details
+        print(f"degs: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

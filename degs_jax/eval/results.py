@@ -9,6 +9,7 @@ without losing or duplicating problems.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -17,7 +18,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from degs_jax.eval.benchmarks import Problem
 
@@ -106,6 +107,33 @@ class ResultStore:
             records.append(record)
         self._file.seek(0, os.SEEK_END)
         return records
+
+
+def merge_shards(store: ResultStore, shards: Sequence[str | os.PathLike],
+                 order_key: str = "index") -> int:
+    """Move the records of the stores ``shards`` into the open ``store``, then delete them.
+
+    Records whose id ``store`` already has are skipped (as are later repeats of an id
+    across shards); the rest are appended in ``order_key`` order. Returns how many were
+    added. Used for the per-process shards of a multi-process `degs eval`.
+
+    Crash safety: every record is fsynced into ``store`` before any shard is deleted, so
+    an interruption leaves each record in ``store``, in its shard, or both, and merging
+    again completes the job without losing or duplicating anything. Opening the shards
+    as stores takes their locks: a shard still being written is refused.
+    """
+    shards = [Path(s) for s in shards]
+    new: dict[Any, dict] = {}
+    with contextlib.ExitStack() as stack:
+        for shard in shards:
+            for record in stack.enter_context(ResultStore(shard, store.id_key)).records:
+                if not store.is_done(record[store.id_key]):
+                    new.setdefault(record[store.id_key], record)
+        for record in sorted(new.values(), key=lambda r: r[order_key]):
+            store.append(record)
+    for shard in shards:
+        shard.unlink()
+    return len(new)
 
 
 def _lock(file: Any) -> None:

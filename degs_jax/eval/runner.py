@@ -13,6 +13,18 @@ A run directory holds
 Resuming: rerunning the same command skips the problems already in ``results.jsonl``;
 a directory whose ``run.json`` has a different configuration is refused.
 
+Several processes (a ``jax.distributed`` job, ``jax.process_count() > 1``; the run
+directory on a filesystem all of them see): process 0 checks that every process was
+given the same configuration and problems, creates or updates ``run.json`` and works
+out what is left to do; then each process claims batches of that, one at a time from a
+shared counter (so a process that draws short problems takes more of them), and appends
+its records to its own shard ``results.process-K-of-N.jsonl``; once all are done,
+process 0 merges the shards into ``results.jsonl`` in problem order, deletes them and
+writes ``summary.json`` (only then: there is no running summary). A failure in any
+process stops all of them at their next batch. Leftover shards of an interrupted run
+count as done and are merged first by the next invocation, with any number of
+processes. Records are the same as a single process writes.
+
 Randomness: problem ``i`` (its index in the benchmark file, independent of ``--limit``)
 is decoded with the key ``fold_in(key(seed), i)`` (passed to ``decode`` as its per-prompt
 ``keys``), so its tokens do not depend on which problems ran before it, on restarts or
@@ -30,10 +42,17 @@ stored with its tokens, log p, D(x), final-layer entropy and verdict, for `degs 
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
+import hashlib
+import itertools
+import json
 import math
+import socket
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -46,6 +65,7 @@ from degs_jax.eval.graders import Grader, pass_at_k
 from degs_jax.eval.prompts import template_hash, user_message, uses_chat_template
 from degs_jax.eval.results import (
     ResultStore,
+    merge_shards,
     package_versions,
     summarize,
     transcript_fields,
@@ -59,8 +79,24 @@ SUMMARY_FILE = "summary.json"
 KEY_DERIVATION = "fold_in(key(seed), problem_index)"
 GPQA = "gpqa_diamond"
 
+SHARD_PATTERN = "results.process-*-of-*.jsonl"
+
 __all__ = ["run_eval", "run_config", "problem_prompt_ids", "problem_key", "pack_tokens",
-           "unpack_tokens", "format_summary", "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE"]
+           "unpack_tokens", "format_summary", "shard_file", "publish_failure",
+           "PeerProcessError", "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
+
+
+class PeerProcessError(RuntimeError):
+    """Another process of a multi-process `degs eval` failed (its error is in the message)."""
+
+
+def shard_file(process: int, count: int) -> str:
+    """File name of process ``process``'s records in a run of ``count`` processes."""
+    return f"results.process-{process}-of-{count}.jsonl"
+
+
+def _shards(out: Path) -> list[Path]:
+    return sorted(out.glob(SHARD_PATTERN))
 
 
 def problem_prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
@@ -135,14 +171,15 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
     })
 
 
-def _config_differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
+def _config_differences(old: Mapping, new: Mapping, prefix: str = "",
+                        labels: tuple[str, str] = ("stored", "requested")) -> list[str]:
     diffs = []
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            diffs += _config_differences(a, b, f"{prefix}{k}.")
+            diffs += _config_differences(a, b, f"{prefix}{k}.", labels)
         elif a != b:
-            diffs.append(f"{prefix}{k}: stored {a!r}, requested {b!r}")
+            diffs.append(f"{prefix}{k}: {labels[0]} {a!r}, {labels[1]} {b!r}")
     return diffs
 
 
@@ -150,8 +187,6 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     """Create or check ``run.json``; refuse a different configuration."""
     run_file = out / RUN_FILE
     if run_file.exists():
-        import json
-
         run = json.loads(run_file.read_text())
         diffs = _config_differences(run.get("config", {}), config)
         if diffs:
@@ -167,8 +202,8 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                   "see run.json", file=sys.stderr)
         run.setdefault("invocations", []).append(invocation)
     else:
-        if (out / RESULTS_FILE).exists():
-            raise ValueError(f"{out} has {RESULTS_FILE} but no {RUN_FILE}; refusing to mix runs")
+        if (out / RESULTS_FILE).exists() or _shards(out):
+            raise ValueError(f"{out} has results but no {RUN_FILE}; refusing to mix runs")
         run = {"config": config, "invocations": [invocation]}
     out.mkdir(parents=True, exist_ok=True)
     write_json(run_file, run)
@@ -179,6 +214,20 @@ def _mean_or_none(values: Optional[Sequence[float]]) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
 
+def _failures_published(fn):
+    """Decorator: an exception escaping ``fn`` is published to the job's other processes
+    (:func:`publish_failure`) before it propagates."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as error:  # KeyboardInterrupt too: the others must stop
+            publish_failure(error)
+            raise
+    return wrapper
+
+
+@_failures_published
 def run_eval(model, out_dir, *, benchmark: str, method: str,
              hyperparameters: Optional[Mapping[str, Any]] = None, seed: int = 0,
              limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
@@ -193,12 +242,17 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     batch_size: problems per ``decode`` call.
     keep_candidates: grade and store every candidate. chat: use the chat template when
       the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
+    In a ``jax.distributed`` job every process calls this with the same arguments and
+    they share the problems (module docstring); only process 0 shows a progress bar and
+    prints the table. Raises :class:`PeerProcessError` when another process failed; a
+    failure ends the job (the failing process's error is published to the others).
     Returns the summary (also written to ``summary.json``).
     """
     import jax
 
-    from degs_jax.decoders import decode, eos_ids_of
+    from degs_jax.decoders import eos_ids_of
 
+    group = _process_group()
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if limit is not None and limit < 0:
@@ -221,46 +275,260 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         "argv": list(argv) if argv is not None else None,
         "limit": limit, "indices": list(indices) if indices is not None else None,
         "batch_size": batch_size, "model_source": str(model.source),
-        "versions": package_versions(), "device": str(jax.devices()[0]),
+        "versions": package_versions(), "device": str(jax.local_devices()[0]),
+        "process_count": jax.process_count(),
     }
-    run = _prepare_run_dir(out, config, invocation)
-
-    eos = eos_ids_of(model.cfg, model.tokenizer)
-    L = model.cfg.num_layers
-    step = batch_size
-
     own_grader = grader is None
     grader = Grader() if own_grader else grader
+    decode_batch = functools.partial(
+        _decode_batch, model, seed=seed, method=method, hyperparameters=hyperparameters,
+        eos=eos_ids_of(model.cfg, model.tokenizer), grader=grader, chat=chat,
+        keep_candidates=keep_candidates)
+    bar_label = f"{bench} {method}"
     try:
-        with ResultStore(out / RESULTS_FILE) as store:
-            todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
-            bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
-                       desc=f"{bench} {method}", disable=not progress, file=sys.stderr)
-            for start in range(0, len(todo), step):
-                batch = todo[start:start + step]
-                prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
-                keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
-                t0 = time.perf_counter()
-                result = decode(model.params, model.cfg, prompts, method, keys=keys, eos_ids=eos,
-                                **hyperparameters)
-                decode_s = time.perf_counter() - t0
-                for (index, problem), output in zip(batch, result.outputs):
-                    record = _record(model, problem, index, output, result, len(batch), decode_s,
-                                     L, grader, chat, keep_candidates)
-                    store.append(record)
-                    bar.update(1)
-                acc = np.mean([r["correct"] for r in store.records]) if store.records else math.nan
-                bar.set_postfix(acc=f"{acc:.3f}")
-                write_summary(out, _summary(store.records, run))
-            bar.close()
-            records = list(store.records)
+        if group is None:
+            summary = _run_single(out, config, invocation, selected, decode_batch, batch_size,
+                                  progress, bar_label)
+        else:
+            summary = _run_group(group, out, config, invocation, selected, decode_batch,
+                                 batch_size, progress, bar_label)
     finally:
         if own_grader:
             grader.close()
+    if print_table and (group is None or group.index == 0):
+        print(format_summary(summary))
+    return summary
+
+
+def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: str,
+                  hyperparameters: Mapping[str, Any], eos, grader: Grader, chat: bool,
+                  keep_candidates: bool):
+    """Decode one batch of ``(index, problem)`` with the problems' own keys; yield each
+    problem's graded record, in order."""
+    import jax
+
+    from degs_jax.decoders import decode
+
+    prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
+    keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
+    t0 = time.perf_counter()
+    result = decode(model.params, model.cfg, prompts, method, keys=keys, eos_ids=eos,
+                    **hyperparameters)
+    decode_s = time.perf_counter() - t0
+    for (index, problem), output in zip(batch, result.outputs):
+        yield _record(model, problem, index, output, result, len(batch), decode_s,
+                      model.cfg.num_layers, grader, chat, keep_candidates)
+
+
+def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,
+                batch_size: int, progress: bool, bar_label: str) -> dict[str, Any]:
+    """The one-process run: everything goes straight into ``results.jsonl``."""
+    run = _prepare_run_dir(out, config, invocation)
+    with ResultStore(out / RESULTS_FILE) as store:
+        merge_shards(store, _shards(out))  # an interrupted multi-process run's records
+        todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
+        bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
+                   desc=bar_label, disable=not progress, file=sys.stderr)
+        for start in range(0, len(todo), batch_size):
+            for record in decode_batch(todo[start:start + batch_size]):
+                store.append(record)
+                bar.update(1)
+            bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}")
+            write_summary(out, _summary(store.records, run))
+        bar.close()
+        records = list(store.records)
     summary = _summary(records, run)
     write_summary(out, summary)
-    if print_table:
-        print(format_summary(summary))
+    return summary
+
+
+# ----------------------------------------------------------------------------- processes
+#
+# Synchronisation goes through the key-value store of jax.distributed's coordination
+# service (the client that jax's own multihost_utils and array_serialization use; jax
+# 0.10 has no public accessor): a barrier is a counter that every process increments
+# and then polls, together with the job's failure messages. The alternatives were
+# tried and rejected:
+# - multihost_utils.sync_global_devices is an XLA collective (gloo on CPU, NCCL on GPU):
+#   a process that raises leaves the others waiting in it;
+# - client.wait_at_barrier needs a finite timeout, while the wait before the merge lasts
+#   as long as the slowest process's share (hours for MCMC), and it does not notice a
+#   peer that raised either: both sides sat in jax's shutdown barrier for 5 minutes.
+# A process that dies without a word (SIGKILL, OOM) stops sending heartbeats; the
+# coordination service then terminates the others (after ~100 s).
+
+_POLL_S = 0.5
+_FAILED = "degs_eval/failed"  # job-wide: after a failure the processes are out of step
+_CALLS = itertools.count()  # run_eval calls of this process: distinct key namespaces
+
+
+@dataclass(frozen=True)
+class _Group:
+    """This process's view of the jax.distributed job it belongs to."""
+
+    client: Any  # jax's DistributedRuntimeClient
+    index: int
+    count: int
+    prefix: str  # the KV-store namespace of this run_eval call (same on every process)
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _process_group() -> Optional[_Group]:
+    """The job's processes, or None when this is the only one."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    if _client() is None:
+        raise RuntimeError("several JAX processes but no jax.distributed client; call "
+                           "jax.distributed.initialize() first")
+    return _Group(_client(), jax.process_index(), jax.process_count(),
+                  f"degs_eval/{next(_CALLS)}")
+
+
+def publish_failure(error: BaseException) -> None:
+    """Tell the other processes of this jax.distributed job that this one failed with
+    ``error``: they raise :class:`PeerProcessError` at their next barrier or batch
+    instead of waiting for it. A no-op outside a job, and for a PeerProcessError (the
+    failure is another process's, already published)."""
+    import jax
+
+    client = _client()
+    if client is None or isinstance(error, PeerProcessError):
+        return
+    try:
+        client.key_value_set(f"{_FAILED}/{jax.process_index()}",
+                             f"{type(error).__name__}: {error}", allow_overwrite=True)
+    except Exception:  # the coordinator is gone too; jax then stops the others itself
+        pass
+
+
+def _raise_if_peer_failed(group: _Group) -> None:
+    for key, message in sorted(group.client.key_value_dir_get(f"{_FAILED}/")):
+        process = int(key.rsplit("/", 1)[1])
+        if process != group.index:
+            raise PeerProcessError(f"process {process} of {group.count} failed: {message}")
+
+
+def _barrier(group: _Group, name: str) -> None:
+    """Wait until every process has reached ``name``; PeerProcessError if one failed."""
+    key = f"{group.prefix}/barrier/{name}"
+    group.client.key_value_increment(key, 1)
+    while True:
+        _raise_if_peer_failed(group)
+        if group.client.key_value_increment(key, 0) >= group.count:
+            return
+        time.sleep(_POLL_S)
+
+
+def _share(group: _Group, name: str, value: Any) -> None:
+    group.client.key_value_set(f"{group.prefix}/{name}", json.dumps(value))
+
+
+def _shared(group: _Group, name: str) -> Any:
+    """A value ``_share``d before a barrier that this process has passed."""
+    return json.loads(group.client.key_value_try_get(f"{group.prefix}/{name}"))
+
+
+def _check_agreement(announced: Sequence[Mapping[str, Any]]) -> None:
+    """Every process must run the same configuration, problems and batches as process 0."""
+    first = announced[0]
+    for k, other in enumerate(announced[1:], start=1):
+        diffs = _config_differences(first["config"], other["config"],
+                                    labels=("process 0 has", f"process {k} has"))
+        if diffs:
+            raise ValueError(f"process {k} was started with a different configuration than "
+                             f"process 0 ({'; '.join(diffs)}); give every process the same "
+                             "command")
+        if other["selection"] != first["selection"]:
+            raise ValueError(f"process {k} selects other problems than process 0 "
+                             f"({other['n_selected']} vs {first['n_selected']}); give every "
+                             "process the same --limit and the same benchmark data")
+        if other["batch_size"] != first["batch_size"]:
+            raise ValueError(f"process {k} has batch size {other['batch_size']}, process 0 "
+                             f"{first['batch_size']}; give every process the same command")
+
+
+def _check_shared_dir(out: Path, group: _Group, invocation: Mapping[str, Any]) -> None:
+    """Process 0 has just written ``run.json``: a process that does not see it there
+    would write a shard that process 0 never merges."""
+    try:
+        seen = json.loads((out / RUN_FILE).read_text())["invocations"][-1]
+    except (OSError, ValueError, KeyError, IndexError):
+        seen = None
+    if seen != invocation:
+        raise ValueError(f"process {group.index} (host {socket.gethostname()}) does not see the "
+                         f"{RUN_FILE} that process 0 has just written in {out}: the run directory "
+                         "must be on a filesystem shared by all processes")
+
+
+def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selected,
+               decode_batch, batch_size: int, progress: bool,
+               bar_label: str) -> dict[str, Any]:
+    """One process's part of a multi-process run (module docstring)."""
+    ids = json.dumps([[i, p.id] for i, p in selected])
+    _share(group, f"announced/{group.index}", {
+        "config": config, "selection": hashlib.sha256(ids.encode()).hexdigest(),
+        "n_selected": len(selected), "batch_size": batch_size,
+        "host": socket.gethostname(), "device": invocation["device"]})
+    _barrier(group, "announced")
+    with contextlib.ExitStack() as stack:
+        if group.index == 0:
+            announced = [_shared(group, f"announced/{k}") for k in range(group.count)]
+            _check_agreement(announced)
+            invocation["processes"] = [{"host": a["host"], "device": a["device"]}
+                                       for a in announced]
+            run = _prepare_run_dir(out, config, invocation)
+            # Held until the end, as by a single process: a second job in this directory
+            # fails here.
+            store = stack.enter_context(ResultStore(out / RESULTS_FILE))
+            merge_shards(store, _shards(out))  # an interrupted run's records count as done
+            todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
+            _share(group, "plan", {"todo": todo, "invocation": run["invocations"][-1]})
+        _barrier(group, "planned")
+        plan = _shared(group, "plan")
+        if group.index != 0:
+            _check_shared_dir(out, group, plan["invocation"])
+        todo = [selected[pos] for pos in plan["todo"]]
+
+        bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
+                   desc=f"{bar_label} ({group.count} processes)", file=sys.stderr,
+                   disable=not (progress and group.index == 0))
+        shown = 0
+        with ResultStore(out / shard_file(group.index, group.count)) as shard:
+            while True:
+                _raise_if_peer_failed(group)
+                # Batches are claimed from a shared counter, in problem order, and are the
+                # ones a single process would decode.
+                claimed = group.client.key_value_increment(f"{group.prefix}/next_batch", 1) - 1
+                batch = todo[claimed * batch_size:(claimed + 1) * batch_size]
+                if not batch:
+                    break
+                for record in decode_batch(batch):
+                    shard.append(record)
+                finished = group.client.key_value_increment(f"{group.prefix}/finished",
+                                                            len(batch))
+                bar.update(finished - shown)  # every process's problems, as of now
+                shown = finished
+        bar.close()
+        _barrier(group, "decoded")
+
+        if group.index == 0:
+            merge_shards(store, _shards(out))
+            missing = [p.id for _, p in selected if not store.is_done(p.id)]
+            if missing:
+                raise RuntimeError(f"{len(missing)} problems have no result after merging the "
+                                   f"shards of {out} (first: {missing[0]})")
+            summary = _summary(store.records, run)
+            write_summary(out, summary)
+    _barrier(group, "merged")
+    if group.index != 0:
+        summary = json.loads((out / SUMMARY_FILE).read_text())
     return summary
 
 

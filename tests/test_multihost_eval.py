@@ -1,0 +1,235 @@
+"""Multi-process `degs eval`: two CPU processes on loopback, as one jax.distributed job.
+
+Every run is a real `python -m degs_jax.cli` process (jax.distributed cannot be joined
+twice, nor after JAX has started, in the pytest process), on a 4-layer random model
+with SmolLM2's tokenizer, which compiles in seconds. The runs share a persistent XLA
+compilation cache, which the single-process reference run fills first.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from degs_jax import cli
+from degs_jax.eval.results import ResultStore, accuracy, merge_shards
+
+pytestmark = pytest.mark.slow
+
+# deepmind500 problems 0, 1, 3, 4 share a prompt-length bucket, problem 2 has its own.
+EVAL = ["eval", "--benchmark", "deepmind500", "--method", "temperature", "--temperature", "1.0",
+        "--seed", "7", "--max-new-tokens", "16", "--dtype", "float32", "--no-progress"]
+FIELDS = ("id", "index", "completion", "correct", "extracted", "n_tokens", "log_p", "D",
+          "final_entropy", "generated_tokens")
+TIMEOUT_S = 300  # per command: a hung barrier fails the test instead of hanging it
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    env: dict  # for the subprocesses
+    model: Path  # --model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A model directory (SmolLM2's tokenizer, so real prompts and chat template, on 4
+    random layers) and the environment of the CLI processes."""
+    import jax
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from degs_jax.models import init_params
+    from degs_jax.models.checkpoint import params_to_hf
+    from degs_jax.models.loading import load
+
+    smollm2 = load("smollm2-135m", progress=False)
+    cfg = dataclasses.replace(smollm2.cfg, hidden_size=32, intermediate_size=64, num_layers=4,
+                              num_heads=4, num_kv_heads=2, head_dim=8)
+    params = init_params(cfg, jax.random.key(0), np.float32)
+    model = tmp_path_factory.mktemp("tiny")
+    save_file({k: np.asarray(v) for k, v in params_to_hf(params, cfg).items()},
+              str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps(cfg.to_hf()))
+    smollm2.tokenizer.save_pretrained(model)
+
+    # gRPC honours proxy variables, which would send the loopback coordinator's traffic
+    # to a proxy; XLA_FLAGS might fake several host devices (one per process is meant).
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1")
+    return Setup(env, model)
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    """A single-process run of the first 5 problems (fills the compilation cache)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    _run_one(setup, out, "--limit", 5)
+    assert [r["index"] for r in _records(out)] == [0, 1, 2, 3, 4]
+    return out
+
+
+def _degs(setup, out, *extra):
+    return [sys.executable, "-m", "degs_jax.cli", *EVAL, "--model", str(setup.model),
+            "--out", str(out), *map(str, extra)]
+
+
+def _run_one(setup, out, *extra):
+    done = subprocess.run(_degs(setup, out, *extra), env=setup.env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two(setup, out, extra=((), ())):
+    """Processes 0 and 1 of one job (``extra``: each one's additional arguments); returns
+    [(returncode, stdout, stderr)] by process id."""
+    port = _free_port()
+    logs = [(out.parent / f"{out.name}.p{k}.out", out.parent / f"{out.name}.p{k}.err")
+            for k in range(2)]
+    procs = []
+    try:
+        for k in range(2):
+            argv = _degs(setup, out, *extra[k], "--coordinator", f"127.0.0.1:{port}",
+                         "--num-processes", 2, "--process-id", k)
+            with open(logs[k][0], "w") as stdout, open(logs[k][1], "w") as stderr:
+                procs.append(subprocess.Popen(argv, env=setup.env, stdout=stdout, stderr=stderr))
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT_S)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(proc.returncode, logs[k][0].read_text(), logs[k][1].read_text())
+            for k, proc in enumerate(procs)]
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "results.jsonl").read_text().splitlines()]
+
+
+def _assert_same(records, reference):
+    """Same problems with the same outputs (timings aside)."""
+    for field in FIELDS:
+        assert [r[field] for r in records] == [r[field] for r in reference], field
+
+
+def _assert_ok(results):
+    for k, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"process {k}:\n{err[-3000:]}"
+
+
+def test_two_processes_match_one_and_resume(setup, reference, tmp_path):
+    multi = tmp_path / "multi"
+    ref = _records(reference)
+
+    # A fresh run split over two processes (3 problems: an odd count).
+    results = _run_two(setup, multi, (["--limit", 3], ["--limit", 3]))
+    _assert_ok(results)
+    _assert_same(_records(multi), ref[:3])
+    assert sorted(p.name for p in multi.iterdir()) == ["results.jsonl", "run.json", "summary.json"]
+    summary = json.loads((multi / "summary.json").read_text())
+    assert summary["n_problems"] == 3
+    assert summary["accuracy"]["correct"] == accuracy(ref[:3]).correct
+    assert "accuracy" in results[0][1] and results[1][1] == ""  # only process 0's table
+    run = json.loads((multi / "run.json").read_text())
+    (invocation,) = run["invocations"]
+    assert invocation["process_count"] == 2 and len(invocation["processes"]) == 2
+    assert run["config"] == json.loads((reference / "run.json").read_text())["config"]
+    first_run = (multi / "results.jsonl").read_bytes()
+
+    # Interrupted earlier: a process's shard with problem 4 was never merged (its record
+    # is marked to show that it is kept, not decoded again). Resuming with --limit 5
+    # merges it first (results.jsonl is append-only), then decodes only problem 3.
+    (multi / "results.process-1-of-2.jsonl").write_text(json.dumps(dict(ref[4], decode_s=-1.0))
+                                                        + "\n")
+    results = _run_two(setup, multi, (["--limit", 5], ["--limit", 5]))
+    _assert_ok(results)
+    records = _records(multi)
+    assert [r["index"] for r in records] == [0, 1, 2, 4, 3]
+    _assert_same(sorted(records, key=lambda r: r["index"]), ref)
+    assert (multi / "results.jsonl").read_bytes().startswith(first_run)
+    assert records[3]["decode_s"] == -1.0 and records[4]["decode_s"] > 0
+    assert not list(multi.glob("results.process-*"))
+    assert json.loads((multi / "summary.json").read_text())["accuracy"] == \
+        json.loads((reference / "summary.json").read_text())["accuracy"]
+    assert len(json.loads((multi / "run.json").read_text())["invocations"]) == 2
+
+
+def test_one_process_merges_leftover_shards(setup, reference, tmp_path):
+    # The reference run's records, spread over shards as if a two-process run had been
+    # interrupted before its merge (with problem 0 merged already, and its shard's copy
+    # left behind): a one-process rerun merges them, in problem order, and decodes nothing.
+    out = tmp_path / "run"
+    out.mkdir()
+    ref = _records(reference)
+    (out / "run.json").write_bytes((reference / "run.json").read_bytes())
+    (out / "results.jsonl").write_text(json.dumps(ref[0]) + "\n")
+    shards = {0: [ref[3], ref[1]], 1: [ref[0], ref[4], ref[2]]}
+    for k, records in shards.items():
+        (out / f"results.process-{k}-of-2.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records))
+    _run_one(setup, out, "--limit", 5)
+    assert _records(out) == ref
+    assert not list(out.glob("results.process-*"))
+
+
+@pytest.mark.parametrize("case", ["different seed", "missing data on process 1"])
+def test_a_failure_stops_every_process(case, setup, tmp_path):
+    # Process 0 refuses a configuration that differs between processes; a failure in
+    # process 1 (before the first barrier) stops process 0 instead of leaving it waiting.
+    out = tmp_path / "run"
+    extra = (["--seed", 8] if case == "different seed"
+             else ["--data-dir", tmp_path / "missing"])
+    (rc0, _, err0), (rc1, _, err1) = _run_two(setup, out, (["--limit", 2], ["--limit", 2, *extra]))
+    assert rc0 == rc1 == 2, (err0[-2000:], err1[-2000:])
+    if case == "different seed":
+        assert ("process 1 was started with a different configuration than process 0 "
+                "(seed: process 0 has 7, process 1 has 8)") in err0
+        assert "process 0 of 2 failed: ValueError: process 1 was started" in err1
+    else:
+        assert "missing/deepmind500.jsonl" in err1
+        assert "process 1 of 2 failed: FileNotFoundError" in err0
+    assert not out.exists()  # refused before anything was written
+
+
+def test_merge_shards_skips_stored_ids_and_orders_by_index(tmp_path):
+    with ResultStore(tmp_path / "results.jsonl") as store:
+        store.append({"id": "b", "index": 1})
+        (tmp_path / "s0.jsonl").write_text('{"id": "d", "index": 3}\n{"id": "b", "index": 1}\n')
+        # a torn last line (a crash mid-write) is cut off, as when resuming a store
+        (tmp_path / "s1.jsonl").write_text('{"id": "c", "index": 2}\n{"id": "a", "index": 0}\n{"id')
+        (tmp_path / "s2.jsonl").write_text('{"id": "a", "index": 0}\n')
+        shards = [tmp_path / f"s{k}.jsonl" for k in range(3)]
+        assert merge_shards(store, shards) == 3
+        assert [r["id"] for r in store.records] == ["b", "a", "c", "d"]
+        assert not any(s.exists() for s in shards)
+        with ResultStore(tmp_path / "busy.jsonl"):  # still being written by another process
+            with pytest.raises(RuntimeError, match="open in another run"):
+                merge_shards(store, [tmp_path / "busy.jsonl"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2"], "missing --process-id"),
+    (["--num-processes", "2", "--process-id", "2", "--coordinator", "h:1"],
+     "--process-id 2 is out of range 0..1"),
+    (["--num-processes", "0", "--process-id", "0", "--coordinator", "h:1"],
+     "--num-processes must be positive"),
+    (["--num-processes", "2", "--process-id", "0", "--coordinator", "h"], "must be HOST:PORT"),
+])
+def test_bad_distributed_options(argv, message, tmp_path, capsys):
+    rc = cli.main([*EVAL, "--out", str(tmp_path / "x"), *argv])
+    assert rc == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
