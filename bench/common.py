@@ -69,6 +69,40 @@ def timed(fn, *args, repeats: int = 3):
     return sorted(times)[len(times) // 2]
 
 
+def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: float = 0.0,
+                   repeats: int = 3) -> tuple[float, float]:
+    """(median seconds of `generate` drawing `new` tokens for `batch` random prompts of
+    `prompt` tokens, EOS suppressed; seconds of the first call, compilation included).
+    The prefill is run before each timed call and not timed."""
+    from degs_jax.generation import SamplerSpec, generate, prefill
+
+    spec = SamplerSpec(temperature=temperature, eos_ids=())
+    tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
+    lengths = jnp.full((batch,), prompt, jnp.int32)
+    keys = jax.random.split(jax.random.key(1), batch)
+
+    def once():
+        st = prefill(params, cfg, tokens, lengths, prompt + new, jnp.bfloat16)
+        jax.block_until_ready(st.length)
+        t = time.perf_counter()
+        st = generate(params, cfg, st, lengths + new, keys, spec)
+        jax.block_until_ready(st.length)
+        return time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    once()
+    first = time.perf_counter() - t0
+    return sorted(once() for _ in range(repeats))[repeats // 2], first
+
+
+def decode_step_bytes(cfg, params, batch: int, prompt: int, new: int) -> float:
+    """Bytes a decode step must read: every weight but the embedding table (only B rows
+    are gathered), plus the bf16 KV cache up to the mean length."""
+    weights = param_bytes(params) - (0 if cfg.tie_word_embeddings else params.embed.size * 2)
+    kv = 2 * cfg.num_layers * batch * (prompt + new / 2) * cfg.num_kv_heads * cfg.head_dim * 2
+    return weights + kv
+
+
 def copy_bandwidth(gib: float = 4.0) -> float:
     """Device-memory bandwidth in bytes/s from a large elementwise pass (read + write)."""
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)

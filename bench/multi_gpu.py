@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import copy_bandwidth, emit, environment, param_bytes, shape_config
+from common import (copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
+                    param_bytes, shape_config)
 from degs_jax.decoders import decode
-from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.models import init_params
 from degs_jax.models.sharding import make_mesh, param_shardings
 
@@ -39,57 +39,30 @@ def sharded_model(name: str, data: int, model: int):
     return cfg, mesh, params, time.perf_counter() - t
 
 
-def decode_time(cfg, params, batch: int, prompt: int, new: int, repeats: int):
-    """(median seconds of `generate` over `new` tokens, seconds of the first call with
-    compilation); prefill excluded, as in decode_throughput.py."""
-    spec = SamplerSpec(temperature=0.0, eos_ids=())
-    tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
-    lengths = jnp.full((batch,), prompt, jnp.int32)
-    keys = jax.random.split(jax.random.key(1), batch)
-
-    def once():
-        st = prefill(params, cfg, tokens, lengths, prompt + new, jnp.bfloat16)
-        jax.block_until_ready(st.length)
-        t = time.perf_counter()
-        st = generate(params, cfg, st, lengths + new, keys, spec)
-        jax.block_until_ready(st.length)
-        return time.perf_counter() - t
-
-    t0 = time.perf_counter()
-    once()
-    first = time.perf_counter() - t0
-    return sorted(once() for _ in range(repeats))[repeats // 2], first
-
-
-def step_bytes(cfg, params, batch: int, prompt: int, new: int) -> float:
-    weights = param_bytes(params) - (0 if cfg.tie_word_embeddings else params.embed.size * 2)
-    kv = 2 * cfg.num_layers * batch * (prompt + new / 2) * cfg.num_kv_heads * cfg.head_dim * 2
-    return weights + kv
-
-
 def tensor_parallel(args, n: int, bw: float):
     cfg, mesh, params, init_s = sharded_model(args.tp_shape, 1, n)
     with jax.set_mesh(mesh):
         for batch in args.tp_batches:
-            sec, first = decode_time(cfg, params, batch, args.prompt, args.new, args.repeats)
+            sec, first = decode_seconds(cfg, params, batch, args.prompt, args.new, repeats=args.repeats)
             step = sec / (args.new + 1)
             emit({"bench": "tensor_parallel_decode", "shape": args.tp_shape, "mesh": [1, n],
                   "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
                   "seconds": sec, "seconds_first_call": first, "init_seconds": init_s,
                   "tokens_per_s": batch * args.new / sec, "ms_per_step": 1e3 * step,
                   "param_GB": param_bytes(params) / 1e9,
-                  "roofline_fraction": step_bytes(cfg, params, batch, args.prompt, args.new) / n / step / bw},
+                  "roofline_fraction":
+                      decode_step_bytes(cfg, params, batch, args.prompt, args.new) / n / step / bw},
                  OUT)
     return cfg, mesh, params
 
 
 def data_parallel(args, n: int):
     one_cfg, _, one, _ = sharded_model(args.dp_shape, 1, 1)
-    single, _ = decode_time(one_cfg, one, args.dp_batch, args.prompt, args.new, args.repeats)
+    single, _ = decode_seconds(one_cfg, one, args.dp_batch, args.prompt, args.new, repeats=args.repeats)
     del one
     cfg, mesh, params, _ = sharded_model(args.dp_shape, n, 1)
     with jax.set_mesh(mesh):
-        sec, _ = decode_time(cfg, params, n * args.dp_batch, args.prompt, args.new, args.repeats)
+        sec, _ = decode_seconds(cfg, params, n * args.dp_batch, args.prompt, args.new, repeats=args.repeats)
     one_tps = args.dp_batch * args.new / single
     all_tps = n * args.dp_batch * args.new / sec
     emit({"bench": "data_parallel_decode", "shape": args.dp_shape, "mesh": [n, 1],

@@ -192,8 +192,9 @@ def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, blo
         step_keys = jax.vmap(jax.random.fold_in)(block_keys, step + 1)
         log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys, 2)))
         accept = done & (log_u < log_acceptance_ratio(current, proposal, cut, cfg, mc))
-        # Both states take the decided row; the proposal keeps the work counters (work on
-        # rejected proposals counts in the compute accounting).
+        # Both states take the decided row (caches row by row above; select_rows' own
+        # cache select is replaced, so XLA drops it); the proposal keeps the work counters
+        # (work on rejected proposals counts in the compute accounting).
         counters = {name: getattr(proposal, name) for name in _COUNTERS}
         k_cache, p_cache = _copy_cache_rows(current.cache, proposal.cache, done, accept)
         current = dataclasses.replace(select_rows(accept, proposal, current), cache=k_cache)
