@@ -20,7 +20,6 @@ from degs_jax.models.sharding import (CACHE, make_mesh, param_shardings, param_s
 from hf_reference import tiny_config
 from test_loading import VOCAB, assert_params_equal, write_hf_dir
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (host) devices")
 
 # Four query and four key/value heads, so that every mesh of 4 devices splits whole heads.
 CFG = tiny_config("Qwen2ForCausalLM", num_heads=4, num_kv_heads=4, vocab=VOCAB, hidden=32,
@@ -63,6 +62,11 @@ def test_sharded_decode_gives_the_same_tokens(params, method):
         # Row-parallel layers sum their partial products in another order (fp32): the
         # per-token log-probabilities agree to a few ulps of their ~1-10 magnitude.
         np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-4)
+
+
+def test_session_has_four_host_devices():
+    # conftest.py sets the flag; without it every mesh test here would fail to build its mesh.
+    assert jax.device_count() >= 4, "XLA_FLAGS lost --xla_force_host_platform_device_count=4"
 
 
 def test_sharded_forward_matches_logits_and_lens(params):
