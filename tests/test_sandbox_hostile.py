@@ -196,6 +196,52 @@ for attempt in range(5):
 }
 
 
+# What a program sees from inside, returned as plain values; the trusted test asserts it.
+# This check must pass: it is also the proof that the sandbox ran at all.
+FACTS_SOLUTION = r'''
+import os
+def facts():
+    def can_write(path):
+        try:
+            with open(path, "w") as f:
+                f.write("x")
+            return True
+        except OSError:
+            return False
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+    with open("/proc/self/net/dev") as f:
+        interfaces = sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
+    try:
+        import posix
+        if posix.fork() == 0:
+            posix._exit(0)
+        fork = True
+    except Exception:
+        fork = False
+    return {"pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+            "environ": sorted(os.environ), "root": sorted(os.listdir("/")),
+            "interfaces": interfaces, "capabilities": status["CapEff"].strip(),
+            "uid": os.getuid(), "fork": fork,
+            "writable": [p for p in ("/x", "/usr/x", "/sandbox/x", "/dev/x") if can_write(p)],
+            "scratch_writable": can_write("/scratch/x"),
+            "seen": [p for p in (CANARY_PATH, TEST_FILE, "/etc/passwd") if os.path.exists(p)]}
+'''
+
+FACTS_TEST = r'''
+def check(candidate):
+    facts = candidate()
+    assert facts["pids"] == ["1", "2"], facts                 # bwrap's init and itself
+    assert set(facts["environ"]) <= {"HOME", "TMPDIR", "PWD", "LC_CTYPE",
+                                     "OMP_NUM_THREADS"}, facts  # set by reliability_guard
+    assert not {"etc", "home", "tmp", "work", "var", "opt", "mnt"} & set(facts["root"]), facts
+    assert facts["interfaces"] == ["lo"], facts               # its own network namespace
+    assert facts["capabilities"] == "0000000000000000", facts
+    assert facts["writable"] == [] and facts["scratch_writable"], facts
+    assert facts["fork"] is False and facts["seen"] == [], facts
+'''
+
+
 @pytest.fixture(scope="module")
 def problem():
     return load_benchmark("humaneval")[0]
@@ -301,10 +347,18 @@ def test_hostile_programs(problem, listeners, tmp_path, monkeypatch, layers):
         return source
 
     names = list(HOSTILE)
-    results = dict(zip(names, run_checks([check_of(problem, fill(HOSTILE[n])) for n in names])))
+    checks = [check_of(problem, fill(HOSTILE[n])) for n in names]
+    # Positive controls in the same batch: the reference solution, and the facts.
+    checks.append(check_of(problem, problem.question + problem.answer))
+    checks.append(HumanEvalCheck(solution=fill(FACTS_SOLUTION), test=FACTS_TEST,
+                                 entry_point="facts"))
+    *hostile, canonical, facts = run_checks(checks)
+    results = dict(zip(names, hostile))
 
-    for name, result in results.items():
+    for name, result in [*results.items(), ("canonical", canonical), ("facts", facts)]:
         print(f"{layers:12s} {name:28s} {result.seconds:5.2f} s  {result.result[:100]}")
+    assert canonical.passed, canonical
+    assert facts.passed, facts
     for name, result in results.items():
         assert not result.passed, (name, result)
         assert result.isolation == "namespaces"
