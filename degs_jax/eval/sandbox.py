@@ -406,20 +406,22 @@ import builtins, os, sys, resource
 class ProgramError(Exception):
     """An exception raised in the candidate whose type is not a built-in exception."""
 
-class ProtocolError(Exception):
-    """The candidate's answer is not a well-formed value."""
+class ProtocolError(BaseException):
+    """The candidate's answer is not a well-formed value (fails the check even if the
+    test catches it: see ``broken``)."""
 
-def _reraise(fields):
-    if not (type(fields) is list and len(fields) == 2
-            and all(type(x) is str for x in fields)):
-        raise ProtocolError("malformed answer")
-    name, text = fields
+def _reraise(name, text):
+    """Raise the candidate's exception here: a built-in type as itself, others wrapped."""
     error = getattr(builtins, name, None) if name.isidentifier() else None
     if isinstance(error, type) and issubclass(error, Exception):
-        error = error(text)
-        error.program_text = text  # str() of a rebuilt KeyError would add quotes
-        raise error
-    raise ProgramError("%s: %s" % (name[:100], text))
+        try:
+            error = error(text)
+        except Exception:  # a constructor with other arguments (UnicodeDecodeError)
+            error = None
+    if not isinstance(error, Exception):
+        raise ProgramError("%s: %s" % (name[:100], text))
+    error.program_text = text  # str() of a rebuilt KeyError would add quotes
+    raise error
 
 def _main():
     scratch, timeout, memory, fsize, nofile, lib, parent = sys.argv[2:9]
@@ -432,30 +434,31 @@ def _main():
                        (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(res, (value, value))
 
+    broken = []
+
     def candidate(*args, **kwargs):
         writer.write(dumps({"call": [encode(list(args)), encode(kwargs)]}))
-        line = reader.readline()
-        if not line:
-            raise ProtocolError("no answer")
         try:
-            answer = json.loads(line)
-        except (ValueError, RecursionError):
-            raise ProtocolError("malformed answer") from None
-        if type(answer) is not dict or len(answer) != 1:
-            raise ProtocolError("malformed answer")
-        if "raised" in answer:
-            _reraise(answer["raised"])
-        try:
-            return decode(answer["value"])
+            answer = json.loads(reader.readline())
+            if type(answer) is not dict or len(answer) != 1:
+                raise ValueError
+            if "value" in answer:
+                return decode(answer["value"])
+            fields = answer["raised"]
+            if not (type(fields) is list and len(fields) == 2
+                    and all(type(x) is str for x in fields)):
+                raise ValueError
         except (KeyError, ValueError, TypeError, RecursionError):
+            broken.append(True)
             raise ProtocolError("malformed answer") from None
+        _reraise(*fields)
 
     namespace = {}
     try:
         exec(compile(setup["context"] + "\n" + setup["test"], "<test>", "exec"), namespace)
         namespace[setup["entry_point"]] = candidate  # some tests call it by name
         namespace["check"](candidate)
-        result = "passed"
+        result = "failed: ProtocolError: malformed answer" if broken else "passed"
     except BaseException as e:
         result = "failed: %s: %s" % (type(e).__name__, getattr(e, "program_text", e))
     writer.write(dumps({"done": result}))
