@@ -11,8 +11,12 @@ Each run makes a fresh virtual environment in a temporary directory and times
                  and no compilation cache: fetching the default model with pip, converting
                  it, compiling and decoding, until the completion is printed (stdout);
   second output  the same command again, with the model cache now filled.
-Records carry the machine's core count, load averages before and after (other work on the
-machine slows every number), versions, UTC date and the commands. Nothing is installed
+Each time comes with the CPU seconds (user + system, the command and all its children)
+it took: on a machine shared with other jobs the wall time measures the load as much as
+the work, the CPU time much less so (on an idle 2-core machine, pip's install takes about
+its CPU time in wall time, the multi-threaded decode between half of it and all of it).
+Records carry the machine's core count, load averages before and after, versions, UTC
+date and the commands. Nothing is installed
 outside the temporary directory; the model cache is the run's own.
 """
 
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,7 +41,9 @@ SAMPLE_ARGS = ["--method", "degs_mcmc", "--block-len", "32", "--num-blocks", "4"
 
 
 def _timed(command: list[str], env: dict, first_stdout: bool = False) -> dict:
-    """Run `command`; wall seconds to its end and, if asked, to its first stdout line."""
+    """Run `command`; wall seconds to its end and, if asked, to its first stdout line; CPU
+    seconds of it and its children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = None
@@ -47,7 +54,9 @@ def _timed(command: list[str], env: dict, first_stdout: bool = False) -> dict:
     total = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{err[-3000:]}")
-    record = {"seconds": round(total, 1)}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    record = {"seconds": round(total, 1), "cpu_seconds": round(cpu, 1)}
     if first_stdout:
         record["seconds_to_first_output"] = None if first is None else round(first, 1)
         record["stderr_tail"] = err.strip().splitlines()[-3:]
@@ -79,7 +88,7 @@ def one_run(index: int, python: str) -> dict:
                         "load_avg_before": [round(x, 2) for x in load_before],
                         "load_avg_after": [round(x, 2) for x in os.getloadavg()]},
             "versions": json.loads(versions), "torch_installed": torch,
-            "install_s": install["seconds"],
+            "install_s": install["seconds"], "install_cpu_s": install["cpu_seconds"],
             "first_sample": first, "second_sample": second,
             "commands": {"install": f"pip install -e {REPO}", "sample": " ".join(degs[1:])},
         }
@@ -102,6 +111,8 @@ def main() -> int:
         "median_install_s": statistics.median(r["install_s"] for r in records),
         "median_first_output_s": statistics.median(r["first_sample"]["seconds_to_first_output"] for r in records),
         "median_second_output_s": statistics.median(r["second_sample"]["seconds_to_first_output"] for r in records),
+        "median_install_cpu_s": statistics.median(r["install_cpu_s"] for r in records),
+        "median_first_sample_cpu_s": statistics.median(r["first_sample"]["cpu_seconds"] for r in records),
         "load_avg_1min": [r["machine"]["load_avg_before"][0] for r in records],
     }
     print(json.dumps(summary))
