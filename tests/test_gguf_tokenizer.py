@@ -27,6 +27,7 @@ import regex
 
 from degs_jax.models import load
 from degs_jax.models.gguf_io import open_gguf, tokenizer_from_gguf
+from degs_jax.models.loading import builtin_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -133,14 +134,8 @@ class LlamaCppReference:
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
 def builtin(request):
     model = load(request.param, "float32", progress=False)
-    gguf_path = _gguf_of(request.param)
+    gguf_path = builtin_gguf(request.param)
     return request.param, gguf_path, model
-
-
-def _gguf_of(name):
-    from degs_jax.models import loading
-
-    return loading._builtin_file(name, loading.BUILTIN_MODELS[name], loading.default_cache_dir(), False)
 
 
 def _chat(tokenizer, text):
