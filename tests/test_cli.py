@@ -159,7 +159,9 @@ def test_interruptible_ends_a_call_blocked_in_xla():
     finally:
         proc.kill()
     assert proc.returncode == 130 and err.splitlines() == ["stopped"], err
-    assert 3 <= took < 3 + 5, took  # waited out the grace, then ended it (slack: a busy CPU)
+    # Waited out the 3 s grace, then ended it; 12 s of slack for a CPU shared with other
+    # jobs (swapping machines took seconds just to exit). The call itself runs for minutes.
+    assert 3 <= took < 3 + 12, took
     assert out == ""
 
 
@@ -195,7 +197,8 @@ def test_ctrl_c_stops_within_seconds_with_one_line(tmp_path, command):
     finally:
         proc.kill()
     assert proc.returncode == 130, "".join(before) + err
-    assert took < 3 + 5, took  # the grace period, plus process exit and scheduling on a busy CPU
+    # The grace period plus slack for a busy CPU; the interrupted decode runs for minutes.
+    assert took < 3 + 12, took
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("degs")]
     if command == "eval":
