@@ -37,7 +37,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats as _stats
 
-from degs_jax.eval.results import wilson_interval, write_json
+from degs_jax.eval.results import read_json, read_records, wilson_interval, write_json
 
 __all__ = [
     "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
@@ -282,9 +282,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     if not run_file.exists() or not results.exists():
         raise FileNotFoundError(f"{run_dir} is not a `degs eval` directory (needs run.json and "
                                 "results.jsonl)")
-    run = json.loads(run_file.read_text())
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    return run, records
+    return read_json(run_file), read_records(results)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:

@@ -18,19 +18,35 @@ from .scoring import score_sequences
 
 
 def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
+    """The rows of a `degs probe` input file (JSON lines): each an object with a non-empty
+    string 'prompt' and, optionally, a non-empty string 'completion' (absent or null: the
+    prompt is completed greedily). ValueError naming the file and line otherwise."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
     if not path.exists():
         raise FileNotFoundError(f"input file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"input {path} is not a file (a JSONL file, one object per line)")
     rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{lineno}: each row needs a string 'prompt'")
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise ValueError(f"{path}:{lineno}: each row needs a non-empty string 'prompt'")
+            completion = row.get("completion")
+            if completion is not None and (not isinstance(completion, str) or not completion.strip()):
+                raise ValueError(f"{path}:{lineno}: 'completion' must be a non-empty string (leave it "
+                                 "out to complete the prompt greedily), got "
+                                 f"{json.dumps(completion)[:40]}")
             rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break
@@ -53,7 +69,7 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     eos = eos_ids_of(cfg, tok)
     prompts = [encode_prompt(tok, r["prompt"], chat) for r in rows]
     completions: list[list[int]] = [
-        tok.encode(r["completion"], add_special_tokens=False) if isinstance(r.get("completion"), str) else None
+        None if r.get("completion") is None else tok.encode(r["completion"], add_special_tokens=False)
         for r in rows]
     todo = [i for i, c in enumerate(completions) if c is None]
     for start in tqdm(range(0, len(todo), batch_size), desc="greedy completion", disable=not todo):

@@ -151,11 +151,21 @@ def _terminated(signum, frame):
 
 
 def cmd_eval(args, hyperparameters, load_model) -> int:
+    from degs_jax.cli import check_output_dir, check_seed
     from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.eval.benchmarks import load_benchmark
     from degs_jax.eval.runner import PeerProcessError, publish_failure, run_eval
 
+    # Everything that can be checked without the model, before loading it.
     hp = hyperparameters(args)
-    resolve_hyperparameters(args.method, hp)  # fail on bad names before loading the model
+    resolve_hyperparameters(args.method, hp)
+    check_seed(args.seed)
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be 0 or more, got {args.limit}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    check_output_dir(Path(args.out))
+    load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
     options = _distributed_options(args)
     if options is not None:
         _join_job(options)

@@ -67,6 +67,7 @@ from degs_jax.eval.results import (
     ResultStore,
     merge_shards,
     package_versions,
+    read_json,
     summarize,
     transcript_fields,
     write_json,
@@ -187,7 +188,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     """Create or check ``run.json``; refuse a different configuration."""
     run_file = out / RUN_FILE
     if run_file.exists():
-        run = json.loads(run_file.read_text())
+        run = read_json(run_file)
         diffs = _config_differences(run.get("config", {}), config)
         if diffs:
             raise ValueError(
@@ -202,7 +203,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                   "see run.json", file=sys.stderr)
         run.setdefault("invocations", []).append(invocation)
     else:
-        if (out / RESULTS_FILE).exists() or _shards(out):
+        if (out / RESULTS_FILE).stat().st_size or _shards(out):  # (the caller's store created it)
             raise ValueError(f"{out} has results but no {RUN_FILE}; refusing to mix runs")
         run = {"config": config, "invocations": [invocation]}
     out.mkdir(parents=True, exist_ok=True)
@@ -323,8 +324,9 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
 def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,
                 batch_size: int, progress: bool, bar_label: str) -> dict[str, Any]:
     """The one-process run: everything goes straight into ``results.jsonl``."""
-    run = _prepare_run_dir(out, config, invocation)
+    # The store's lock first: a second run into this directory stops before touching run.json.
     with ResultStore(out / RESULTS_FILE) as store:
+        run = _prepare_run_dir(out, config, invocation)
         merge_shards(store, _shards(out))  # an interrupted multi-process run's records
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
         bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
@@ -483,10 +485,10 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
             _check_agreement(announced)
             invocation["processes"] = [{"host": a["host"], "device": a["device"]}
                                        for a in announced]
-            run = _prepare_run_dir(out, config, invocation)
             # Held until the end, as by a single process: a second job in this directory
-            # fails here.
+            # fails here, before touching run.json.
             store = stack.enter_context(ResultStore(out / RESULTS_FILE))
+            run = _prepare_run_dir(out, config, invocation)
             merge_shards(store, _shards(out))  # an interrupted run's records count as done
             todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
             _share(group, "plan", {"todo": todo, "invocation": run["invocations"][-1]})
