@@ -165,13 +165,13 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     check_output_dir(Path(args.out))
-    load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
     options = _distributed_options(args)
-    if options is not None:
-        _join_job(options)
+    if options is not None:  # first: a process that fails before joining leaves the others
+        _join_job(options)   # waiting in jax.distributed.initialize
     try:
+        load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
         model = load_model(args)
-    except BaseException as e:  # e.g. a model path missing on one host: stop the others
+    except BaseException as e:  # e.g. data or a model path missing on one host: stop the others
         publish_failure(e)
         raise
     try:
