@@ -468,3 +468,86 @@ def test_math_reward_grades_boxed_answers():
 def test_config_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
         GRPOConfig(**{"prompts_per_step": 8, "micro_batch": 4, **kw})
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def write_byte_model(directory, seed=6):
+    """A tiny random model with the byte tokenizer as an HF directory (context 2048)."""
+    import dataclasses
+
+    from safetensors.numpy import save_file
+
+    from degs_jax.models.checkpoint import params_to_hf
+
+    cfg = dataclasses.replace(BYTE_CFG, max_position_embeddings=2048)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf()))
+    params = init_params(cfg, jax.random.key(seed), jnp.float32, scale=0.1)
+    save_file(params_to_hf(params, cfg), str(directory / "model.safetensors"))
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_train_grpo_command_trains_resumes_and_refuses_bad_settings(tmp_path, capsys):
+    from degs_jax.cli import main
+
+    model_dir = write_byte_model(tmp_path / "model")
+    out = tmp_path / "run"
+    argv = ["train-grpo", "--model", str(model_dir), "--dtype", "float32", "--out", str(out),
+            "--limit", "40", "--max-prompt-len", "320", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--updates-per-step", "1", "--micro-batch", "4",
+            "--checkpoint-every", "1", "--no-progress"]
+    assert main(argv + ["--steps", "1"]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["steps_done"] == 1 and first["resumed_from"] == 0
+    assert main(argv + ["--steps", "2"]) == 0
+    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert second["resumed_from"] == 1 and second["steps_done"] == 2
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in log)
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["grpo"]["prompts_per_step"] == 2 and len(run["invocations"]) == 2
+    assert load(out / "checkpoints" / "step-00000002", progress=False).cfg.vocab_size == 257
+    assert main(argv + ["--steps", "3", "--learning-rate", "0.5"]) == 2
+    assert "different configuration" in capsys.readouterr().err
+    assert main(["train-grpo", "--model", str(model_dir), "--out", str(tmp_path / "x"), "--steps", "1",
+                 "--group-size", "1"]) == 2
+    assert "group_size must be >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpu_run_script_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    """bench/grpo_run.py, every phase, on a tiny random model (the CPU stand-in for the
+    GPU run): evaluations before/after, GRPO steps, tuned lens, pool, lens comparison."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "grpo_run.py"
+    spec = importlib.util.spec_from_file_location("grpo_run", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model_dir = write_byte_model(tmp_path / "model")
+    out, copy = tmp_path / "out", tmp_path / "copy"
+    argv = ["--preset", "tiny", "--model", str(model_dir), "--out", str(out), "--copy-to", str(copy)]
+    assert script.main(argv) == 0
+    records = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    phases = [r["phase"] for r in records]
+    assert phases[-1] == "done", records[-1]
+    for phase in ("eval_before", "estimate", "train", "eval_after_step2", "lens", "pool", "compare"):
+        assert phase in phases, phase
+    assert all("device" in r and "versions" in r and "date" in r for r in records)
+    summary = json.loads((copy / "grpo_summary.json").read_text())
+    assert set(summary["before"]) == set(summary["after"]) == {"gsm8k", "math500"}
+    assert summary["steps"] == 2
+    assert (copy / "training_curve.png").stat().st_size > 5000
+    lens_rows = [r for r in records if r["phase"] == "compare"]
+    assert {r["lens"] for r in lens_rows} == {"logit", "tuned"}
+    assert sorted(p.name for p in copy.iterdir()) == ["grpo_log.jsonl", "grpo_run_artifacts.tar.gz",
+                                                      "grpo_summary.json", "training_curve.png"]
+    # A second call finds everything done.
+    assert script.main(argv) == 0
+    again = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert again[-1]["phase"] == "done" and "train" not in [r["phase"] for r in again]

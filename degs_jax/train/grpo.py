@@ -173,23 +173,19 @@ class GRPOConfig:
         return self.rows // self.updates_per_step
 
 
-def make_optimizer(config: GRPOConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with a linear warm-up to a constant rate."""
+def learning_rate_schedule(config: GRPOConfig) -> optax.Schedule:
+    """Linear warm-up from 0 over `warmup_steps` optimizer updates, then constant."""
     if config.warmup_steps:
-        schedule = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
-    else:
-        schedule = optax.constant_schedule(config.learning_rate)
+        return optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+    return optax.constant_schedule(config.learning_rate)
+
+
+def make_optimizer(config: GRPOConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on the warm-up schedule."""
     parts = [optax.clip_by_global_norm(config.max_grad_norm)] if config.max_grad_norm else []
-    parts.append(optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                             weight_decay=config.weight_decay))
+    parts.append(optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                             eps=config.adam_eps, weight_decay=config.weight_decay))
     return optax.chain(*parts)
-
-
-def learning_rate_at(config: GRPOConfig, update: int) -> float:
-    """The rate of optimizer update number `update` (0-based), as the schedule gives it."""
-    if config.warmup_steps and update < config.warmup_steps:
-        return config.learning_rate * update / config.warmup_steps
-    return config.learning_rate
 
 
 # ----------------------------------------------------------------------------- math
@@ -548,7 +544,7 @@ def _step_record(step: int, config: GRPOConfig, rewards: np.ndarray, metrics: li
     tokens = np.array([m["tokens"] for m in metrics], np.float64)
     weight = tokens / max(tokens.sum(), 1.0)
     mean = lambda key: float(np.sum(weight * np.array([m[key] for m in metrics], np.float64)))
-    first_update = step * config.updates_per_step
+    last_update = (step + 1) * config.updates_per_step - 1  # the rate of the step's last update
     return {
         "step": step,
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
@@ -557,7 +553,7 @@ def _step_record(step: int, config: GRPOConfig, rewards: np.ndarray, metrics: li
         "kl": mean("kl") if config.reference_kl else None, "clip_fraction": mean("clip_fraction"), "entropy": mean("entropy"),
         "ratio": mean("ratio"), "loss": float(np.mean([m["loss"] for m in metrics])),
         "grad_norm": float(np.mean([m["grad_norm"] for m in metrics])),
-        "learning_rate": learning_rate_at(config, first_update + config.updates_per_step - 1),
+        "learning_rate": float(learning_rate_schedule(config)(last_update)),
         "completion_tokens": float(completion_len.mean()), "ended_fraction": float(ended.mean()),
         "generated_tokens": generated,
         "tokens_per_s": generated / max(t3 - t0, 1e-9),

@@ -294,6 +294,14 @@ def params_fingerprint(params: Params) -> str:
     return digest.hexdigest()
 
 
+def lens_fingerprint(lens: TunedLens) -> str:
+    """sha256 of a lens's layers and fp32 weights (recorded by runs that use it)."""
+    digest = hashlib.sha256(json.dumps(list(lens.layers)).encode())
+    for x in (lens.weight, lens.bias):
+        digest.update(np.asarray(x, np.float32).tobytes())
+    return digest.hexdigest()
+
+
 def default_lens_path(fingerprint: str, cache_dir: Optional[str | os.PathLike] = None) -> Path:
     from ..models.loading import default_cache_dir
 
