@@ -57,7 +57,7 @@ PRESETS = {
                 gsm8k_batch=250, math_batch=100,
                 pool_problems=100, pool_n=8, pool_new_tokens=512, pool_batch=25,
                 lens_steps=150, lens_seq_len=512, lens_batch=32, lens_micro=8, lens_heldout=32,
-                budget=530.0),
+                compare_batch=16, budget=530.0),
     # CPU smoke test of the whole script (SmolLM2-135M or a tiny model): every phase, tiny.
     "tiny": dict(model="smollm2-135m", steps=2, prompts_per_step=2, group_size=2,
                  max_prompt_len=256, max_new_tokens=8, learning_rate=1e-6, warmup_steps=1,
@@ -65,7 +65,7 @@ PRESETS = {
                  eval_limit=2, gsm8k_new_tokens=8, math_new_tokens=8, gsm8k_batch=2, math_batch=2,
                  pool_problems=2, pool_n=2, pool_new_tokens=8, pool_batch=2,
                  lens_steps=2, lens_seq_len=32, lens_batch=2, lens_micro=1, lens_heldout=2,
-                 budget=None),
+                 compare_batch=2, budget=None),
 }
 
 # Seconds a phase needs at the GPU preset (measured or estimated; used to decide whether to
@@ -74,9 +74,19 @@ PHASE_SECONDS = {"eval": 150.0, "lens": 100.0, "pool": 80.0, "compare": 120.0}
 
 
 def record(**fields) -> None:
+    """One JSON line (NaN, e.g. an AUC with one class only, written as null)."""
     from common import environment
 
-    print(json.dumps({**fields, **environment()}), flush=True)
+    def clean(x):
+        if isinstance(x, float) and x != x:
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    print(json.dumps(clean({**fields, **environment()}), allow_nan=False), flush=True)
 
 
 class Budget:
@@ -261,7 +271,8 @@ def part_lens(args, p: dict, budget: Budget) -> dict:
     if not (compare / "lsub_sweep.json").exists():
         if not budget.allows(PHASE_SECONDS["compare"]):
             return {**state, "left": "compare"}
-        result = lsub_sweep(model, pool, [lsub], batch_size=32, out_dir=compare, data_dir=args.data_dir,
+        result = lsub_sweep(model, pool, [lsub], batch_size=p["compare_batch"], out_dir=compare,
+                            data_dir=args.data_dir,
                             lenses={"logit": None, "tuned": lens}, quiet=True)
         for row in result["rows"]:
             record(bench="grpo_run", phase="compare", **row)

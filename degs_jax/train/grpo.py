@@ -435,9 +435,10 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
         from ..models.sharding import DATA
 
         n_data = mesh.shape[DATA]
-        if config.micro_batch % n_data:
-            raise ValueError(f"micro_batch ({config.micro_batch}) must be divisible by the mesh's "
-                             f"data axis ({n_data}) so that every device gets rows of every micro-batch")
+        if config.micro_batch % n_data or config.prompts_per_step % n_data:
+            raise ValueError(f"prompts_per_step ({config.prompts_per_step}) and micro_batch "
+                             f"({config.micro_batch}) must be divisible by the mesh's data axis "
+                             f"({n_data}): rows are split evenly over it")
     out = Path(out_dir)
     eos = tuple(eos_ids) if eos_ids is not None else eos_ids_of(cfg, model.tokenizer)
     spec = SamplerSpec(temperature=config.temperature, eos_ids=eos)
