@@ -232,13 +232,21 @@ def test_train_lens_and_probe_with_it_on_the_command_line(params, tmp_path, caps
     assert main(["probe", "--model", str(model_dir), "--input", str(rows), "--out", str(tmp_path / "x"),
                  "--tuned-lens", "nope.safetensors"]) == 2
     assert "--tuned-lens needs --lens tuned" in capsys.readouterr().err
-    # A graded candidate pool, then D(x)'s predictive statistics under both lenses.
+    # A graded candidate pool probed through the tuned lens (recorded in the run's
+    # configuration), then D(x)'s predictive statistics under both lenses.
     pool = tmp_path / "pool"
     assert main(["eval", "--model", str(model_dir), "--dtype", "float32", "--no-chat", "--benchmark",
                  "deepmind500", "--method", "best_of_n", "--n", "2", "--limit", "2", "--max-new-tokens",
-                 "4", "--lsub", "1,2", "--keep-candidates", "--no-progress", "--out", str(pool)]) == 0
+                 "4", "--lsub", "1,2", "--keep-candidates", "--no-progress", "--lens", "tuned",
+                 "--out", str(pool)]) == 0
+    config = json.loads((pool / "run.json").read_text())["config"]
+    assert config["lens"]["kind"] == "tuned" and len(config["lens"]["sha256"]) == 64
     assert main(["analyze", str(pool), "--lens", "both", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     sweep = json.loads((pool / "lsub_sweep.json").read_text())
     assert [(r["lens"], r["lsub"]) for r in sweep["rows"]] == [("logit", [1, 2]), ("tuned", [1, 2])]
     assert "tuned" in out and "logit" in out
+    # Re-scoring under the tuned lens reproduces the D(x) recorded while generating with it.
+    records = [json.loads(x) for x in (pool / "results.jsonl").read_text().splitlines()]
+    recorded = [c["D"] for r in records for c in r["candidates"]]
+    assert sweep["rows"][1]["mean_D"] == pytest.approx(sum(recorded) / len(recorded), abs=1e-6)
