@@ -4,6 +4,7 @@
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (eval/commands.py)
+  degs train-grpo / degs train-lens           GRPO reference and tuned lens (train/commands.py)
 
 Failures a user can cause (bad input, missing files, no network, a run directory in use)
 end in one `degs: error: ...` line and exit status 2, never a traceback. Ctrl-C ends the
@@ -69,6 +70,22 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
     g.add_argument("--n-chains", type=int, help="independent MCMC chains per prompt (1)")
     g.add_argument("--reference-quirks", action="store_true", default=None,
                    help="reproduce the public power-sampling code's deviations (off)")
+    _add_lens_args(g)
+
+
+def _add_lens_args(p) -> None:
+    p.add_argument("--lens", choices=["logit", "tuned"], default="logit",
+                   help="how layer residuals are read for d_t and D(x): the logit lens (default, "
+                        "the paper's) or a tuned lens (`degs train-lens`)")
+    p.add_argument("--tuned-lens", default=None, metavar="FILE",
+                   help="tuned-lens file (default: the one cached for the model's weights)")
+
+
+def _tuned_lens(args, model):
+    """The TunedLens `--lens tuned` asks for, or None."""
+    from .train.tuned_lens import resolve_lens
+
+    return resolve_lens(args.lens, model, args.tuned_lens)
 
 
 _HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "beta", "tau", "lsub",
@@ -154,7 +171,8 @@ def cmd_sample(args) -> int:
     resolve_hyperparameters(args.method, _hyperparameters(args))  # bad names before loading the model
     model = _load(args)
     result = sample(model, prompt, args.method, key=jax.random.key(seed),
-                    chat=not args.no_chat, progress=True, **_hyperparameters(args))
+                    chat=not args.no_chat, progress=True, tuned_lens=_tuned_lens(args, model),
+                    **_hyperparameters(args))
     out = result.outputs[0]
     c = out.chosen
     fe = result.forward_equivalents(model.cfg.num_layers)
@@ -192,7 +210,7 @@ def cmd_probe(args) -> int:
     model = _load(args)
     return run_probe(model, Path(args.input), out, tau=args.tau, lsub=args.lsub,
                      chat=not args.no_chat, max_new_tokens=args.max_new_tokens or 256,
-                     limit=args.limit)
+                     limit=args.limit, tuned_lens=_tuned_lens(args, model))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,11 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="budget for greedy completion of prompts without one (256)")
     p.add_argument("--limit", type=int, default=None, help="only the first N rows")
+    _add_lens_args(p)
     p.set_defaults(func=cmd_probe)
 
     from .eval.commands import add_commands  # degs eval, degs analyze
 
     add_commands(sub, _add_model_args, _add_decoder_args, _hyperparameters, _load)
+
+    from .train.commands import add_commands as add_training_commands  # train-grpo, train-lens
+
+    add_training_commands(sub, _add_model_args, _load)
     return parser
 
 

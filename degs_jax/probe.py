@@ -57,10 +57,11 @@ def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
 
 def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub=None,
               chat: bool = True, max_new_tokens: int = 256, limit: Optional[int] = None,
-              batch_size: int = 8) -> int:
+              batch_size: int = 8, tuned_lens=None) -> int:
     """Score every row's completion (greedy-completing rows without one) and write
-    `probe.jsonl` (id, D, per-layer mean entropies, mean final-layer entropy, log p)
-    and `entropy.png` (mean entropy per layer over all rows)."""
+    `probe.jsonl` (id, D, per-layer mean entropies, mean final-layer entropy, log p, the
+    lens) and `entropy.png` (mean entropy per layer over all rows). tuned_lens: read the
+    layers through a tuned lens (`train.tuned_lens`) instead of the logit lens."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     lens = LensConfig(lsub=tuple(lsub) if lsub else default_lsub(cfg.num_layers), tau=tau)
     lens.validate_for(cfg.num_layers)
@@ -84,25 +85,27 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     for start in tqdm(range(0, len(rows), batch_size), desc="probing", unit="batch"):
         sl = slice(start, start + batch_size)
         scores += score_sequences(params, cfg, prompts[sl], completions[sl], lens, eos,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, tuned_lens=tuned_lens)
     sequences = []
     for p, c, s in zip(prompts, completions, scores):
         mask = np.zeros(len(p) + len(c), bool)
         mask[len(p): len(p) + len(c) - int(s["ended"])] = True
         sequences.append((list(p) + list(c), mask))
-    traj = entropy_trajectory(params, cfg, sequences, batch_size=batch_size)
+    traj = entropy_trajectory(params, cfg, sequences, batch_size=batch_size, tuned_lens=tuned_lens)
+    lens_name = "logit" if tuned_lens is None else "tuned"
 
     with (out_dir / "probe.jsonl").open("w") as f:
         for i, (row, s) in enumerate(zip(rows, scores)):
             record = {
-                "id": row.get("id", i), "completion": row["completion"],
+                "id": row.get("id", i), "completion": row["completion"], "lens": lens_name,
                 "D": s["depth"], "log_p": s["log_p"], "n_tokens": s["n_tokens"],
                 "mean_final_entropy": s["final_entropy"],
                 "layer_entropy": [None if np.isnan(v) else float(v) for v in traj.per_sequence[i]],
             }
             f.write(json.dumps(record) + "\n")
     plot_entropy_trajectories({model.name: (traj.layers, traj.mean)}, out_dir / "entropy.png",
-                              title=f"logit-lens entropy per layer ({len(rows)} completions)", tau=tau)
+                              title=f"{lens_name}-lens entropy per layer ({len(rows)} completions)",
+                              tau=tau)
     mean_d = float(np.mean([s["depth"] for s in scores]))
     print(f"probed {len(rows)} completions: mean D(x) {mean_d:.4f}; wrote {out_dir / 'probe.jsonl'} "
           f"and {out_dir / 'entropy.png'}", file=sys.stderr)
