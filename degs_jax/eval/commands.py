@@ -179,6 +179,7 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     try:
         load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
         model = load_model(args)
+        tuned_lens = resolve_lens(args.lens, model, args.tuned_lens)
     except BaseException as e:  # e.g. data or a model path missing on one host: stop the others
         publish_failure(e)
         raise
@@ -187,7 +188,7 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
                  hyperparameters=hp, seed=args.seed, limit=args.limit,
                  batch_size=args.batch_size, keep_candidates=args.keep_candidates,
                  chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
-                 argv=sys.argv[1:], tuned_lens=resolve_lens(args.lens, model, args.tuned_lens))
+                 argv=sys.argv[1:], tuned_lens=tuned_lens)
     except PeerProcessError as e:  # the failing process reports the details
         print(f"degs: error: {e}", file=sys.stderr)
         return 2
