@@ -4,6 +4,7 @@
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (eval/commands.py)
+  degs reproduce --model M --out DIR          the paper's whole study, resumable (reproduce/)
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.commands import add_commands  # degs eval, degs analyze
 
     add_commands(sub, _add_model_args, _add_decoder_args, _hyperparameters, _load)
+    from .reproduce.command import add_command as add_reproduce  # degs reproduce
+
+    add_reproduce(sub, _add_model_args, _load)
     return parser
 
 
