@@ -130,6 +130,50 @@ def test_batches_are_a_fixed_partition():
     assert list(study._batches(job, 6, 10)) == [[6, 7], [8, 9]]
 
 
+def test_layer_statistics_match_score_sequences_and_trajectories():
+    """The layer pass's D(x) per probe set equals teacher-forced scoring's
+    (`scoring.score_sequences`), its per-layer means equal `lens.entropy_trajectory`'s, on
+    a tiny random model: same tokens, same positions, EOS excluded, however the sequences
+    are batched and padded."""
+    import jax
+    import jax.numpy as jnp
+
+    from degs_jax.lens import LensConfig, entropy_trajectory
+    from degs_jax.models import init_params
+    from degs_jax.scoring import score_sequences
+    from hf_reference import tiny_config
+
+    cfg = tiny_config("Qwen2ForCausalLM")  # vocab 97, 3 layers, EOS 96
+    params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i in range(9):
+        prompt = rng.integers(0, 96, size=int(rng.integers(2, 12))).tolist()
+        completion = rng.integers(0, 96, size=int(rng.integers(1, 25))).tolist()
+        if i % 2 == 0:
+            completion.append(96)
+        seqs.append((prompt, completion, i % 2 == 0))
+    seqs.append(([5, 6], [96], True))  # nothing to score
+    sets, tau = [(1, 2, 3), (2, 3), (3,)], 3.3  # tau in the bulk of this model's entropies
+    # a small row budget: 3 rows of 16 positions, 1 of 32 (several calls, padded rows)
+    stats = study.sequence_layer_statistics(params, cfg, seqs, lsub_sets=sets, tau=tau,
+                                            row_budget=4 * 16 * 3, bucket=16)
+    assert [s["n_scored"] for s in stats] == [len(c) - e for _, c, e in seqs]
+    for k, lsub in enumerate(sets):
+        ref = score_sequences(params, cfg, [p for p, _, _ in seqs], [c for _, c, _ in seqs],
+                              LensConfig(lsub=lsub, tau=tau), eos_ids=(96,))
+        # D is stored rounded to 6 decimals
+        assert [s["D"][k] for s in stats] == pytest.approx([r["depth"] for r in ref], abs=1e-6)
+    assert len({s["D"][0] for s in stats}) > 3  # the depths vary: the comparison has teeth
+    traj = entropy_trajectory(params, cfg, [(p + c, [False] * len(p) + [True] * (len(c) - e) + [False] * e)
+                                            for p, c, e in seqs], bucket=16)
+    for s, row in zip(stats, traj.per_sequence):
+        if s["n_scored"]:  # stored rounded to 5 decimals
+            assert s["entropy"] == pytest.approx(row.tolist(), abs=2e-5)
+        else:
+            assert s["entropy"] is None
+
+
 # --------------------------------------------------------------------------- report (synthetic)
 
 L = 4

@@ -630,56 +630,70 @@ def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rate
                 f"in {seconds:.1f} s")
 
 
-def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float,
-                          row_budget: int = LENS_ROW_BUDGET,
-                          bucket: int = LENGTH_BUCKET) -> list[list[dict]]:
-    """Per candidate of each ``(problem, record)``: the mean lens entropy at every layer
-    0..L over its scored tokens and D(x) under each probe set.
-
-    One teacher-forced forward per candidate (prompt + completion, right-padded to a
-    multiple of ``bucket``, several per call within ``row_budget`` lens rows) through
-    :func:`degs_jax.lens.layer_entropies`; scored tokens are the completion's, EOS
-    excluded, read at their own positions (DESIGN §3), as when the pool was generated.
-    Returns, per record, a list of ``{"n_scored", "entropy": [L+1], "D": [per set]}``.
-    """
+def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) -> list[list[dict]]:
+    """:func:`sequence_layer_statistics` of every candidate of each ``(problem, record)``
+    (prompt as the pool's run built it), grouped per record."""
     from degs_jax.eval.runner import problem_prompt_ids, unpack_tokens
-    from degs_jax.lens import collapse_depth, layer_entropies, sequence_depth
 
-    cfg = model.cfg
-    L = cfg.num_layers
-    layers = tuple(range(L + 1))
-    seqs = []  # (record position, candidate position, tokens, first scored, n scored)
+    sequences, owners = [], []
     for ri, (problem, record) in enumerate(items):
         prompt = problem_prompt_ids(problem, model.tokenizer, chat)
-        for ci, cand in enumerate(record["candidates"]):
+        for cand in record["candidates"]:
             # as analysis.decode_tokens, without importing the analysis (scipy, matplotlib)
             completion = cand["tokens"] if "tokens" in cand else unpack_tokens(cand["tokens_packed"])
-            n_scored = len(completion) - int(bool(cand["ended"]))
-            seqs.append((ri, ci, np.asarray(prompt + completion, np.int32), len(prompt), n_scored))
-    out: list[list[Optional[dict]]] = [[None] * len(r["candidates"]) for _, r in items]
-    seqs.sort(key=lambda s: s[2].size)
-    i = 0
-    while i < len(seqs):
-        width = min(-(-seqs[i][2].size // bucket) * bucket, cfg.max_position_embeddings)
+            sequences.append((prompt, completion, bool(cand["ended"])))
+            owners.append(ri)
+    stats = sequence_layer_statistics(model.params, model.cfg, sequences, lsub_sets=lsub_sets,
+                                      tau=tau)
+    out: list[list[dict]] = [[] for _ in items]
+    for ri, s in zip(owners, stats):
+        out[ri].append(s)
+    return out
+
+
+def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
+                              row_budget: Optional[int] = None,
+                              bucket: int = LENGTH_BUCKET) -> list[dict]:
+    """Per ``(prompt ids, completion ids, ended)``: the mean lens entropy at every layer
+    0..L over the completion's scored tokens and D(x) under each probe set of
+    ``lsub_sets`` with threshold ``tau``.
+
+    One teacher-forced forward per sequence (prompt + completion, right-padded to a
+    multiple of ``bucket``, as many per call as fit in ``row_budget`` lens rows, default
+    LENS_ROW_BUDGET) through :func:`degs_jax.lens.layer_entropies`. Scored tokens are the
+    completion's, its final EOS excluded when ``ended``, each read at its own position
+    (DESIGN §3) — the tokens and positions :func:`degs_jax.scoring.score_sequences` and
+    generation score. Returns ``{"n_scored", "entropy": [L+1] (None if nothing is
+    scored), "D": [one per set]}`` per sequence, in order.
+    """
+    from degs_jax.lens import collapse_depth, layer_entropies, sequence_depth
+
+    row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget
+    L = cfg.num_layers
+    layers = tuple(range(L + 1))
+    seqs = sorted(((i, np.asarray(list(p) + list(c), np.int32), len(p), len(c) - int(ended))
+                   for i, (p, c, ended) in enumerate(sequences)), key=lambda s: s[1].size)
+    out: list[Optional[dict]] = [None] * len(seqs)
+    k = 0
+    while k < len(seqs):
+        width = min(-(-seqs[k][1].size // bucket) * bucket, cfg.max_position_embeddings)
         rows = max(1, row_budget // (len(layers) * width))
-        group = [s for s in seqs[i:i + rows] if s[2].size <= width]
-        i += len(group)
+        group = [s for s in seqs[k:k + rows] if s[1].size <= width]  # a prefix: sorted
+        k += len(group)
         tokens = np.zeros((rows, width), np.int32)  # fixed rows per width: one compile
         mask = np.zeros((rows, width), bool)
-        for r, (_, _, toks, first, n) in enumerate(group):
+        for r, (_, toks, first, n) in enumerate(group):
             tokens[r, :toks.size] = toks
             mask[r, first:first + n] = True
         positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
-        entropy = np.asarray(layer_entropies(model.params, cfg, tokens, positions, layers),
-                             np.float64)  # [L+1, rows, width]
+        entropy = np.asarray(layer_entropies(params, cfg, tokens, positions, layers))  # [L+1, rows, width]
         depths = [np.asarray(sequence_depth(collapse_depth(entropy[list(s)], s, L, tau), mask, L))
                   for s in lsub_sets]
-        for r, (ri, ci, _, _, n) in enumerate(group):
-            m = mask[r]
-            mean = entropy[:, r, m].mean(axis=1) if n else np.full(len(layers), np.nan)
-            out[ri][ci] = {"n_scored": int(n),
-                           "entropy": [None if math.isnan(x) else round(float(x), 5) for x in mean],
-                           "D": [round(float(d[r]), 6) for d in depths]}
+        for r, (i, _, _, n) in enumerate(group):
+            mean = entropy[:, r, mask[r]].astype(np.float64).mean(axis=1) if n else None
+            out[i] = {"n_scored": int(n),
+                      "entropy": None if mean is None else [round(float(x), 5) for x in mean],
+                      "D": [round(float(d[r]), 6) for d in depths]}
     return out  # type: ignore[return-value]
 
 
