@@ -5,6 +5,7 @@
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (eval/commands.py)
   degs train-grpo / degs train-lens           GRPO reference and tuned lens (train/commands.py)
+  degs reproduce --model M --out DIR          the paper's whole study, resumable (reproduce/)
 
 Failures a user can cause (bad input, missing files, no network, a run directory in use)
 end in one `degs: error: ...` line and exit status 2, never a traceback. Ctrl-C ends the
@@ -254,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .train.commands import add_commands as add_training_commands  # train-grpo, train-lens
 
     add_training_commands(sub, _add_model_args, _load)
+
+    from .reproduce.command import add_command as add_reproduce  # degs reproduce
+
+    add_reproduce(sub, _add_model_args, _load)
     return parser
 
 
