@@ -456,6 +456,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     from degs_jax.eval import load_benchmark
     from degs_jax.eval.runner import problem_prompt_ids
     from degs_jax.lens import LensConfig
+    from degs_jax.model_api import TransformerLM
     from degs_jax.scoring import score_sequences
 
     run, records = load_run(run_dir)
@@ -492,10 +493,11 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     for lsub in lsub_sets:
         lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.cfg.num_layers)
         # Compile outside the timing (first batch once); the timed pass is warm.
-        score_sequences(model.params, model.cfg, prompts[:batch_size], completions[:batch_size],
+        lm = TransformerLM(model.cfg)
+        score_sequences(lm, model.params, prompts[:batch_size], completions[:batch_size],
                         lens, eos, batch_size=batch_size)
         t0 = time.perf_counter()
-        scored = score_sequences(model.params, model.cfg, prompts, completions, lens, eos,
+        scored = score_sequences(lm, model.params, prompts, completions, lens, eos,
                                  batch_size=batch_size)
         seconds = time.perf_counter() - t0
         d = np.array([s["depth"] for s in scored])

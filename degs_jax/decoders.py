@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .generation import SamplerSpec, generate, pad_prompts, prefill, repeat_rows
+from .generation import (GenState, SamplerSpec, generate_chunk, initial_active, pad_prompts, prefill,
+                         repeat_rows)
 from .lens import LensConfig, default_lsub, mean_final_entropy, sequence_depth
-from .mcmc import MCMCConfig, mcmc_block
-from .models import ModelConfig, Params
+from .mcmc import MCMCConfig, mcmc_block_donating
+from .model_api import CausalLM, TransformerLM, params_dtype
 
 RERANK_METHODS = ("best_of_n", "best_of_n_entropy", "degs_rerank")
 MCMC_METHODS = ("power_mcmc", "degs_mcmc")
@@ -101,16 +102,16 @@ def resolve_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str,
     return hp
 
 
-def _lens(cfg: ModelConfig, hp: dict[str, Any]) -> LensConfig:
-    lsub = tuple(hp["lsub"]) if hp["lsub"] is not None else default_lsub(cfg.num_layers)
-    return LensConfig(lsub=lsub, tau=hp["tau"], chunk=hp["lens_chunk"]).validate_for(cfg.num_layers)
+def _lens(num_layers: int, hp: dict[str, Any]) -> LensConfig:
+    lsub = tuple(hp["lsub"]) if hp["lsub"] is not None else default_lsub(num_layers)
+    return LensConfig(lsub=lsub, tau=hp["tau"]).validate_for(num_layers)
 
 
-def _candidates(state, cfg: ModelConfig, probed: bool, acceptance=None) -> list[Candidate]:
+def _candidates(state, num_layers: int, probed: bool, acceptance=None) -> list[Candidate]:
     comp = state.completion_mask()
     scored = state.completion_mask(scored=True)
     log_p = jnp.sum(jnp.where(comp, state.logp, 0.0), axis=1)
-    depth = sequence_depth(state.depth, scored, cfg.num_layers)
+    depth = sequence_depth(state.depth, scored, num_layers)
     fent = mean_final_entropy(state.final_entropy, scored)
     tokens, start, end, ended, log_p, depth, fent = jax.device_get(
         (state.tokens, state.prompt_len, state.length, state.ended, log_p, depth, fent))
@@ -137,7 +138,40 @@ def _choose(method: str, pool: list[Candidate], hp: dict[str, Any]) -> Candidate
     return pool[0]
 
 
-def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], method: str,
+# Host-driven generation runs `generate_chunk` calls of an adaptive number of steps, each
+# aiming at CHUNK_SECONDS of device time: short enough that Ctrl-C (delivered when a
+# call returns) and the progress bar respond within about a second, long enough that
+# the per-chunk host round trip is negligible.
+CHUNK_SECONDS = 0.5
+FIRST_CHUNK_STEPS = 16
+MAX_CHUNK_STEPS = 1024
+
+
+def generate_in_chunks(model: CausalLM, params: Any, state: GenState, limit: jax.Array,
+                       keys: jax.Array, spec: SamplerSpec, on_steps=None) -> GenState:
+    """`generate(model, params, state, limit, keys, spec)` driven from the host in chunks
+    (same tokens, bit for bit). `state` is donated: do not use it afterwards.
+    on_steps(n): called after each chunk with the number of loop steps it ran at most."""
+    active = initial_active(state, limit)
+    fresh_from = jnp.array(state.length, copy=True)  # not a buffer of the donated state
+    steps = FIRST_CHUNK_STEPS
+    while True:
+        started = time.perf_counter()
+        state, active = generate_chunk(model, params, state, active, limit, keys, fresh_from,
+                                       spec, jnp.int32(steps))
+        more = bool(np.any(jax.device_get(active)))
+        if on_steps is not None:
+            on_steps(steps)
+        if not more:
+            return state
+        elapsed = time.perf_counter() - started
+        if elapsed < CHUNK_SECONDS / 2:
+            steps = min(2 * steps, MAX_CHUNK_STEPS)
+        elif elapsed > 2 * CHUNK_SECONDS:
+            steps = max(steps // 2, 1)
+
+
+def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], method: str,
            key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None,
            eos_ids: Sequence[int], progress: bool = False, **hyperparameters) -> DecodeResult:
     """Run `method` on token-id prompts.
@@ -148,7 +182,11 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
     depend on which prompts share its batch (a single prompt decodes identically either way).
     """
     hp = resolve_hyperparameters(method, hyperparameters)
-    lens = _lens(cfg, hp)
+    if hp["lens_chunk"] is not None:
+        if not isinstance(model, TransformerLM):
+            raise ValueError("lens_chunk applies to TransformerLM models only")
+        model = dataclasses.replace(model, lens_chunk=hp["lens_chunk"])
+    lens = _lens(model.num_layers, hp)
     eos_ids = tuple(int(e) for e in eos_ids)
     if method in MCMC_METHODS:
         mc = MCMCConfig(alpha=float(hp["alpha"]), beta=float(hp["beta"]), block_len=hp["block_len"],
@@ -163,14 +201,14 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
                            eos_ids=eos_ids, lens=lens if hp["probe"] else None)
         n, max_new = hp.get("n", 1), hp["max_new_tokens"]
     longest = max(len(p) for p in prompts) if prompts else 0
-    if longest + max_new > cfg.max_position_embeddings:
+    if longest + max_new > model.max_context:
         raise ValueError(f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's "
-                         f"context of {cfg.max_position_embeddings} tokens")
-    cache_dtype = hp["cache_dtype"] or params.embed.dtype
+                         f"context of {model.max_context} tokens")
+    cache_dtype = hp["cache_dtype"] or params_dtype(params)
 
     t0 = time.perf_counter()
     tokens, lengths = pad_prompts(prompts)
-    state = prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
+    state = prefill(model, params, jnp.asarray(tokens), jnp.asarray(lengths),
                     tokens.shape[1] + max_new, cache_dtype)
     state = repeat_rows(state, n)
     jax.block_until_ready(state.length)
@@ -189,7 +227,8 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
         acceptance = [[] for _ in range(rows)]
         bar = tqdm(range(mc.num_blocks), desc=method, unit="block", disable=not progress)
         for block in bar:
-            state, accepted, active = mcmc_block(params, cfg, state, keys, jnp.int32(block), mc)
+            state, accepted, active = mcmc_block_donating(model, params, state, keys,
+                                                          jnp.int32(block), mc)
             accepted, active = jax.device_get((accepted, active))
             for r in np.flatnonzero(active):
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
@@ -198,12 +237,14 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
         probed = mc.beta > 0
     else:
         limit = state.prompt_len + max_new
-        state = generate(params, cfg, state, limit, keys, spec)
+        bar = tqdm(total=max_new + 1, desc=method, unit="step", disable=not progress)
+        state = generate_in_chunks(model, params, state, limit, keys, spec, bar.update)
+        bar.close()
         probed = spec.lens is not None
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()
 
-    pool = _candidates(state, cfg, probed, acceptance)
+    pool = _candidates(state, model.num_layers, probed, acceptance)
     outputs = [Output(chosen=_choose(method, pool[i * n:(i + 1) * n], hp),
                       candidates=pool[i * n:(i + 1) * n]) for i in range(len(prompts))]
     return DecodeResult(method=method, hyperparameters=hp, outputs=outputs,
@@ -243,8 +284,8 @@ def sample(model, prompts: str | Sequence[str], method: str = "degs_mcmc",
     key = jax.random.key(seed) if key is None else key
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     eos = eos_ids_of(model.cfg, model.tokenizer)
-    result = decode(model.params, model.cfg, ids, method, key, eos_ids=eos, progress=progress,
-                    **hyperparameters)
+    result = decode(TransformerLM(model.cfg), model.params, ids, method, key, eos_ids=eos,
+                    progress=progress, **hyperparameters)
     for out in result.outputs:
         for cand in out.candidates:
             cand.text = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)

@@ -12,9 +12,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .decoders import decode, encode_prompt, eos_ids_of
-from .lens import LensConfig, default_lsub, entropy_trajectory
+from .lens import LensConfig, default_lsub
+from .model_api import TransformerLM
 from .plots import plot_entropy_trajectories
-from .scoring import score_sequences
+from .scoring import EntropyTrajectory, score_sequences
 
 
 def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
@@ -46,6 +47,7 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     `probe.jsonl` (id, D, per-layer mean entropies, mean final-layer entropy, log p)
     and `entropy.png` (mean entropy per layer over all rows)."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
+    lm = TransformerLM(cfg)
     lens = LensConfig(lsub=tuple(lsub) if lsub else default_lsub(cfg.num_layers), tau=tau)
     lens.validate_for(cfg.num_layers)
     rows = read_rows(input_path, limit)
@@ -58,23 +60,21 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     todo = [i for i, c in enumerate(completions) if c is None]
     for start in tqdm(range(0, len(todo), batch_size), desc="greedy completion", disable=not todo):
         idx = todo[start:start + batch_size]
-        res = decode(params, cfg, [prompts[i] for i in idx], "greedy", jax.random.key(0),
+        res = decode(lm, params, [prompts[i] for i in idx], "greedy", jax.random.key(0),
                      eos_ids=eos, max_new_tokens=max_new_tokens, probe=False)
         for i, out in zip(idx, res.outputs):
             completions[i] = out.chosen.tokens
             rows[i]["completion"] = tok.decode(out.chosen.tokens, skip_special_tokens=True)
 
+    # One teacher-forced pass per batch: D(x) from L_sub and the entropy of every layer.
+    layers = tuple(range(cfg.num_layers + 1))
     scores = []
     for start in tqdm(range(0, len(rows), batch_size), desc="probing", unit="batch"):
         sl = slice(start, start + batch_size)
-        scores += score_sequences(params, cfg, prompts[sl], completions[sl], lens, eos,
-                                  batch_size=batch_size)
-    sequences = []
-    for p, c, s in zip(prompts, completions, scores):
-        mask = np.zeros(len(p) + len(c), bool)
-        mask[len(p): len(p) + len(c) - int(s["ended"])] = True
-        sequences.append((list(p) + list(c), mask))
-    traj = entropy_trajectory(params, cfg, sequences, batch_size=batch_size)
+        scores += score_sequences(lm, params, prompts[sl], completions[sl], lens, eos,
+                                  batch_size=batch_size, layers=layers)
+    traj = EntropyTrajectory.from_sums(layers, [s["layer_entropy_sum"] for s in scores],
+                                       [s["n_scored"] for s in scores])
 
     with (out_dir / "probe.jsonl").open("w") as f:
         for i, (row, s) in enumerate(zip(rows, scores)):

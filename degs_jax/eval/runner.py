@@ -308,11 +308,12 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
     import jax
 
     from degs_jax.decoders import decode
+    from degs_jax.model_api import TransformerLM
 
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
-    result = decode(model.params, model.cfg, prompts, method, keys=keys, eos_ids=eos,
+    result = decode(TransformerLM(model.cfg), model.params, prompts, method, keys=keys, eos_ids=eos,
                     **hyperparameters)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
