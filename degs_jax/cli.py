@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -43,33 +44,59 @@ def _mesh_shape(text: str) -> tuple[int, int]:
 
 
 def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
+    """--method, --seed and one option per hyperparameter field of the methods
+    (`degs_jax.hyperparameters`: names, types, documentation and defaults come from there)."""
+    from .hyperparameters import METHODS
+
     p.add_argument("--method", default=default_method, help=METHOD_HELP)
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (same seed, same tokens)")
-    g = p.add_argument_group("hyperparameters (default: the method's, as in the paper)")
-    g.add_argument("--max-new-tokens", type=int, help="token budget of non-MCMC methods (3072)")
-    g.add_argument("--temperature", type=float, help="sampling temperature")
-    g.add_argument("--top-k", type=int, help="truncate the sampling/proposal distribution (0 = off)")
-    g.add_argument("--top-p", type=float, help="nucleus truncation (1.0 = off)")
-    g.add_argument("--n", type=int, help="candidates for the Best-of-N family (16)")
-    g.add_argument("--alpha", type=float, help="power / likelihood weight (4)")
-    g.add_argument("--beta", type=float, help="weight of D(x) (5; power_mcmc: 0)")
-    g.add_argument("--tau", type=float, help="collapse threshold in nats (0.25)")
-    g.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="probed layers, comma-separated (default grid of DESIGN §3)")
-    g.add_argument("--block-len", type=int, help="MCMC block length (192)")
-    g.add_argument("--num-blocks", type=int, help="MCMC blocks (16)")
-    g.add_argument("--mh-steps", type=int, help="MH steps per block (10)")
-    g.add_argument("--n-chains", type=int, help="independent MCMC chains per prompt (1)")
-    g.add_argument("--reference-quirks", action="store_true", default=None,
-                   help="reproduce the public power-sampling code's deviations (off)")
+    g = p.add_argument_group("hyperparameters (unset: the method's default, as in the paper)")
+    for name, (kind, texts) in _cli_fields().items():
+        flag = "--" + name.replace("_", "-")
+        help_text = "; ".join(
+            text + " (" + ("every method" if len(methods) == len(METHODS) else ", ".join(methods))
+            + ("" if default is None else f": default {default}") + ")"
+            for (text, default), methods in texts.items())
+        if kind is bool:
+            g.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif kind is tuple:
+            g.add_argument(flag, type=_int_list, metavar="L1,L2,...", help=help_text)
+        else:
+            g.add_argument(flag, type=kind, help=help_text)
 
 
-_HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "beta", "tau", "lsub",
-             "block_len", "num_blocks", "mh_steps", "n_chains", "reference_quirks")
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]:
+    """name -> (argument type, {(help, default): methods}) over every method's fields
+    shown on the command line, in the order the methods define them."""
+    import typing
+
+    from .hyperparameters import METHOD_HYPERPARAMETERS, field_types
+
+    fields: dict = {}
+    for method, cls in METHOD_HYPERPARAMETERS.items():
+        types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli"):
+                continue
+            kind = types[f.name]
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = args[0] if args else kind  # Optional[X] -> X
+            kind = typing.get_origin(kind) or kind  # tuple[int, ...] -> tuple
+            entry = fields.setdefault(f.name, (kind, {}))
+            entry[1].setdefault((f.metadata["help"], f.default), []).append(method)
+    return fields
 
 
 def _hyperparameters(args) -> dict:
-    return {k: getattr(args, k) for k in _HP_NAMES if getattr(args, k, None) is not None}
+    """The hyperparameters given on the command line (the others keep their defaults)."""
+    return {k: getattr(args, k) for k in _cli_fields() if getattr(args, k, None) is not None}
 
 
 def _load(args):
@@ -92,7 +119,7 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-    from .decoders import sample
+    from .text import sample
 
     model = _load(args)
     result = sample(model, args.prompt, "greedy", chat=not args.no_chat,
@@ -104,7 +131,7 @@ def cmd_generate(args) -> int:
 def cmd_sample(args) -> int:
     import jax
 
-    from .decoders import sample
+    from .text import sample
 
     model = _load(args)
     result = sample(model, args.prompt, args.method, key=jax.random.key(args.seed),
@@ -172,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True,
                    help="JSONL with 'prompt' and optional 'completion' (else completed greedily)")
     p.add_argument("--out", required=True, help="output directory (probe.jsonl, entropy.png)")
-    p.add_argument("--tau", type=float, default=0.25, help="collapse threshold in nats (0.25)")
+    from .lens import DEFAULT_TAU
+
+    p.add_argument("--tau", type=float, default=DEFAULT_TAU,
+                   help=f"collapse threshold in nats ({DEFAULT_TAU})")
     p.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="probed layers for D(x) (default grid)")
     p.add_argument("--max-new-tokens", type=int, default=None,

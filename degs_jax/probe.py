@@ -11,11 +11,12 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from .decoders import decode, encode_prompt, eos_ids_of
-from .lens import LensConfig, default_lsub
+from .decoders import decode
+from .lens import DEFAULT_TAU, LensConfig
 from .model_api import TransformerLM
 from .plots import plot_entropy_trajectories
 from .scoring import EntropyTrajectory, score_sequences
+from .text import encode_prompt, eos_ids_of
 
 
 def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
@@ -40,7 +41,7 @@ def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
     return rows
 
 
-def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub=None,
+def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = DEFAULT_TAU, lsub=None,
               chat: bool = True, max_new_tokens: int = 256, limit: Optional[int] = None,
               batch_size: int = 8) -> int:
     """Score every row's completion (greedy-completing rows without one) and write
@@ -48,8 +49,7 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     and `entropy.png` (mean entropy per layer over all rows)."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     lm = TransformerLM(cfg)
-    lens = LensConfig(lsub=tuple(lsub) if lsub else default_lsub(cfg.num_layers), tau=tau)
-    lens.validate_for(cfg.num_layers)
+    lens = LensConfig.default(cfg.num_layers, tau=tau, lsub=lsub or None)
     rows = read_rows(input_path, limit)
     out_dir.mkdir(parents=True, exist_ok=True)
     eos = eos_ids_of(cfg, tok)

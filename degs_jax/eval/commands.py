@@ -151,7 +151,7 @@ def _terminated(signum, frame):
 
 
 def cmd_eval(args, hyperparameters, load_model) -> int:
-    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.hyperparameters import resolve_hyperparameters
     from degs_jax.eval.runner import PeerProcessError, publish_failure, run_eval
 
     hp = hyperparameters(args)

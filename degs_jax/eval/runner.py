@@ -102,7 +102,7 @@ def _shards(out: Path) -> list[Path]:
 def problem_prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
     """Token ids of ``problem``'s prompt: the benchmark template, through the tokenizer's
     chat template when ``chat`` (same ids as ``build_prompt`` + tokenize)."""
-    from degs_jax.decoders import encode_prompt
+    from degs_jax.text import encode_prompt
 
     chat = chat and uses_chat_template(tokenizer)
     return encode_prompt(tokenizer, user_message(problem, chat=chat), chat=chat)
@@ -149,13 +149,11 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
     Hyperparameters are resolved against the method's defaults (``lsub`` made explicit),
     so spelling a default out or leaving it implicit gives the same configuration.
     """
-    from degs_jax.decoders import resolve_hyperparameters
-    from degs_jax.lens import default_lsub
+    from degs_jax.hyperparameters import hyperparameters_for
 
     bench = canonical_name(benchmark)
-    hp = dict(resolve_hyperparameters(method, dict(hyperparameters)))
-    if "lsub" in hp and hp["lsub"] is None:
-        hp["lsub"] = default_lsub(model.cfg.num_layers)
+    resolved = hyperparameters_for(method, **hyperparameters)
+    hp = {**resolved.to_dict(), "lsub": resolved.lens_config(model.cfg.num_layers).lsub}
     dtype = str(np.dtype(model.params.embed.dtype)) if hasattr(model.params, "embed") else None
     return _jsonable({
         "benchmark": bench,
@@ -250,7 +248,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     """
     import jax
 
-    from degs_jax.decoders import eos_ids_of
+    from degs_jax.text import eos_ids_of
 
     group = _process_group()
     if batch_size < 1:
@@ -595,10 +593,6 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         record["n_candidates"] = len(candidates)
         record["n_candidates_correct"] = sum(c["correct"] for c in candidates)
     return record
-
-
-_TABLE_FIELDS = ("n_tokens", "mean_acceptance", "generated_tokens", "forward_equivalents",
-                 "wall_clock_s", "D", "log_p")
 
 
 def _summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) -> dict[str, Any]:
