@@ -1,8 +1,8 @@
 """Host-loop and sampler overheads of issue 11 / 17 (random weights, bf16, EOS suppressed):
 
-- chunk: the host-driven decode (`decoders.generate_in_chunks`, Ctrl-C responsive) with
-  fixed chunk sizes against one `generate` call over the same steps: seconds per chunk of
-  host round trip;
+- chunk: the host round trip of one chunk of the host-driven decode
+  (`decoders.generate_in_chunks`, Ctrl-C responsive): a zero-step `generate_chunk` call,
+  and the chunked decode with fixed chunk sizes against one `generate` call;
 - topk: top-k 50 sampling (what `reference_quirks=True` adds) by the threshold search
   (`generation.kth_largest`) and by `lax.top_k`, against plain sampling;
 - memory: peak device memory of one MCMC block with and without donating the state
@@ -46,44 +46,62 @@ def prompts(cfg, batch, prompt):
     return tokens, jnp.full((batch,), prompt, jnp.int32), jax.random.split(jax.random.key(1), batch)
 
 
-def median_seconds(fn, repeats):
-    fn()  # compile
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
 def bench_chunks(args, cfg, params):
+    """Per-chunk host cost: a `generate_chunk` call that runs no step (dispatch, the donated
+    state passed through, the device_get of `active` that the host loop does), minimum and
+    median over many calls; and the chunked decode against one `generate` call."""
+    from degs_jax.generation import generate_chunk, initial_active
+
     model = TransformerLM(cfg)
     tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
     spec = SamplerSpec(temperature=1.0, eos_ids=())
     steps = args.new + 1  # every row draws `new` tokens and consumes its last one
+    limit = lengths + args.new
     state = lambda: jax.block_until_ready(prefill(model, params, tokens, lengths, args.prompt + args.new))
 
+    s = state()
+    active, fresh = initial_active(s, limit), jnp.array(s.length, copy=True)
+    empty = []
+    for i in range(args.empty_calls + 1):
+        t = time.perf_counter()
+        s, active = generate_chunk(model, params, s, active, limit, keys, fresh, spec, jnp.int32(0))
+        bool(jax.device_get(active).any())
+        if i:  # the first call compiles
+            empty.append(time.perf_counter() - t)
+    empty.sort()
+
     def whole():
-        s = state()
-        jax.block_until_ready(generate(model, params, s, lengths + args.new, keys, spec).length)
+        jax.block_until_ready(generate(model, params, state(), limit, keys, spec).length)
 
-    one_call = median_seconds(whole, args.repeats)
-    for chunk in args.chunks:
-        decoders.FIRST_CHUNK_STEPS = decoders.MAX_CHUNK_STEPS = chunk  # fixed chunk size
-
-        def chunked():
-            s = state()
-            out = decoders.generate_in_chunks(model, params, s, lengths + args.new, keys, spec)
+    def chunked(chunk):
+        def run():
+            decoders.FIRST_CHUNK_STEPS = decoders.MAX_CHUNK_STEPS = chunk  # fixed chunk size
+            out = decoders.generate_in_chunks(model, params, state(), limit, keys, spec)
             jax.block_until_ready(out.length)
+        return run
 
-        sec = median_seconds(chunked, args.repeats)
+    # Interleaved repeats (one of each variant per round), minimum per variant: load from
+    # other processes then disturbs every variant alike.
+    variants = {"one_call": whole, **{chunk: chunked(chunk) for chunk in args.chunks}}
+    times = {name: [] for name in variants}
+    for round_ in range(args.repeats + 1):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            if round_:  # round 0 compiles
+                times[name].append(time.perf_counter() - t)
+    one_call = min(times["one_call"])
+    record = {"bench": "chunk_overhead", "shape": args.shape, "batch": args.batch, "prompt": args.prompt,
+              "new_tokens": args.new, "empty_chunk_ms_min": 1e3 * empty[0],
+              "empty_chunk_ms_median": 1e3 * empty[len(empty) // 2], "one_call_seconds": one_call,
+              "ms_per_step": 1e3 * one_call / steps, "chunked": []}
+    for chunk in args.chunks:
+        sec = min(times[chunk])
         calls = -(-steps // chunk)
-        emit({"bench": "chunk_overhead", "shape": args.shape, "batch": args.batch,
-              "prompt": args.prompt, "new_tokens": args.new, "chunk_steps": chunk, "calls": calls,
-              "one_call_seconds": one_call, "chunked_seconds": sec,
-              "overhead_per_chunk_ms": 1e3 * (sec - one_call) / calls,
-              "overhead_fraction": sec / one_call - 1, "ms_per_step": 1e3 * one_call / steps},
-             "sampler_overheads.jsonl")
+        record["chunked"].append({"chunk_steps": chunk, "calls": calls, "seconds": sec,
+                                  "overhead_per_chunk_ms": 1e3 * (sec - one_call) / calls,
+                                  "overhead_fraction": sec / one_call - 1})
+    emit(record, "sampler_overheads.jsonl")
 
 
 def bench_topk(args, cfg, params):
@@ -140,6 +158,7 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--chunks", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--empty-calls", type=int, default=50, help="zero-step chunk calls timed")
     ap.add_argument("--only", choices=["chunk", "topk", "memory"], nargs="+",
                     default=["chunk", "topk", "memory"])
     ap.add_argument("--peak-memory", choices=["donated", "plain"], help=argparse.SUPPRESS)

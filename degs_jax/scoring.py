@@ -239,7 +239,7 @@ class EntropyTrajectory(NamedTuple):
                    num_tokens=counts)
 
 
-def check_trajectory_layers(layers: Optional[Sequence[int]], num_layers: int) -> tuple[int, ...]:
+def _trajectory_layers(layers: Optional[Sequence[int]], num_layers: int) -> tuple[int, ...]:
     """The layers of an entropy trajectory: default all of 0..L; ValueError if out of range."""
     layers = tuple(range(num_layers + 1)) if layers is None else tuple(int(l) for l in layers)
     bad = [l for l in layers if not 0 <= l <= num_layers]
@@ -260,7 +260,7 @@ def entropy_trajectory(model: CausalLM, params: Any,
     0..L. Rows are right-padded to a multiple of `bucket` (bounding recompiles) and run
     `batch_size` at a time; padding is masked out and does not change the result.
     """
-    layers = check_trajectory_layers(layers, model.num_layers)
+    layers = _trajectory_layers(layers, model.num_layers)
     if batch_size < 1 or bucket < 1:
         raise ValueError("batch_size and bucket must be positive")
     rows = []

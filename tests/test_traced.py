@@ -135,21 +135,25 @@ def test_score_candidate_under_vmap_equals_the_batched_path(params):
 
 def test_generate_in_chunks_equals_generate(params, monkeypatch):
     """Chunks of 1, 2, 4 steps (doubling: every call counts as fast) cross rows' EOS,
-    their last-token consumption and the budget; the state equals one `generate` call."""
+    their budgets and their last-token consumption: rows with a budget of 3 tokens draw
+    their last token at the end of the second chunk and must still consume it in the
+    third; rows with 6 end with the third. The state equals one `generate` call."""
     monkeypatch.setattr(decoders, "FIRST_CHUNK_STEPS", 1)
     monkeypatch.setattr(decoders, "CHUNK_SECONDS", float("inf"))
     spec = SamplerSpec(temperature=1.0, eos_ids=EOS, lens=LensConfig(lsub=(1, 2, 3), tau=TAU))
     toks, lens = pad_prompts(PROMPTS * 2)
+    limit = jnp.asarray(lens + np.array([3, 6] * 3), jnp.int32)
     keys = jax.random.split(jax.random.key(9), 6)
     start = lambda: prefill(LM, params, jnp.asarray(toks), jnp.asarray(lens), 16 + 6, jnp.float32)
-    whole = generate(LM, params, start(), jnp.asarray(lens) + 6, keys, spec)
+    whole = generate(LM, params, start(), limit, keys, spec)
     calls = []
     first = start()
-    chunked = decoders.generate_in_chunks(LM, params, first, jnp.asarray(lens) + 6, keys, spec,
-                                          calls.append)
-    assert calls == [1, 2, 4], calls  # 6 tokens + the last consumption: 7 steps
+    chunked = decoders.generate_in_chunks(LM, params, first, limit, keys, spec, calls.append)
+    assert calls == [1, 2, 4], calls
     chex.assert_trees_all_equal(chunked, whole)
-    ended = np.asarray(whole.ended)
+    ended, length = np.asarray(whole.ended), np.asarray(whole.length)
     assert ended.any() and not ended.all()
+    assert np.any((length == np.asarray(limit)) & ~ended & (np.arange(6) % 2 == 0)), \
+        "no 3-token row used its budget: the chunk boundary case is not exercised"
     # The donated input state is gone (the pitfall generate_chunk's docstring names).
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(first))
