@@ -86,8 +86,8 @@ def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]
             if not f.metadata.get("cli"):
                 continue
             kind = types[f.name]
-            args = [a for a in typing.get_args(kind) if a is not type(None)]
-            kind = args[0] if args else kind  # Optional[X] -> X
+            if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
             kind = typing.get_origin(kind) or kind  # tuple[int, ...] -> tuple
             entry = fields.setdefault(f.name, (kind, {}))
             entry[1].setdefault((f.metadata["help"], f.default), []).append(method)

@@ -137,12 +137,10 @@ def row_keys(keys: Array, n: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a decoding run needs, resolved for one model (static)."""
+    """The model (with the run's lens chunk) and the kernel settings of one run."""
 
     model: CausalLM
-    config: Hyperparameters
     kernel: SamplerSpec | MCMCConfig
-    max_new_tokens: int
 
 
 def _plan(model: CausalLM, config: Hyperparameters, eos_ids: Sequence[int]) -> _Plan:
@@ -156,7 +154,7 @@ def _plan(model: CausalLM, config: Hyperparameters, eos_ids: Sequence[int]) -> _
         kernel = config.mcmc_config(model.num_layers, eos_ids)
     else:
         kernel = config.sampler_spec(model.num_layers, eos_ids)
-    return _Plan(model=model, config=config, kernel=kernel, max_new_tokens=config.max_new_tokens)
+    return _Plan(model=model, kernel=kernel)
 
 
 def _config(method: str | Hyperparameters, overrides: dict[str, Any]) -> Hyperparameters:
@@ -184,15 +182,15 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
     plan = _plan(model, config, eos_ids)
     n = config.pool_size
     cache_dtype = config.cache_dtype or params_dtype(params)
-    state = prefill(plan.model, params, prompts, prompt_len, prompts.shape[1] + plan.max_new_tokens,
-                    cache_dtype)
+    max_len = prompts.shape[1] + config.max_new_tokens
+    state = prefill(plan.model, params, prompts, prompt_len, max_len, cache_dtype)
     state = repeat_rows(state, n)
     keys = row_keys(keys, n)
     if isinstance(plan.kernel, MCMCConfig):
         run = run_chains(plan.model, params, state, keys, plan.kernel)
         state, accepted, ran = run.state, run.accepted, run.ran
     else:
-        state = generate(plan.model, params, state, state.prompt_len + plan.max_new_tokens, keys,
+        state = generate(plan.model, params, state, state.prompt_len + config.max_new_tokens, keys,
                          plan.kernel)
         accepted = jnp.zeros((state.length.shape[0], 0), jnp.int32)
         ran = jnp.zeros((state.length.shape[0], 0), bool)
@@ -260,7 +258,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     """
     config = _config(method, hyperparameters)
     plan = _plan(model, config, eos_ids)
-    model, n, max_new = plan.model, config.pool_size, plan.max_new_tokens
+    model, n, max_new = plan.model, config.pool_size, config.max_new_tokens
     tokens, lengths = pad_prompts(prompts)
     longest = int(lengths.max())
     if longest + max_new > model.max_context:

@@ -133,7 +133,8 @@ def kth_largest(z: Array, k: int) -> Array:
         digits = jnp.arange(per_pass, dtype=jnp.uint32) << shift  # [D]
         candidates = T | digits[None, :]  # [B, D]
         counts = jnp.sum(key[:, :, None] >= candidates[:, None, :], axis=1)  # [B, D]
-        best = jnp.sum(counts >= k, axis=1, keepdims=True).astype(jnp.uint32) - 1  # counts fall with the digit
+        # counts fall as the digit grows: the digit is the number of candidates reaching k, - 1
+        best = jnp.sum(counts >= k, axis=1, keepdims=True).astype(jnp.uint32) - 1
         T = T | (best << shift)
     negative_t = (T >> 31) == 0
     value_bits = jnp.where(negative_t, ~T, T & jnp.uint32(0x7FFFFFFF))

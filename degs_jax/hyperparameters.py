@@ -262,7 +262,8 @@ def hyperparameters_for(method: str, **overrides: Any) -> Hyperparameters:
     names = field_names(method)
     unknown = sorted(set(overrides) - set(names))
     if unknown:
-        raise ValueError(f"{method} does not take {', '.join(unknown)}; it takes {', '.join(sorted(names))}")
+        raise ValueError(f"{method} does not take {', '.join(unknown)}; "
+                         f"it takes {', '.join(sorted(names))}")
     return METHOD_HYPERPARAMETERS[method](**overrides)
 
 
