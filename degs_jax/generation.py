@@ -322,7 +322,11 @@ def prefill(model: CausalLM, params: Any, prompts: Array, prompt_len: Array,
     )
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this (few compiled shapes)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]],
+                multiple: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token lists to a common length rounded up to `multiple` (bucketing keeps
     the number of compiled shapes small). Returns ([B, P] int32, [B] int32 lengths)."""
     if not prompts or any(len(p) == 0 for p in prompts):
