@@ -27,7 +27,7 @@ LAYERS = [
     ("model API", ("degs_jax.model_api",)),
     ("lens / generation / scoring", ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring")),
     ("mcmc / smc", ("degs_jax.mcmc", "degs_jax.smc")),
-    ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders")),
+    ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
     ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots")),
