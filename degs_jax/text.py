@@ -10,7 +10,7 @@ import jax
 
 from .decoders import DecodeResult, decode
 from .hyperparameters import Hyperparameters
-from .model_api import TransformerLM
+from .model_api import TransformerLM, with_tuned_lens
 from .models import ModelConfig
 
 
@@ -36,11 +36,14 @@ def eos_ids_of(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = "degs_mcmc",
            key: Optional[jax.Array] = None, *, seed: int = 0, chat: bool = True,
-           progress: bool = False, **hyperparameters) -> DecodeResult:
+           progress: bool = False, tuned_lens=None, **hyperparameters) -> DecodeResult:
     """Decode text prompts with a loaded model (`degs_jax.models.loading.load`).
 
     method / hyperparameters: as `decode` (a method name with keyword overrides, or a
     hyperparameter dataclass). key: a PRNG key (default `jax.random.key(seed)`).
+    tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
+    them: D(x), DEGS reranking and acceptance) read the residuals through its
+    translators (`model_api.with_tuned_lens`) instead of the logit lens.
     Returns a DecodeResult whose candidates carry decoded `text`.
     """
     if isinstance(prompts, str):
@@ -48,7 +51,8 @@ def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = 
     key = jax.random.key(seed) if key is None else key
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     eos = eos_ids_of(model.cfg, model.tokenizer)
-    result = decode(TransformerLM(model.cfg), model.params, ids, method, key, eos_ids=eos,
+    lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned_lens)
+    result = decode(lm, params, ids, method, key, eos_ids=eos,
                     progress=progress, **hyperparameters)
     for out in result.outputs:
         for cand in out.candidates:

@@ -30,8 +30,11 @@ LAYERS = [
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
-    ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots")),
-    ("CLI", ("degs_jax.cli", "degs_jax.eval.commands")),
+    ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots", "degs_jax.stats")),
+    ("training", ("degs_jax.train",)),
+    ("reproduction", ("degs_jax.reproduce",)),
+    ("CLI", ("degs_jax.cli", "degs_jax.eval.commands", "degs_jax.train.commands",
+             "degs_jax.reproduce.command")),
 ]
 
 
