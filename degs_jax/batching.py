@@ -112,17 +112,22 @@ def peak_memory(device: Optional[Any] = None) -> dict[str, Any]:
 
 
 def choose_batch_size(requested: int | str, model: Any, config: Any, longest_prompt: int,
-                      n_prompts: int, cache_dtype: Any, devices: int = 1,
+                      n_prompts: int, cache_dtype: Any, devices: Optional[int] = None,
                       fraction: float = DEFAULT_MEMORY_FRACTION) -> dict[str, Any]:
     """The batch size and the record of how it was chosen.
 
     requested: a positive integer (kept as given) or "auto" (sized from free memory).
+    devices: devices the rows and heads spread over (default: the size of the mesh set
+    with `jax.set_mesh`, else 1).
     Returns {"batch_size": int, "requested": ..., and for auto the estimate's terms}.
     """
     if requested != AUTO:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ValueError(f"batch size must be a positive integer or 'auto', got {requested!r}")
         return {"batch_size": requested, "requested": requested}
+    if devices is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = 1 if mesh.empty else mesh.size
     cost = row_cost(model, config, longest_prompt, cache_dtype)
     free, source = free_memory()
     most = max(1, min(MAX_AUTO_BATCH, n_prompts))

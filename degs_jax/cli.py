@@ -90,6 +90,22 @@ def _tuned_lens(args, model):
     return resolve_lens(args.lens, model, args.tuned_lens)
 
 
+BATCH_SIZE_HELP = (
+    "{what} per decode call, or 'auto' (default): as many as fit in the device's free memory "
+    "with the method's buffer (prompt + max new tokens of KV cache per candidate or chain; "
+    "the choice and its terms are recorded). Results do not depend on it")
+
+
+def batch_size_arg(text: str) -> int | str:
+    """argparse type of --batch-size: a positive integer or 'auto'."""
+    from .batching import parse_batch_size
+
+    try:
+        return parse_batch_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -193,11 +209,17 @@ def cmd_generate(args) -> int:
 def cmd_sample(args) -> int:
     import jax
 
+    from .batching import peak_memory
     from .hyperparameters import resolve_hyperparameters
     from .text import sample
 
-    prompt, seed = prompt_text(args.prompt), check_seed(args.seed)
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give a prompt or --input FILE (one of them)")
+    seed = check_seed(args.seed)
     resolve_hyperparameters(args.method, _hyperparameters(args))  # bad names before loading the model
+    if args.input is not None:
+        return _sample_many(args, seed)
+    prompt = prompt_text(args.prompt)
     model = _load(args)
     result = sample(model, prompt, args.method, key=jax.random.key(seed),
                     chat=not args.no_chat, progress=True, tuned_lens=_tuned_lens(args, model),
@@ -205,14 +227,8 @@ def cmd_sample(args) -> int:
     out = result.outputs[0]
     c = out.chosen
     fe = result.forward_equivalents(model.cfg.num_layers)
-    report = {
-        "method": result.method, "seed": args.seed, "completion": c.text,
-        "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
-        "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
-        "counters": result.counters, "forward_equivalents": fe,
-        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
-        "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},
-    }
+    report = _sample_report(result, out, args.seed, model.cfg.num_layers)
+    report["peak_memory"] = peak_memory()
     if args.json:
         print(json.dumps(report))
         return 0
@@ -228,6 +244,60 @@ def cmd_sample(args) -> int:
     print(f"time: prefill {s['prefill']:.2f}s  decode {s['decode']:.2f}s  total {s['total']:.2f}s "
           f"(first call includes compilation)  |  generated {result.counters['generated_tokens']} tokens, "
           f"{fe:.0f} forward-equivalent tokens", file=sys.stderr)
+    return 0
+
+
+def _sample_report(result, out, seed, num_layers) -> dict:
+    """The JSON report of one prompt's decode (the candidate the method chose)."""
+    c = out.chosen
+    return {
+        "method": result.method, "seed": seed, "completion": c.text,
+        "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
+        "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
+        "counters": result.counters, "forward_equivalents": result.forward_equivalents(num_layers),
+        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},
+    }
+
+
+def _sample_many(args, seed: int) -> int:
+    """`degs sample --input FILE`: every prompt, in batches (--batch-size, auto by default)."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from .batching import choose_batch_size, peak_memory
+    from .hyperparameters import hyperparameters_for
+    from .model_api import TransformerLM, params_dtype
+    from .probe import read_rows
+    from .text import encode_prompt, sample
+
+    rows = read_rows(Path(args.input))
+    model = _load(args)
+    tuned_lens = _tuned_lens(args, model)
+    chat = not args.no_chat
+    config = hyperparameters_for(args.method, **_hyperparameters(args))
+    longest = max(len(encode_prompt(model.tokenizer, r["prompt"], chat)) for r in rows)
+    choice = choose_batch_size(args.batch_size, TransformerLM(model.cfg), config, longest,
+                               len(rows), config.cache_dtype or params_dtype(model.params))
+    batch = choice["batch_size"]
+    print(f"batch size {batch}" + (f" (auto: {choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, "
+                                   f"{choice['free_bytes'] / 2**30:.1f} GiB free, "
+                                   f"{choice['memory_source']})" if choice["requested"] == "auto"
+                                   else ""), file=sys.stderr)
+    base = jax.random.key(seed)
+    t0 = time.perf_counter()
+    for start in tqdm(range(0, len(rows), batch), desc=args.method, unit="batch", file=sys.stderr):
+        part = rows[start:start + batch]
+        keys = jax.numpy.stack([jax.random.fold_in(base, start + i) for i in range(len(part))])
+        result = sample(model, [r["prompt"] for r in part], config, keys=keys, chat=chat,
+                        tuned_lens=tuned_lens)
+        for i, (row, out) in enumerate(zip(part, result.outputs)):
+            report = _sample_report(result, out, seed, model.cfg.num_layers)
+            report["seconds"] = None  # the batch's time, not this prompt's (see the run record)
+            print(json.dumps({"id": row.get("id", start + i), **report}), flush=True)
+    print(json.dumps({"run": {"n_prompts": len(rows), "batch_choice": choice,
+                              "peak_memory": peak_memory(),
+                              "seconds": round(time.perf_counter() - t0, 3)}}), file=sys.stderr)
     return 0
 
 
@@ -256,10 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="decode a prompt with any decoder and print its statistics",
                        description=METHOD_HELP)
-    s.add_argument("prompt")
+    s.add_argument("prompt", nargs="?", default=None, help="the prompt (or --input)")
     _add_model_args(s)
     _add_decoder_args(s, "degs_mcmc")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    many = s.add_argument_group("many prompts")
+    many.add_argument("--input", default=None, metavar="FILE",
+                      help="JSONL with a 'prompt' (and optional 'id') per line: decode them all, "
+                           "print one JSON object per prompt on stdout (prompt i draws from "
+                           "fold_in(key(seed), i)) and the run record (batch choice, peak "
+                           "memory, seconds) as one JSON line on stderr")
+    many.add_argument("--batch-size", type=batch_size_arg, default="auto", metavar="N|auto",
+                      help=BATCH_SIZE_HELP.format(what="prompts"))
     s.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("probe", help="collapse depth D(x) and layer entropies of completions")

@@ -35,12 +35,14 @@ def eos_ids_of(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 
 def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = "degs_mcmc",
-           key: Optional[jax.Array] = None, *, seed: int = 0, chat: bool = True,
-           progress: bool = False, tuned_lens=None, **hyperparameters) -> DecodeResult:
+           key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None, seed: int = 0,
+           chat: bool = True, progress: bool = False, tuned_lens=None,
+           **hyperparameters) -> DecodeResult:
     """Decode text prompts with a loaded model (`degs_jax.models.loading.load`).
 
     method / hyperparameters: as `decode` (a method name with keyword overrides, or a
-    hyperparameter dataclass). key: a PRNG key (default `jax.random.key(seed)`).
+    hyperparameter dataclass). key: a PRNG key (default `jax.random.key(seed)`); or keys:
+    one key per prompt, so that each prompt's samples do not depend on the batch (as `decode`).
     tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
     them: D(x), DEGS reranking and acceptance) read the residuals through its
     translators (`model_api.with_tuned_lens`) instead of the logit lens.
@@ -48,11 +50,11 @@ def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = 
     """
     if isinstance(prompts, str):
         prompts = [prompts]
-    key = jax.random.key(seed) if key is None else key
+    key = jax.random.key(seed) if key is None and keys is None else key
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     eos = eos_ids_of(model.cfg, model.tokenizer)
     lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned_lens)
-    result = decode(lm, params, ids, method, key, eos_ids=eos,
+    result = decode(lm, params, ids, method, key, keys=keys, eos_ids=eos,
                     progress=progress, **hyperparameters)
     for out in result.outputs:
         for cand in out.candidates:

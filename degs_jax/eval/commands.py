@@ -55,6 +55,8 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     """Register the evaluation subcommands on the `degs` subparsers object."""
     import argparse
 
+    from degs_jax.cli import BATCH_SIZE_HELP, batch_size_arg
+
     e = sub.add_parser("eval", help="evaluate a decoder on a benchmark (resumable)",
                        description=EVAL_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,9 +66,8 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     g.add_argument("--benchmark", required=True, choices=BENCHMARK_CHOICES)
     g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     g.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    g.add_argument("--batch-size", type=int, default=1,
-                   help="problems per decode call (1; sampling methods decode one problem per "
-                        "call so that each problem's randomness is its own)")
+    g.add_argument("--batch-size", type=batch_size_arg, default="auto", metavar="N|auto",
+                   help=BATCH_SIZE_HELP.format(what="problems"))
     g.add_argument("--keep-candidates", action="store_true",
                    help="grade and store every candidate (tokens, log p, D, final entropy, verdict)")
     g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA or "
@@ -170,8 +171,6 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     check_seed(args.seed)
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     check_output_dir(Path(args.out))
     options = _distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
