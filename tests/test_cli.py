@@ -253,8 +253,8 @@ def test_sample_many_prompts_records_the_batch_choice_and_does_not_depend_on_it(
     rows.write_text("".join(json.dumps(r) + "\n" for r in (
         {"id": "a", "prompt": "What is 2 + 2?"}, {"prompt": "Name a colour."},
         {"id": "c", "prompt": "Say hi."})))
-    argv = ["sample", "--input", str(rows), "--method", "temperature", "--max-new-tokens", "6",
-            "--seed", "5"]
+    argv = ["sample", "--input", str(rows), "--method", "temperature", "--temperature", "1.0",
+            "--max-new-tokens", "6", "--seed", "5", "--dtype", "float32"]
     outputs = {}
     for size in ("auto", "1"):
         assert main(argv + ["--batch-size", size]) == 0
@@ -269,6 +269,9 @@ def test_sample_many_prompts_records_the_batch_choice_and_does_not_depend_on_it(
     assert choice["requested"] == "auto" and 1 < choice["batch_size"] <= 3
     assert choice["bytes_per_row"] > 0 and "memory" in choice["memory_source"]
     assert outputs["1"][1] == {"batch_size": 1, "requested": 1}
-    assert outputs["auto"][0] == outputs["1"][0]  # prompt i draws from fold_in(key(seed), i)
+    # Prompt i draws from fold_in(key(seed), i) whatever the batch. fp32: in bf16 the
+    # batch's padded length changes the kernels' rounding enough to flip a sample.
+    assert outputs["auto"][0] == outputs["1"][0]
+    assert len(set(outputs["auto"][0])) == 3
     assert main(["sample", "--method", "greedy"]) == 2
     assert "give a prompt or --input" in capsys.readouterr().err
