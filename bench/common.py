@@ -75,17 +75,19 @@ def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: 
     `prompt` tokens, EOS suppressed; seconds of the first call, compilation included).
     The prefill is run before each timed call and not timed."""
     from degs_jax.generation import SamplerSpec, generate, prefill
+    from degs_jax.model_api import TransformerLM
 
+    model = TransformerLM(cfg)
     spec = SamplerSpec(temperature=temperature, eos_ids=())
     tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), prompt, jnp.int32)
     keys = jax.random.split(jax.random.key(1), batch)
 
     def once():
-        st = prefill(params, cfg, tokens, lengths, prompt + new, jnp.bfloat16)
+        st = prefill(model, params, tokens, lengths, prompt + new, jnp.bfloat16)
         jax.block_until_ready(st.length)
         t = time.perf_counter()
-        st = generate(params, cfg, st, lengths + new, keys, spec)
+        st = generate(model, params, st, lengths + new, keys, spec)
         jax.block_until_ready(st.length)
         return time.perf_counter() - t
 

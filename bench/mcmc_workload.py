@@ -18,6 +18,7 @@ import numpy as np
 
 from common import emit, environment, random_model
 from degs_jax.decoders import decode
+from degs_jax.model_api import TransformerLM
 
 
 def main():
@@ -40,7 +41,7 @@ def main():
         runs = []
         for attempt in range(2):  # the first includes compilation
             t = time.perf_counter()
-            res = decode(params, cfg, prompts, method, jax.random.key(0), eos_ids=(), **hp, **extra)
+            res = decode(TransformerLM(cfg), params, prompts, method, jax.random.key(0), eos_ids=(), **hp, **extra)
             runs.append((time.perf_counter() - t, res))
         (first, _), (sec, res) = runs
         acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]

@@ -24,6 +24,7 @@ import numpy as np
 from common import (copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
                     param_bytes, shape_config)
 from degs_jax.decoders import decode
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import init_params
 from degs_jax.models.sharding import make_mesh, param_shardings
 
@@ -80,7 +81,7 @@ def mcmc(args, cfg, mesh, params):
         times = []
         for _ in range(2):  # the first includes compilation
             t = time.perf_counter()
-            res = decode(params, cfg, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(), **hp)
+            res = decode(TransformerLM(cfg), params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(), **hp)
             times.append(time.perf_counter() - t)
     acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
     emit({"bench": "tensor_parallel_mcmc", "method": "degs_mcmc", "shape": args.tp_shape,

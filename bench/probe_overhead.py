@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from common import emit, environment, random_model, timed
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig, default_lsub
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward
 
 
@@ -49,7 +50,8 @@ def main():
           "plain_ms": 1e3 * base, "probed_ms": 1e3 * probed, "ratio": probed / base}, "probe.jsonl")
 
     # Decode steps inside the real generation loop (cache carried in place), prompt T.
-    lens = LensConfig(lsub=lsub, chunk=args.chunk)
+    lens = LensConfig(lsub=lsub)
+    model = TransformerLM(cfg, lens_chunk=args.chunk)
     for B in (int(b) for b in args.batches.split(",")):
         toks = jax.random.randint(jax.random.key(B), (B, T), 0, cfg.vocab_size, jnp.int32)
         lengths = jnp.full((B,), T, jnp.int32)
@@ -59,10 +61,10 @@ def main():
             spec = SamplerSpec(temperature=1.0, eos_ids=(), lens=l)
 
             def run():
-                st = prefill(params, cfg, toks, lengths, T + args.steps, jnp.bfloat16)
+                st = prefill(model, params, toks, lengths, T + args.steps, jnp.bfloat16)
                 jax.block_until_ready(st.length)
                 t = time.perf_counter()
-                jax.block_until_ready(generate(params, cfg, st, lengths + args.steps, keys, spec).length)
+                jax.block_until_ready(generate(model, params, st, lengths + args.steps, keys, spec).length)
                 return time.perf_counter() - t
 
             run()

@@ -18,7 +18,9 @@ Statistics over a pool of graded candidates, each with a score ``D(x)`` and a ve
 and writes ``analysis.json`` and ``analysis.png``; ``lsub_sweep`` re-scores the kept
 candidates with :func:`degs_jax.scoring.score_sequences` for each probe set ``L_sub`` and
 reports the predictive statistics and DEGS-rerank accuracy per set (the paper's L_sub
-table). Nothing here imports JAX except ``lsub_sweep`` (lazily).
+table). Nothing here imports JAX except ``lsub_sweep``, nor the evaluation harness
+(``degs_jax.eval``) at load time: the functions that read run directories or re-score
+import it lazily; ``degs_jax.eval`` never imports this module (the CLI does).
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats as _stats
-
-from degs_jax.eval.results import read_json, read_records, wilson_interval, write_json
 
 __all__ = [
     "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
@@ -164,6 +164,8 @@ class BucketStat:
 def bucket_accuracy(scores: Sequence[float], labels: Sequence[bool],
                     n_buckets: int = 4) -> list[BucketStat]:
     """Accuracy by score quantile bucket (quartiles by default); see the module docstring."""
+    from degs_jax.eval.results import wilson_interval
+
     if n_buckets < 1:
         raise ValueError(f"n_buckets must be positive, got {n_buckets}")
     scores = np.asarray(scores, np.float64)
@@ -277,6 +279,8 @@ def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     """(run.json, result records) of a ``degs eval`` directory."""
+    from degs_jax.eval.results import read_json, read_records
+
     run_dir = Path(run_dir)
     run_file, results = run_dir / "run.json", run_dir / "results.jsonl"
     if not run_file.exists() or not results.exists():
@@ -379,6 +383,8 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
                 n_buckets: int = 4, quiet: bool = False) -> dict[str, Any]:
     """Predictive validity of D(x) on a ``degs eval`` run: prints the report and writes
     ``analysis.json`` and ``analysis.png`` into ``out_dir`` (default ``run_dir``)."""
+    from degs_jax.eval.results import write_json
+
     run, records = load_run(run_dir)
     pool = pool_from_records(records)
     stats = predictive_validity(pool, n_buckets=n_buckets)
@@ -451,14 +457,17 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     ``train.tuned_lens.TunedLens``); every probe set is scored under each, one row per
     (lens, set). Default: the logit lens only.
 
-    alpha/beta default to the run's own (degs_rerank runs) or 4 and 5. Also reports the
+    alpha/beta default to the run's own (degs_rerank runs), else degs_rerank's defaults. Also reports the
     likelihood-only (Best-of-N) and depth-only choices and the oracle (any candidate
     correct) for reference. Writes ``lsub_sweep.json`` into ``out_dir`` (default the run).
     """
-    from degs_jax.decoders import eos_ids_of
+    from degs_jax.text import eos_ids_of
     from degs_jax.eval import load_benchmark
+    from degs_jax.eval.results import write_json
     from degs_jax.eval.runner import problem_prompt_ids
+    from degs_jax.hyperparameters import DegsRerank
     from degs_jax.lens import LensConfig
+    from degs_jax.model_api import TransformerLM, with_tuned_lens
     from degs_jax.scoring import score_sequences
 
     run, records = load_run(run_dir)
@@ -469,11 +478,12 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     if cfg_run["model"]["name"] != model.name or cfg_run["model"]["num_layers"] != model.cfg.num_layers:
         raise ValueError(f"the run used model {cfg_run['model']['name']!r}; --model gave {model.name!r}")
     hp = cfg_run["hyperparameters"]
-    alpha = float(hp.get("alpha", 4.0) if alpha is None and cfg_run["method"] == "degs_rerank"
-                  else 4.0 if alpha is None else alpha)
-    beta = float(hp.get("beta", 5.0) if beta is None and cfg_run["method"] == "degs_rerank"
-                 else 5.0 if beta is None else beta)
-    tau = float(hp.get("tau", 0.25))
+    rerank = DegsRerank()  # the defaults
+    alpha = float(hp.get("alpha", rerank.alpha) if alpha is None and cfg_run["method"] == "degs_rerank"
+                  else rerank.alpha if alpha is None else alpha)
+    beta = float(hp.get("beta", rerank.beta) if beta is None and cfg_run["method"] == "degs_rerank"
+                 else rerank.beta if beta is None else beta)
+    tau = float(hp.get("tau", rerank.tau))
     problems = {p.id: p for p in load_benchmark(cfg_run["benchmark"], data_dir=data_dir)}
     prompts, completions, owner = [], [], []
     for r in records:
@@ -496,11 +506,12 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     for (lens_name, tuned), lsub in ((item, lsub) for item in lenses.items() for lsub in lsub_sets):
         lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.cfg.num_layers)
         # Compile outside the timing (first batch once); the timed pass is warm.
-        score_sequences(model.params, model.cfg, prompts[:batch_size], completions[:batch_size],
-                        lens, eos, batch_size=batch_size, tuned_lens=tuned)
+        lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned)
+        score_sequences(lm, params, prompts[:batch_size], completions[:batch_size],
+                        lens, eos, batch_size=batch_size)
         t0 = time.perf_counter()
-        scored = score_sequences(model.params, model.cfg, prompts, completions, lens, eos,
-                                 batch_size=batch_size, tuned_lens=tuned)
+        scored = score_sequences(lm, params, prompts, completions, lens, eos,
+                                 batch_size=batch_size)
         seconds = time.perf_counter() - t0
         d = np.array([s["depth"] for s in scored])
         stats = predictive_validity(base, scores=d)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -52,25 +53,25 @@ def _mesh_shape(text: str) -> tuple[int, int]:
 
 
 def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
+    """--method, --seed and one option per hyperparameter field of the methods
+    (`degs_jax.hyperparameters`: names, types, documentation and defaults come from there)."""
+    from .hyperparameters import METHODS
+
     p.add_argument("--method", default=default_method, help=METHOD_HELP)
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (same seed, same tokens)")
-    g = p.add_argument_group("hyperparameters (default: the method's, as in the paper)")
-    g.add_argument("--max-new-tokens", type=int, help="token budget of non-MCMC methods (3072)")
-    g.add_argument("--temperature", type=float, help="sampling temperature")
-    g.add_argument("--top-k", type=int, help="truncate the sampling/proposal distribution (0 = off)")
-    g.add_argument("--top-p", type=float, help="nucleus truncation (1.0 = off)")
-    g.add_argument("--n", type=int, help="candidates for the Best-of-N family (16)")
-    g.add_argument("--alpha", type=float, help="power / likelihood weight (4)")
-    g.add_argument("--beta", type=float, help="weight of D(x) (5; power_mcmc: 0)")
-    g.add_argument("--tau", type=float, help="collapse threshold in nats (0.25)")
-    g.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="probed layers, comma-separated (default grid of DESIGN §3)")
-    g.add_argument("--block-len", type=int, help="MCMC block length (192)")
-    g.add_argument("--num-blocks", type=int, help="MCMC blocks (16)")
-    g.add_argument("--mh-steps", type=int, help="MH steps per block (10)")
-    g.add_argument("--n-chains", type=int, help="independent MCMC chains per prompt (1)")
-    g.add_argument("--reference-quirks", action="store_true", default=None,
-                   help="reproduce the public power-sampling code's deviations (off)")
+    g = p.add_argument_group("hyperparameters (unset: the method's default, as in the paper)")
+    for name, (kind, texts) in _cli_fields().items():
+        flag = "--" + name.replace("_", "-")
+        help_text = "; ".join(
+            text + " (" + ("every method" if len(methods) == len(METHODS) else ", ".join(methods))
+            + ("" if default is None else f": default {default}") + ")"
+            for (text, default), methods in texts.items())
+        if kind is bool:
+            g.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif kind is tuple:
+            g.add_argument(flag, type=_int_list, metavar="L1,L2,...", help=help_text)
+        else:
+            g.add_argument(flag, type=kind, help=help_text)
     _add_lens_args(g)
 
 
@@ -89,12 +90,45 @@ def _tuned_lens(args, model):
     return resolve_lens(args.lens, model, args.tuned_lens)
 
 
-_HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "beta", "tau", "lsub",
-             "block_len", "num_blocks", "mh_steps", "n_chains", "reference_quirks")
+BATCH_SIZE_HELP = (
+    "{what} per decode call, or 'auto' (default): as many as fit in the device's free memory "
+    "with the method's buffer (prompt + max new tokens of KV cache per candidate or chain; "
+    "the choice and its terms are recorded). In float32 results do not depend on it; in "
+    "bfloat16 they can (README, 'Reproducibility')")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]:
+    """name -> (argument type, {(help, default): methods}) over every method's fields
+    shown on the command line, in the order the methods define them."""
+    import typing
+
+    from .hyperparameters import METHOD_HYPERPARAMETERS, field_types
+
+    fields: dict = {}
+    for method, cls in METHOD_HYPERPARAMETERS.items():
+        types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli"):
+                continue
+            kind = types[f.name]
+            if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            kind = typing.get_origin(kind) or kind  # tuple[int, ...] -> tuple
+            entry = fields.setdefault(f.name, (kind, {}))
+            entry[1].setdefault((f.metadata["help"], f.default), []).append(method)
+    return fields
 
 
 def _hyperparameters(args) -> dict:
-    return {k: getattr(args, k) for k in _HP_NAMES if getattr(args, k, None) is not None}
+    """The hyperparameters given on the command line (the others keep their defaults)."""
+    return {k: getattr(args, k) for k in _cli_fields() if getattr(args, k, None) is not None}
 
 
 SEED_RANGE = (0, 2**63 - 1)  # jax.random.key takes a signed 64-bit seed
@@ -153,7 +187,7 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-    from .decoders import sample
+    from .text import sample
 
     prompt = prompt_text(args.prompt)
     model = _load(args)
@@ -166,10 +200,17 @@ def cmd_generate(args) -> int:
 def cmd_sample(args) -> int:
     import jax
 
-    from .decoders import resolve_hyperparameters, sample
+    from .batching import peak_memory
+    from .hyperparameters import resolve_hyperparameters
+    from .text import sample
 
-    prompt, seed = prompt_text(args.prompt), check_seed(args.seed)
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give a prompt or --input FILE (one of them)")
+    seed = check_seed(args.seed)
     resolve_hyperparameters(args.method, _hyperparameters(args))  # bad names before loading the model
+    if args.input is not None:
+        return _sample_many(args, seed)
+    prompt = prompt_text(args.prompt)
     model = _load(args)
     result = sample(model, prompt, args.method, key=jax.random.key(seed),
                     chat=not args.no_chat, progress=True, tuned_lens=_tuned_lens(args, model),
@@ -177,14 +218,8 @@ def cmd_sample(args) -> int:
     out = result.outputs[0]
     c = out.chosen
     fe = result.forward_equivalents(model.cfg.num_layers)
-    report = {
-        "method": result.method, "seed": args.seed, "completion": c.text,
-        "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
-        "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
-        "counters": result.counters, "forward_equivalents": fe,
-        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
-        "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},
-    }
+    report = _sample_report(result, out, args.seed, model.cfg.num_layers)
+    report["peak_memory"] = peak_memory()
     if args.json:
         print(json.dumps(report))
         return 0
@@ -200,6 +235,61 @@ def cmd_sample(args) -> int:
     print(f"time: prefill {s['prefill']:.2f}s  decode {s['decode']:.2f}s  total {s['total']:.2f}s "
           f"(first call includes compilation)  |  generated {result.counters['generated_tokens']} tokens, "
           f"{fe:.0f} forward-equivalent tokens", file=sys.stderr)
+    return 0
+
+
+def _sample_report(result, out, seed, num_layers) -> dict:
+    """The JSON report of one prompt's decode (the candidate the method chose)."""
+    c = out.chosen
+    return {
+        "method": result.method, "seed": seed, "completion": c.text,
+        "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
+        "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
+        "counters": result.counters, "forward_equivalents": result.forward_equivalents(num_layers),
+        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},
+    }
+
+
+def _sample_many(args, seed: int) -> int:
+    """`degs sample --input FILE`: every prompt, in batches (--batch-size, auto by default)."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from .batching import choose_batch_size, parse_batch_size, peak_memory
+    from .hyperparameters import hyperparameters_for
+    from .model_api import TransformerLM, params_dtype
+    from .probe import read_rows
+    from .text import encode_prompt, sample
+
+    args.batch_size = parse_batch_size(args.batch_size)
+    rows = read_rows(Path(args.input))
+    model = _load(args)
+    tuned_lens = _tuned_lens(args, model)
+    chat = not args.no_chat
+    config = hyperparameters_for(args.method, **_hyperparameters(args))
+    longest = max(len(encode_prompt(model.tokenizer, r["prompt"], chat)) for r in rows)
+    choice = choose_batch_size(args.batch_size, TransformerLM(model.cfg), config, longest,
+                               len(rows), config.cache_dtype or params_dtype(model.params))
+    batch = choice["batch_size"]
+    print(f"batch size {batch}" + (f" (auto: {choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, "
+                                   f"{choice['free_bytes'] / 2**30:.1f} GiB free, "
+                                   f"{choice['memory_source']})" if choice["requested"] == "auto"
+                                   else ""), file=sys.stderr)
+    base = jax.random.key(seed)
+    t0 = time.perf_counter()
+    for start in tqdm(range(0, len(rows), batch), desc=args.method, unit="batch", file=sys.stderr):
+        part = rows[start:start + batch]
+        keys = jax.numpy.stack([jax.random.fold_in(base, start + i) for i in range(len(part))])
+        result = sample(model, [r["prompt"] for r in part], config, keys=keys, chat=chat,
+                        tuned_lens=tuned_lens)
+        for i, (row, out) in enumerate(zip(part, result.outputs)):
+            report = _sample_report(result, out, seed, model.cfg.num_layers)
+            report["seconds"] = None  # the batch's time, not this prompt's (see the run record)
+            print(json.dumps({"id": row.get("id", start + i), **report}), flush=True)
+    print(json.dumps({"run": {"n_prompts": len(rows), "batch_choice": choice,
+                              "peak_memory": peak_memory(),
+                              "seconds": round(time.perf_counter() - t0, 3)}}), file=sys.stderr)
     return 0
 
 
@@ -228,10 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="decode a prompt with any decoder and print its statistics",
                        description=METHOD_HELP)
-    s.add_argument("prompt")
+    s.add_argument("prompt", nargs="?", default=None, help="the prompt (or --input)")
     _add_model_args(s)
     _add_decoder_args(s, "degs_mcmc")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    many = s.add_argument_group("many prompts")
+    many.add_argument("--input", default=None, metavar="FILE",
+                      help="JSONL with a 'prompt' (and optional 'id') per line: decode them all, "
+                           "print one JSON object per prompt on stdout (prompt i draws from "
+                           "fold_in(key(seed), i)) and the run record (batch choice, peak "
+                           "memory, seconds) as one JSON line on stderr")
+    many.add_argument("--batch-size", default="auto", metavar="N|auto",
+                      help=BATCH_SIZE_HELP.format(what="prompts"))
     s.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("probe", help="collapse depth D(x) and layer entropies of completions")
@@ -239,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True,
                    help="JSONL with 'prompt' and optional 'completion' (else completed greedily)")
     p.add_argument("--out", required=True, help="output directory (probe.jsonl, entropy.png)")
-    p.add_argument("--tau", type=float, default=0.25, help="collapse threshold in nats (0.25)")
+    from .lens import DEFAULT_TAU
+
+    p.add_argument("--tau", type=float, default=DEFAULT_TAU,
+                   help=f"collapse threshold in nats ({DEFAULT_TAU})")
     p.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="probed layers for D(x) (default grid)")
     p.add_argument("--max-new-tokens", type=int, default=None,

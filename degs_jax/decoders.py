@@ -1,49 +1,52 @@
-"""The decoders of DESIGN §4 behind one entry point, on token ids (`decode`) or text
-(`sample`).
+"""The decoders of DESIGN §4 on token ids, host-driven (`decode`) or as one pure jitted
+program (`decode_tokens`). The text API (`sample`) is in `degs_jax.text`.
 
 | method              | what it returns                                               |
 | ------------------- | ------------------------------------------------------------- |
 | greedy              | argmax decoding                                               |
-| temperature         | ancestral sampling at `temperature` (default 0.25)            |
+| temperature         | ancestral sampling at `temperature`                           |
 | best_of_n           | N samples from p; the largest log p(x)                        |
 | best_of_n_entropy   | the same pool; the lowest mean final-layer entropy            |
 | degs_rerank         | the same pool; argmax alpha·log p(x) + beta·D(x) (alpha=0: depth only) |
 | power_mcmc          | MH chain for p^alpha (beta = 0, no probing)                   |
 | degs_mcmc           | MH chain for p^alpha·exp(beta·D)                              |
+
+Hyperparameters and their defaults: `degs_jax.hyperparameters` (one dataclass per
+method). Rows: prompt i's candidate (pool member or chain) j is row i·n + j.
+
+Two drivers, same tokens for the same per-prompt keys:
+- `decode`: returns to the host between generation chunks and MCMC blocks (progress
+  bars, Ctrl-C within about a second, early stop), and builds `Candidate` records;
+- `decode_tokens`: prefill, every generation step or MCMC block and the choice of the
+  answer in one jitted program (`lax.while_loop`s), for `jit` / `vmap` in user code
+  (e.g. inside an RL rollout step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .generation import SamplerSpec, generate, pad_prompts, prefill, repeat_rows
-from .lens import LensConfig, default_lsub, mean_final_entropy, sequence_depth
-from .mcmc import MCMCConfig, mcmc_block
-from .models import ModelConfig, Params
+from .generation import (GenState, SamplerSpec, completions, generate, generate_chunk, initial_active,
+                         pad_prompts, prefill, repeat_rows)
+from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, Hyperparameters,
+                              MCMCHyperparameters, hyperparameters_for)
+from .lens import mean_final_entropy, sequence_depth
+from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
+from .model_api import CausalLM, TransformerLM, params_dtype
 
-RERANK_METHODS = ("best_of_n", "best_of_n_entropy", "degs_rerank")
-MCMC_METHODS = ("power_mcmc", "degs_mcmc")
-METHODS = ("greedy", "temperature") + RERANK_METHODS + MCMC_METHODS
+Array = jax.Array
 
-_COMMON = dict(tau=0.25, lsub=None, lens_chunk=None, top_k=0, top_p=1.0, cache_dtype=None)
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "greedy": dict(max_new_tokens=3072, probe=True),
-    "temperature": dict(max_new_tokens=3072, temperature=0.25, probe=True),
-    "best_of_n": dict(max_new_tokens=3072, n=16, temperature=1.0, probe=True),
-    "best_of_n_entropy": dict(max_new_tokens=3072, n=16, temperature=1.0, probe=True),
-    "degs_rerank": dict(max_new_tokens=3072, n=16, temperature=1.0, alpha=4.0, beta=5.0, probe=True),
-    "power_mcmc": dict(alpha=4.0, beta=0.0, block_len=192, num_blocks=16, mh_steps=10,
-                       n_chains=1, reference_quirks=False),
-    "degs_mcmc": dict(alpha=4.0, beta=5.0, block_len=192, num_blocks=16, mh_steps=10,
-                      n_chains=1, reference_quirks=False),
-}
+__all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "Candidate", "Output", "DecodeResult",
+           "Decoded", "decode", "decode_tokens", "candidate_scores", "choose", "row_keys",
+           "generate_in_chunks"]
 
 
 @dataclasses.dataclass
@@ -70,190 +73,243 @@ class Output:
 @dataclasses.dataclass
 class DecodeResult:
     method: str
-    hyperparameters: dict[str, Any]
+    config: Hyperparameters  # the resolved hyperparameters
     outputs: list[Output]
     counters: dict[str, int]  # generated_tokens, forward_tokens, probed_token_layers
     seconds: dict[str, float]  # prefill, decode, total (compilation included)
+
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """Every hyperparameter by name (`config.to_dict()`)."""
+        return self.config.to_dict()
 
     def forward_equivalents(self, num_layers: int) -> float:
         """Token forwards with probing charged K/L of a forward per probed token (DESIGN §5)."""
         return self.counters["forward_tokens"] + self.counters["probed_token_layers"] / num_layers
 
 
-def resolve_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The method's defaults updated with `overrides`; unknown names are an error."""
-    if method not in DEFAULTS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    hp = {**_COMMON, **DEFAULTS[method]}
-    unknown = sorted(set(overrides) - set(hp))
-    if unknown:
-        raise ValueError(f"{method} does not take {', '.join(unknown)}; it takes {', '.join(sorted(hp))}")
-    hp.update(overrides)
-    if method == "power_mcmc" and hp["beta"] != 0:
-        raise ValueError("power_mcmc is the beta = 0 chain; use degs_mcmc for beta > 0")
-    for name in ("n", "n_chains", "max_new_tokens"):
-        if name in hp and (not isinstance(hp[name], int) or isinstance(hp[name], bool) or hp[name] < 1):
-            raise ValueError(f"{name} must be a positive integer, got {hp[name]!r}")
-    if method == "degs_rerank" and not (hp["alpha"] >= 0 and hp["beta"] >= 0):
-        raise ValueError("degs_rerank needs alpha >= 0 and beta >= 0")
-    if method == "degs_rerank" and not hp["probe"]:
-        raise ValueError("degs_rerank needs probe=True (it ranks by D(x))")
-    return hp
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["state", "accepted", "ran", "log_p", "depth", "final_entropy",
+                                "chosen"], meta_fields=[])
+@dataclasses.dataclass
+class Decoded:
+    """`decode_tokens`' result. Rows: prompt i's candidate j is row i·n + j."""
+
+    state: GenState  # every row: tokens, per-token log p / log q / d_t / H_L, counters
+    accepted: Array  # [rows, num_blocks] int32 accepted MH steps ([rows, 0] without MCMC)
+    ran: Array  # [rows, num_blocks] bool: the chain ran the block
+    log_p: Array  # [rows] log p(x)
+    depth: Array  # [rows] D(x) (0 where nothing was probed)
+    final_entropy: Array  # [rows] mean final-layer entropy
+    chosen: Array  # [prompts] int32: the index j of each prompt's answer
 
 
-def _lens(cfg: ModelConfig, hp: dict[str, Any]) -> LensConfig:
-    lsub = tuple(hp["lsub"]) if hp["lsub"] is not None else default_lsub(cfg.num_layers)
-    return LensConfig(lsub=lsub, tau=hp["tau"], chunk=hp["lens_chunk"]).validate_for(cfg.num_layers)
-
-
-def _candidates(state, cfg: ModelConfig, probed: bool, acceptance=None) -> list[Candidate]:
-    comp = state.completion_mask()
+def candidate_scores(state: GenState, num_layers: int) -> tuple[Array, Array, Array]:
+    """(log p(x), D(x), mean final-layer entropy) of every row, [B] fp32 each, from the
+    per-token values stored during generation (a final EOS is not scored: DESIGN §3)."""
+    completion = state.completion_mask()
     scored = state.completion_mask(scored=True)
-    log_p = jnp.sum(jnp.where(comp, state.logp, 0.0), axis=1)
-    depth = sequence_depth(state.depth, scored, cfg.num_layers)
-    fent = mean_final_entropy(state.final_entropy, scored)
-    tokens, start, end, ended, log_p, depth, fent = jax.device_get(
-        (state.tokens, state.prompt_len, state.length, state.ended, log_p, depth, fent))
-    return [Candidate(tokens=tokens[b, start[b]:end[b]].tolist(), log_p=float(log_p[b]),
-                      depth=float(depth[b]) if probed else None, final_entropy=float(fent[b]),
-                      ended=bool(ended[b]),
-                      acceptance=None if acceptance is None else acceptance[b])
-            for b in range(tokens.shape[0])]
+    log_p = jnp.sum(jnp.where(completion, state.logp, 0.0), axis=1)
+    return (log_p, sequence_depth(state.depth, scored, num_layers),
+            mean_final_entropy(state.final_entropy, scored))
 
 
-def _counters(state) -> dict[str, int]:
+def choose(config: Hyperparameters, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+    """[prompts] int32: each prompt's answer among its n = config.pool_size candidates
+    (rows i·n .. i·n + n - 1), by the method's rule (first on ties); 0 for the methods
+    without a pool choice (greedy, temperature, the MCMC chains)."""
+    n = config.pool_size
+    shaped = lambda a: a.reshape(-1, n)
+    if config.method == "best_of_n":
+        return jnp.argmax(shaped(log_p), axis=1).astype(jnp.int32)
+    if config.method == "best_of_n_entropy":
+        return jnp.argmin(shaped(final_entropy), axis=1).astype(jnp.int32)
+    if config.method == "degs_rerank":
+        return jnp.argmax(shaped(config.alpha * log_p + config.beta * depth), axis=1).astype(jnp.int32)
+    return jnp.zeros(log_p.shape[0] // n, jnp.int32)
+
+
+def row_keys(keys: Array, n: int) -> Array:
+    """[prompts · n] row keys from one PRNG key per prompt: prompt i's rows use
+    split(keys[i], n), so a prompt's samples do not depend on its batch."""
+    return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The model (with the run's lens chunk) and the kernel settings of one run."""
+
+    model: CausalLM
+    kernel: SamplerSpec | MCMCConfig
+
+
+def _plan(model: CausalLM, config: Hyperparameters, eos_ids: Sequence[int]) -> _Plan:
+    if config.lens_chunk is not None:
+        if not isinstance(model, TransformerLM):
+            raise ValueError("lens_chunk applies to TransformerLM models only")
+        model = dataclasses.replace(model, lens_chunk=config.lens_chunk)
+    eos_ids = tuple(int(e) for e in eos_ids)
+    config.lens_config(model.num_layers)  # L_sub checked against the model even if unused
+    if isinstance(config, MCMCHyperparameters):
+        kernel = config.mcmc_config(model.num_layers, eos_ids)
+    else:
+        kernel = config.sampler_spec(model.num_layers, eos_ids)
+    return _Plan(model=model, kernel=kernel)
+
+
+def _config(method: str | Hyperparameters, overrides: dict[str, Any]) -> Hyperparameters:
+    if isinstance(method, Hyperparameters):
+        if overrides:
+            raise ValueError(f"pass hyperparameters either in the {type(method).__name__} or as "
+                             f"keywords, not both (got {', '.join(sorted(overrides))})")
+        return method
+    return hyperparameters_for(method, **overrides)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "config", "eos_ids"))
+def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Array, keys: Array,
+                  config: Hyperparameters, eos_ids: tuple[int, ...] = ()) -> Decoded:
+    """The decoder `config.method` as one pure jitted program over token ids and keys.
+
+    prompts: [B, P] int32 right-padded, prompt_len: [B] int32 (>= 1; prompt + budget
+    within the model's context); keys: [B] PRNG keys, one per prompt (as `decode`'s
+    `keys`: same tokens); config: the method's hyperparameters (static, e.g.
+    `DegsMCMC(mh_steps=4)`); eos_ids: static. The buffer holds P + the method's budget
+    slots. Prefill, all generation steps or MCMC blocks (one `lax.while_loop` over
+    blocks, stopping when every chain ended) and the answer's choice run inside; wrap it
+    in your own `jax.jit` or `jax.vmap` (e.g. over a leading axis of prompts and keys).
+    """
+    plan = _plan(model, config, eos_ids)
+    n = config.pool_size
+    cache_dtype = config.cache_dtype or params_dtype(params)
+    max_len = prompts.shape[1] + config.max_new_tokens
+    state = prefill(plan.model, params, prompts, prompt_len, max_len, cache_dtype)
+    state = repeat_rows(state, n)
+    keys = row_keys(keys, n)
+    if isinstance(plan.kernel, MCMCConfig):
+        run = run_chains(plan.model, params, state, keys, plan.kernel)
+        state, accepted, ran = run.state, run.accepted, run.ran
+    else:
+        state = generate(plan.model, params, state, state.prompt_len + config.max_new_tokens, keys,
+                         plan.kernel)
+        accepted = jnp.zeros((state.length.shape[0], 0), jnp.int32)
+        ran = jnp.zeros((state.length.shape[0], 0), bool)
+    log_p, depth, final_entropy = candidate_scores(state, plan.model.num_layers)
+    return Decoded(state=state, accepted=accepted, ran=ran, log_p=log_p, depth=depth,
+                   final_entropy=final_entropy, chosen=choose(config, log_p, depth, final_entropy))
+
+
+# Host-driven generation runs `generate_chunk` calls of an adaptive number of steps, each
+# aiming at CHUNK_SECONDS of device time: short enough that Ctrl-C (delivered when a
+# call returns) and the progress bar respond within about a second, long enough that
+# the per-chunk host round trip is negligible.
+CHUNK_SECONDS = 0.5
+FIRST_CHUNK_STEPS = 16
+MAX_CHUNK_STEPS = 1024
+
+
+def generate_in_chunks(model: CausalLM, params: Any, state: GenState, limit: Array,
+                       keys: Array, spec: SamplerSpec,
+                       on_steps: Optional[Callable[[int], Any]] = None) -> GenState:
+    """`generate(model, params, state, limit, keys, spec)` driven from the host in chunks
+    (same tokens, bit for bit). `state` is donated: do not use it afterwards.
+    on_steps(n): called after each chunk with the number of loop steps it ran at most."""
+    active = initial_active(state, limit)
+    fresh_from = jnp.array(state.length, copy=True)  # not a buffer of the donated state
+    steps = FIRST_CHUNK_STEPS
+    while True:
+        started = time.perf_counter()
+        state, active = generate_chunk(model, params, state, active, limit, keys, fresh_from,
+                                       spec, jnp.int32(steps))
+        more = bool(np.any(jax.device_get(active)))
+        if on_steps is not None:
+            on_steps(steps)
+        if not more:
+            return state
+        elapsed = time.perf_counter() - started
+        if elapsed < CHUNK_SECONDS / 2:
+            steps = min(2 * steps, MAX_CHUNK_STEPS)
+        elif elapsed > 2 * CHUNK_SECONDS:
+            steps = max(steps // 2, 1)
+
+
+def _counters(state: GenState) -> dict[str, int]:
     g, f, p = jax.device_get((state.n_generated, state.n_forward, state.n_probed))
     return dict(generated_tokens=int(g.sum()), forward_tokens=int(f.sum()),
                 probed_token_layers=int(p.sum()))
 
 
-def _choose(method: str, pool: list[Candidate], hp: dict[str, Any]) -> Candidate:
-    if method == "best_of_n":
-        return max(pool, key=lambda c: c.log_p)
-    if method == "best_of_n_entropy":
-        return min(pool, key=lambda c: c.final_entropy)
-    if method == "degs_rerank":
-        return max(pool, key=lambda c: hp["alpha"] * c.log_p + hp["beta"] * c.depth)
-    return pool[0]
-
-
-def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], method: str,
-           key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None,
-           eos_ids: Sequence[int], progress: bool = False, tuned_lens=None,
+def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
+           method: str | Hyperparameters, key: Optional[Array] = None, *,
+           keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
            **hyperparameters) -> DecodeResult:
-    """Run `method` on token-id prompts.
+    """Run a decoder on token-id prompts, returning to the host between generation
+    chunks and MCMC blocks (progress bars, Ctrl-C, early stop).
 
-    tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
-    them: D(x), DEGS reranking and acceptance) read the residuals through its
-    translators instead of the logit lens.
-
+    model: a `CausalLM` (e.g. `TransformerLM(cfg)`); params: its parameters.
+    method: a method name (then `hyperparameters` override its defaults, e.g.
+      `decode(..., "degs_mcmc", key, eos_ids=eos, mh_steps=4)`) or a hyperparameter
+      dataclass (`DegsMCMC(mh_steps=4)`, no keywords).
     Randomness: with one `key`, row r of the batch (prompt i, candidate or chain j,
     r = i·n + j) uses `split(key, rows)[r]`. With `keys` ([len(prompts)] PRNG keys, one
     per prompt), prompt i's rows use `split(keys[i], n)`, so each prompt's samples do not
-    depend on which prompts share its batch (a single prompt decodes identically either way).
+    depend on which prompts share its batch (a single prompt decodes identically either
+    way), and `decode_tokens` gives the same tokens.
     """
-    hp = resolve_hyperparameters(method, hyperparameters)
-    lens = _lens(cfg, hp)
-    eos_ids = tuple(int(e) for e in eos_ids)
-    if method in MCMC_METHODS:
-        mc = MCMCConfig(alpha=float(hp["alpha"]), beta=float(hp["beta"]), block_len=hp["block_len"],
-                        num_blocks=hp["num_blocks"], mh_steps=hp["mh_steps"],
-                        lens=lens if hp["beta"] > 0 else None, eos_ids=eos_ids,
-                        top_k=hp["top_k"], top_p=hp["top_p"],
-                        reference_quirks=bool(hp["reference_quirks"]))
-        n, max_new = hp["n_chains"], mc.max_new_tokens
-    else:
-        temperature = 0.0 if method == "greedy" else float(hp["temperature"])
-        spec = SamplerSpec(temperature=temperature, top_k=hp["top_k"], top_p=hp["top_p"],
-                           eos_ids=eos_ids, lens=lens if hp["probe"] else None)
-        n, max_new = hp.get("n", 1), hp["max_new_tokens"]
-    longest = max(len(p) for p in prompts) if prompts else 0
-    if longest + max_new > cfg.max_position_embeddings:
+    config = _config(method, hyperparameters)
+    plan = _plan(model, config, eos_ids)
+    model, n, max_new = plan.model, config.pool_size, config.max_new_tokens
+    tokens, lengths = pad_prompts(prompts)
+    longest = int(lengths.max())
+    if longest + max_new > model.max_context:
         raise ValueError(f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's "
-                         f"context of {cfg.max_position_embeddings} tokens")
-    cache_dtype = hp["cache_dtype"] or params.embed.dtype
+                         f"context of {model.max_context} tokens")
+    if (key is None) == (keys is None):
+        raise ValueError("pass exactly one of key (one PRNG key) or keys (one per prompt)")
+    if keys is not None and keys.shape != (len(prompts),):
+        raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
+    cache_dtype = config.cache_dtype or params_dtype(params)
 
     t0 = time.perf_counter()
-    tokens, lengths = pad_prompts(prompts)
-    state = prefill(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
+    state = prefill(model, params, jnp.asarray(tokens), jnp.asarray(lengths),
                     tokens.shape[1] + max_new, cache_dtype)
     state = repeat_rows(state, n)
     jax.block_until_ready(state.length)
     t1 = time.perf_counter()
     rows = state.length.shape[0]
-    if (key is None) == (keys is None):
-        raise ValueError("pass exactly one of key (one PRNG key) or keys (one per prompt)")
-    if keys is None:
-        keys = jax.random.split(key, rows)
-    else:
-        if keys.shape != (len(prompts),):
-            raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
-        keys = jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
-    translators = None if tuned_lens is None else tuned_lens.translators_for(lens.lsub)
+    keys = jax.random.split(key, rows) if keys is None else row_keys(keys, n)
     acceptance = None
-    if method in MCMC_METHODS:
+    if isinstance(plan.kernel, MCMCConfig):
+        mc = plan.kernel
         acceptance = [[] for _ in range(rows)]
-        bar = tqdm(range(mc.num_blocks), desc=method, unit="block", disable=not progress)
+        bar = tqdm(range(mc.num_blocks), desc=config.method, unit="block", disable=not progress)
         for block in bar:
-            state, accepted, active = mcmc_block(params, cfg, state, keys, jnp.int32(block), mc,
-                                                 translators if mc.lens is not None else None)
-            accepted, active = jax.device_get((accepted, active))
+            state, accepted, active = mcmc_block_donating(model, params, state, keys,
+                                                          jnp.int32(block), mc)
+            accepted, active, ended = jax.device_get((accepted, active, state.ended))
             for r in np.flatnonzero(active):
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
-            if bool(jax.device_get(state.ended).all()):
+            if ended.all():
                 break
-        probed = mc.beta > 0
     else:
-        limit = state.prompt_len + max_new
-        state = generate(params, cfg, state, limit, keys, spec,
-                         translators=translators if spec.lens is not None else None)
-        probed = spec.lens is not None
+        bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
+        state = generate_in_chunks(model, params, state, state.prompt_len + max_new, keys,
+                                   plan.kernel, lambda k: bar.update(min(k, bar.total - bar.n)))
+    bar.close()
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()
 
-    pool = _candidates(state, cfg, probed, acceptance)
-    outputs = [Output(chosen=_choose(method, pool[i * n:(i + 1) * n], hp),
-                      candidates=pool[i * n:(i + 1) * n]) for i in range(len(prompts))]
-    return DecodeResult(method=method, hyperparameters=hp, outputs=outputs,
+    log_p, depth, final_entropy = candidate_scores(state, model.num_layers)
+    chosen = choose(config, log_p, depth, final_entropy)
+    ended, log_p, depth, final_entropy, chosen = jax.device_get(
+        (state.ended, log_p, depth, final_entropy, chosen))
+    pool = [Candidate(tokens=tokens, log_p=float(log_p[r]),
+                      depth=float(depth[r]) if config.probed else None,
+                      final_entropy=float(final_entropy[r]), ended=bool(ended[r]),
+                      acceptance=None if acceptance is None else acceptance[r])
+            for r, tokens in enumerate(completions(state))]
+    outputs = [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n])
+               for i in range(len(prompts))]
+    return DecodeResult(method=config.method, config=config, outputs=outputs,
                         counters=_counters(state),
                         seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of `prompt`, through the tokenizer's chat template when it has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer.encode(prompt)
-
-
-def eos_ids_of(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """EOS ids from the config and the tokenizer (chat models often end turns with a
-    different token than their base EOS)."""
-    ids = set(cfg.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def sample(model, prompts: str | Sequence[str], method: str = "degs_mcmc",
-           key: Optional[jax.Array] = None, *, seed: int = 0, chat: bool = True,
-           progress: bool = False, tuned_lens=None, **hyperparameters) -> DecodeResult:
-    """Decode text prompts with a loaded model (`degs_jax.models.loading.load`).
-
-    tuned_lens: as in `decode`. Returns a DecodeResult whose candidates carry decoded `text`.
-    """
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    key = jax.random.key(seed) if key is None else key
-    ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
-    eos = eos_ids_of(model.cfg, model.tokenizer)
-    result = decode(model.params, model.cfg, ids, method, key, eos_ids=eos, progress=progress,
-                    tuned_lens=tuned_lens, **hyperparameters)
-    for out in result.outputs:
-        for cand in out.candidates:
-            cand.text = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)
-    return result

@@ -21,20 +21,24 @@ logits (one step).
 
 Randomness: token x_t of row b is drawn with `fold_in(keys[b], t)`, so a row's
 samples depend only on its key and positions, not on the batch it runs in.
+
+The model is a `degs_jax.model_api.CausalLM` (a static argument); its contract (slots
+are positions, stale slots are never read, out-of-range positions write nothing) is
+what makes truncation by `length` and parking inactive rows at slot S correct.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .lens import LensConfig, collapse_depth
-from .models import KVCache, LensTranslators, ModelConfig, Params, forward, init_cache
+from .model_api import CausalLM
 
 Array = jax.Array
 
@@ -43,10 +47,11 @@ Array = jax.Array
                    data_fields=["tokens", "logp", "logq", "depth", "final_entropy", "length",
                                 "prompt_len", "ended", "cache", "n_generated", "n_forward",
                                 "n_probed"],
-                   meta_fields=[])
+                   meta_fields=["cache_row_axis"])
 @dataclasses.dataclass
 class GenState:
-    """Per-row generation state; B rows, S slots."""
+    """Per-row generation state; B rows, S slots. `prefill` builds one; `generate`,
+    `generate_chunk` and the MCMC kernels return updated copies (never mutate)."""
 
     tokens: Array  # [B, S] int32
     logp: Array  # [B, S] fp32
@@ -56,10 +61,11 @@ class GenState:
     length: Array  # [B] int32: prompt + completion tokens in the buffer
     prompt_len: Array  # [B] int32
     ended: Array  # [B] bool: the last token is EOS
-    cache: KVCache
+    cache: Any  # the model's cache pytree (model_api contract), rows at `cache_row_axis`
     n_generated: Array  # [B] int32: tokens sampled
     n_forward: Array  # [B] int32: token positions run through the model (prefill included)
     n_probed: Array  # [B] int32: probed token-layers (K per lensed position)
+    cache_row_axis: int = 0  # static: the batch-row axis of every cache leaf
 
     @property
     def max_len(self) -> int:
@@ -74,6 +80,11 @@ class GenState:
         return mask
 
 
+# The "off" values of the truncations.
+NO_TOP_K = 0
+NO_TOP_P = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
     """How tokens are drawn (static: part of the compiled program).
@@ -83,9 +94,9 @@ class SamplerSpec:
     lens: LensConfig to record collapse depth per token, or None (no probing).
     """
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float
+    top_k: int = NO_TOP_K
+    top_p: float = NO_TOP_P
     eos_ids: tuple[int, ...] = ()
     lens: Optional[LensConfig] = None
 
@@ -98,12 +109,43 @@ class SamplerSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+# Bits of the fp32 sort key decided per pass of `kth_largest` (16 candidate thresholds
+# per pass, 8 passes over the row).
+_KTH_BITS_PER_PASS = 4
+
+
+def kth_largest(z: Array, k: int) -> Array:
+    """The k-th largest value of each row of z ([B, V] float32) -> [B, 1], bit for bit
+    `lax.top_k(z, k)[0][:, -1:]` (ties counted with multiplicity), by a threshold
+    search instead of a partial sort: each float maps to an order-preserving uint32
+    key, and the largest key T with #{v : key(v) >= T} >= k is found 4 bits at a time
+    (8 passes over the row, each counting 16 candidate thresholds). That T is the key of
+    the k-th largest value. Cost: 8 fused compare-and-count passes over [B, V], close to
+    the softmax the sampler does anyway, where a top-k of 50 over 152k logits is a
+    partial sort per row. NaN-free input (logits)."""
+    bits = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    key = jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))  # monotone in z
+    B = z.shape[0]
+    T = jnp.zeros((B, 1), jnp.uint32)
+    per_pass = 1 << _KTH_BITS_PER_PASS
+    for shift in range(32 - _KTH_BITS_PER_PASS, -1, -_KTH_BITS_PER_PASS):
+        digits = jnp.arange(per_pass, dtype=jnp.uint32) << shift  # [D]
+        candidates = T | digits[None, :]  # [B, D]
+        counts = jnp.sum(key[:, :, None] >= candidates[:, None, :], axis=1)  # [B, D]
+        # counts fall as the digit grows: the digit is the number of candidates reaching k, - 1
+        best = jnp.sum(counts >= k, axis=1, keepdims=True).astype(jnp.uint32) - 1
+        T = T | (best << shift)
+    negative_t = (T >> 31) == 0
+    value_bits = jnp.where(negative_t, ~T, T & jnp.uint32(0x7FFFFFFF))
+    return jax.lax.bitcast_convert_type(value_bits, jnp.float32)
+
+
 def proposal_log_density(logits: Array, spec: SamplerSpec) -> Array:
     """log q over the vocabulary, [B, V] fp32, with -inf outside a truncation."""
     z = logits / spec.temperature
     if spec.top_k and spec.top_k < z.shape[-1]:
-        kth = jax.lax.top_k(z, spec.top_k)[0][:, -1:]
-        z = jnp.where(z >= kth, z, -jnp.inf)
+        z = jnp.where(z >= kth_largest(z, spec.top_k), z, -jnp.inf)
     if spec.top_p < 1.0:
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p
         # (the token that crosses the threshold is kept), as HF's TopPLogitsWarper.
@@ -130,97 +172,143 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
     return buf.at[rows, idx].set(jnp.where(where, value.astype(buf.dtype), buf[rows, idx]))
 
 
-def decode_step(params: Params, cfg: ModelConfig, st: GenState, active: Array, limit: Array,
-                keys: Array, fresh_from: Array, spec: SamplerSpec,
-                translators: Optional[LensTranslators] = None) -> tuple[GenState, Array]:
+def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
+                keys: Array, fresh_from: Array, spec: SamplerSpec) -> tuple[GenState, Array]:
     """One step of every `active` row (see the module docstring); the body of `generate`'s
     loop, also driven directly by loops that restart rows mid-way (mcmc.mh_steps).
 
-    active, limit, fresh_from: [B]; keys: [B] PRNG keys. translators: tuned-lens rows for
-    `spec.lens.lsub` (None: the logit lens). Returns (state, active [B]: rows that still
-    have tokens to draw after this step).
+    active, limit, fresh_from: [B]; keys: [B] PRNG keys. Returns (state, active [B]: rows
+    that still have work after this step: a token to draw, or a last token to consume).
     """
-    B, S = st.tokens.shape
+    B, S = state.tokens.shape
     rows = jnp.arange(B)
     lens_layers = spec.lens.lsub if spec.lens is not None else ()
-    n = st.length
-    consumed = jnp.take_along_axis(st.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
-    # Inactive rows write their KV to slot S, which the scatter drops.
+    n = state.length
+    consumed = jnp.take_along_axis(state.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
+    # Inactive rows write their KV to slot S, which the model drops (model_api contract 3).
     pos = jnp.where(active, n - 1, S)[:, None]
-    out = forward(params, cfg, consumed, pos, st.cache, lens_layers=lens_layers,
-                  lens_chunk=spec.lens.chunk if spec.lens is not None else None,
-                  lens_translators=translators if spec.lens is not None else None)
+    with jax.named_scope("model_step"):
+        out = model.step(params, consumed, pos, state.cache, lens_layers)
     logits = out.logits[:, 0]  # [B, V] fp32
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     write_stats = active & (n - 1 >= fresh_from)
     h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    final_entropy = _set(st.final_entropy, n - 1, h_final, write_stats)
-    depth = st.depth
+    final_entropy = _set(state.final_entropy, n - 1, h_final, write_stats)
+    depth = state.depth
     if spec.lens is not None:
-        d = collapse_depth(out.lens.entropy[:, :, 0], spec.lens.lsub, cfg.num_layers, spec.lens.tau)
+        d = collapse_depth(out.layer_entropy[:, :, 0], spec.lens.lsub, model.num_layers, spec.lens.tau)
         depth = _set(depth, n - 1, d, write_stats)
 
     sample = active & (n < limit)
-    if spec.temperature == 0.0:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logq_tok = jnp.zeros((B,), jnp.float32)
-    else:
-        logq_all = proposal_log_density(logits, spec)
-        step_keys = jax.vmap(jax.random.fold_in)(keys, n)
-        tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
-        logq_tok = logq_all[rows, tok]
+    with jax.named_scope("sample"):
+        if spec.temperature == 0.0:
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logq_tok = jnp.zeros((B,), jnp.float32)
+        else:
+            logq_all = proposal_log_density(logits, spec)
+            step_keys = jax.vmap(jax.random.fold_in)(keys, n)
+            tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
+            logq_tok = logq_all[rows, tok]
     logp_tok = logp_all[rows, tok]
     hit_eos = sample & _is_eos(tok, spec.eos_ids)
-    new = GenState(
-        tokens=_set(st.tokens, n, tok, sample),
-        logp=_set(st.logp, n, logp_tok, sample),
-        logq=_set(st.logq, n, logq_tok, sample),
+    new = dataclasses.replace(
+        state,
+        tokens=_set(state.tokens, n, tok, sample),
+        logp=_set(state.logp, n, logp_tok, sample),
+        logq=_set(state.logq, n, logq_tok, sample),
         depth=depth, final_entropy=final_entropy,
-        length=n + sample.astype(jnp.int32), prompt_len=st.prompt_len,
-        ended=st.ended | hit_eos, cache=out.cache,
-        n_generated=st.n_generated + sample,
-        n_forward=st.n_forward + active,
-        n_probed=st.n_probed + active * len(lens_layers),
+        length=n + sample.astype(jnp.int32),
+        ended=state.ended | hit_eos, cache=out.cache,
+        n_generated=state.n_generated + sample,
+        n_forward=state.n_forward + active,
+        n_probed=state.n_probed + active * len(lens_layers),
     )
     return new, sample & ~hit_eos
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def generate(params: Params, cfg: ModelConfig, state: GenState, limit: Array, keys: Array,
-             spec: SamplerSpec, fresh_from: Optional[Array] = None,
-             translators: Optional[LensTranslators] = None) -> GenState:
-    """Continue every row from its current length until EOS or `limit` tokens.
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["state", "active", "steps"], meta_fields=[])
+@dataclasses.dataclass
+class GenerationLoop:
+    """The carry of the generation `lax.while_loop`."""
 
-    state: a GenState (from `prefill`, a previous `generate`, or a truncated copy of
-      one: set `length` to the cut; the cache need not be cleared).
+    state: GenState
+    active: Array  # [B] bool: rows with work left (decode_step's second output)
+    steps: Array  # int32 scalar: loop iterations run in this call
+
+
+def initial_active(state: GenState, limit: Array) -> Array:
+    """[B] bool: the rows a fresh `generate` call works on (not ended, below `limit`)."""
+    return ~state.ended & (state.length < limit)
+
+
+def _generation_loop(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
+                     keys: Array, fresh_from: Array, spec: SamplerSpec,
+                     max_steps: Optional[Array]) -> GenerationLoop:
+    def keep_going(loop: GenerationLoop):
+        go = jnp.any(loop.active)
+        return go if max_steps is None else go & (loop.steps < max_steps)
+
+    def body(loop: GenerationLoop) -> GenerationLoop:
+        with jax.named_scope("decode_step"):
+            state, active = decode_step(model, params, loop.state, loop.active, limit, keys,
+                                        fresh_from, spec)
+        return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
+
+    return jax.lax.while_loop(keep_going, body, GenerationLoop(state, active, jnp.int32(0)))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "spec"))
+def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: Array,
+             spec: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
+    """Continue every row from its current length until EOS or `limit` tokens, in one
+    jitted `lax.while_loop` (a pure function: call it under your own jit or vmap).
+
+    model: the `CausalLM` (static). state: a GenState (from `prefill`, a previous
+      `generate`, or a truncated copy of one: set `length` to the cut; the cache need
+      not be cleared). Not donated: the caller may keep using it.
     limit: [B] int32 total-length cap per row (prompt included), <= S.
     keys: [B] PRNG keys. fresh_from: [B] int32 first slot whose statistics may be
-      (re)written; defaults to the current lengths. translators: tuned-lens rows for
-      `spec.lens.lsub` (None: the logit lens).
+      (re)written; defaults to the current lengths.
     Rows that are already ended or at their limit are left untouched.
     """
     fresh_from = state.length if fresh_from is None else fresh_from
-    active0 = ~state.ended & (state.length < limit)
-
-    def body(carry):
-        st, active = carry
-        return decode_step(params, cfg, st, active, limit, keys, fresh_from, spec, translators)
-
-    state, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1]), body, (state, active0))
-    return state
+    return _generation_loop(model, params, state, initial_active(state, limit), limit, keys,
+                            fresh_from, spec, None).state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "cache_dtype"))
-def prefill(params: Params, cfg: ModelConfig, prompts: Array, prompt_len: Array,
+@functools.partial(jax.jit, static_argnames=("model", "spec"), donate_argnames=("state",))
+def generate_chunk(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
+                   keys: Array, fresh_from: Array, spec: SamplerSpec,
+                   max_steps: Array) -> tuple[GenState, Array]:
+    """At most `max_steps` loop steps of `generate`, for host loops that return to Python
+    between chunks (progress, Ctrl-C); chained calls give `generate`'s tokens exactly.
+
+    Start with `active = initial_active(state, limit)` and `fresh_from` = the lengths at
+    the start (a copy: `state` is donated, so pass no array that is part of it, and do
+    not use `state` after the call); pass each call's returned state and active to the
+    next until no row is active. max_steps: int32 scalar (traced: any chunk size runs
+    the same compiled program). Returns (state, active).
+    """
+    loop = _generation_loop(model, params, state, active, limit, keys, fresh_from, spec,
+                            max_steps)
+    return loop.state, loop.active
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "cache_dtype"))
+def prefill(model: CausalLM, params: Any, prompts: Array, prompt_len: Array,
             max_len: int, cache_dtype=jnp.bfloat16) -> GenState:
     """Run the prompts through the model and build a fresh GenState with S = max_len slots.
 
-    prompts: [B, P] int32, right-padded; prompt_len: [B] int32 (>= 1).
+    prompts: [B, P] int32, right-padded; prompt_len: [B] int32 (>= 1). The prompt's
+    logits are not kept (the first `generate` step re-reads the last prompt token), so
+    XLA drops the unembedding of this call.
     """
     B, P = prompts.shape
-    cache = init_cache(cfg, B, max_len, cache_dtype)
+    cache = model.init_cache(B, max_len, cache_dtype)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
-    out = forward(params, cfg, prompts, positions, cache, logits_at=prompt_len - 1)
+    with jax.named_scope("prefill"):
+        out = model.step(params, prompts, positions, cache, ())
     tokens = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(prompts)
     return GenState(
         tokens=tokens, logp=jnp.zeros((B, max_len), jnp.float32),
@@ -230,11 +318,15 @@ def prefill(params: Params, cfg: ModelConfig, prompts: Array, prompt_len: Array,
         length=prompt_len.astype(jnp.int32), prompt_len=prompt_len.astype(jnp.int32),
         ended=jnp.zeros((B,), bool), cache=out.cache,
         n_generated=jnp.zeros((B,), jnp.int32), n_forward=prompt_len.astype(jnp.int32),
-        n_probed=jnp.zeros((B,), jnp.int32),
+        n_probed=jnp.zeros((B,), jnp.int32), cache_row_axis=model.cache_row_axis,
     )
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this (few compiled shapes)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]],
+                multiple: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token lists to a common length rounded up to `multiple` (bucketing keeps
     the number of compiled shapes small). Returns ([B, P] int32, [B] int32 lengths)."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -250,10 +342,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int = 16) -> tuple[n
 def _map_rows(fn, *states: GenState) -> GenState:
     """Apply fn(*arrays, axis) to every field, with `axis` the field's row axis."""
     fields = {f.name: fn(*(getattr(s, f.name) for s in states), axis=0)
-              for f in dataclasses.fields(GenState) if f.name != "cache"}
-    cache = KVCache(k=fn(*(s.cache.k for s in states), axis=1),
-                    v=fn(*(s.cache.v for s in states), axis=1))
-    return GenState(cache=cache, **fields)
+              for f in dataclasses.fields(GenState) if f.name not in ("cache", "cache_row_axis")}
+    axis = states[0].cache_row_axis
+    cache = jax.tree.map(lambda *leaves: fn(*leaves, axis=axis), *(s.cache for s in states))
+    return GenState(cache=cache, cache_row_axis=axis, **fields)
 
 
 def repeat_rows(state: GenState, n: int) -> GenState:

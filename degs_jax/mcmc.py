@@ -9,52 +9,76 @@ regenerate from m to EOS or the boundary, accept with probability min(1, r),
   log r = alpha·[log p(x'_{m:}) - log p(x_{m:})] + [log q(x_{m:}) - log q(x'_{m:})]
         + beta·[D(x') - D(x)] + log n_x - log n_x',
 
-with whole-suffix sums of the per-token values stored when each token was generated.
+with whole-suffix sums of the per-token values stored when each token was generated
+(see `log_acceptance_ratio` for why these stored values make the ratio exact).
 All rows (problems x chains) run in one batch; the MH steps of a block are one jitted
-`lax.while_loop` of decode steps in which every row runs its own steps (`mh_steps`).
+`lax.while_loop` of decode steps in which every row runs its own steps (`mh_steps`),
+carrying an `MHState`. The model is a `degs_jax.model_api.CausalLM`.
+
+Randomness: every draw of chain r derives from its key k_r by `fold_in` (counter-based,
+so a chain's draws do not depend on the batch it runs in):
+
+  block b's extension        fold_in(fold_in(k_r, b), EXTENSION_STREAM), then per position
+  MH step s of block b       step key  = fold_in(fold_in(k_r, b), FIRST_MH_STREAM + s)
+    cut index                fold_in(step key, CUT_STREAM)
+    regeneration             fold_in(step key, REGENERATE_STREAM), then per position
+    accept / reject          fold_in(step key, ACCEPT_STREAM)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from .generation import GenState, SamplerSpec, decode_step, generate, select_rows
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate, select_rows
 from .lens import LensConfig, sequence_depth
-from .models import KVCache, LensTranslators, ModelConfig, Params
+from .model_api import CausalLM
 
 Array = jax.Array
 
 # Reference-code behaviour reproduced by `reference_quirks=True`.
 QUIRKS_TOP_K = 50
 
+# PRNG stream tags (module docstring). Changing any of them changes every chain's draws.
+EXTENSION_STREAM = 0  # under the block key: the extension to the block boundary
+FIRST_MH_STREAM = 1  # under the block key: MH step s uses FIRST_MH_STREAM + s
+CUT_STREAM = 0  # under the step key: the cut index m
+REGENERATE_STREAM = 1  # under the step key: the proposal's tokens
+ACCEPT_STREAM = 2  # under the step key: the uniform of the accept test
+
 
 @dataclasses.dataclass(frozen=True)
 class MCMCConfig:
-    """Hyperparameters of the chain (static: part of the compiled program).
+    """The chain's settings (static: part of the compiled program). The decoders build
+    it from the `degs_mcmc` / `power_mcmc` hyperparameters, where the paper's defaults
+    live (`degs_jax.hyperparameters`).
 
-    alpha: power (proposal temperature 1/alpha); beta: weight of D(x) (0 = power
-    sampling, no probing); block_len, num_blocks: the block schedule (max new tokens =
-    block_len · num_blocks); mh_steps: MH steps per block; lens: layers and tau for
-    D(x) (required when beta > 0); top_k / top_p: optional proposal truncation (log q
-    is then the truncated density); reference_quirks: reproduce the public reference
-    implementation (top-k 50, proposals capped at the current length, no cut-index
-    ratio, current suffix truncated to the proposal's length) for side-by-side runs.
+    alpha: power (proposal temperature 1/alpha), >= 1.
+    beta: weight of D(x); 0 = power sampling (no probing).
+    block_len, num_blocks: the block schedule (max new tokens = block_len · num_blocks).
+    mh_steps: MH steps per block.
+    lens: layers and tau for D(x) (required when beta > 0).
+    eos_ids: token ids that end a completion.
+    top_k / top_p: optional proposal truncation (log q is then the truncated density;
+      0 / 1.0 = off).
+    reference_quirks: reproduce the public reference implementation (top-k 50,
+      proposals capped at the current length, no cut-index ratio, current suffix
+      truncated to the proposal's length) for side-by-side runs. Not exact.
     """
 
-    alpha: float = 4.0
-    beta: float = 5.0
-    block_len: int = 192
-    num_blocks: int = 16
-    mh_steps: int = 10
+    alpha: float
+    beta: float
+    block_len: int
+    num_blocks: int
+    mh_steps: int
     lens: Optional[LensConfig] = None
     eos_ids: tuple[int, ...] = ()
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int = NO_TOP_K
+    top_p: float = NO_TOP_P
     reference_quirks: bool = False
 
     def __post_init__(self):
@@ -64,7 +88,7 @@ class MCMCConfig:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         for name in ("block_len", "num_blocks", "mh_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.beta > 0 and self.lens is None:
             raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
@@ -75,6 +99,7 @@ class MCMCConfig:
 
     @property
     def proposal(self) -> SamplerSpec:
+        """The proposal q: temperature 1/alpha, the truncation, the lens when beta > 0."""
         return SamplerSpec(
             temperature=1.0 / self.alpha,
             top_k=QUIRKS_TOP_K if self.reference_quirks and not self.top_k else self.top_k,
@@ -89,13 +114,33 @@ def _suffix_sum(values: Array, start: Array, end: Array) -> Array:
     return jnp.sum(jnp.where(mask, values, 0.0), axis=1)
 
 
-def _depth_score(state: GenState, cfg: ModelConfig) -> Array:
-    return sequence_depth(state.depth, state.completion_mask(scored=True), cfg.num_layers)
+def _depth_score(state: GenState, num_layers: int) -> Array:
+    return sequence_depth(state.depth, state.completion_mask(scored=True), num_layers)
 
 
-def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, cfg: ModelConfig,
-                         mc: MCMCConfig) -> Array:
-    """log r of DESIGN §4 for every row, [B] fp32, from stored per-token values only."""
+def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: MCMCConfig,
+                         num_layers: int) -> Array:
+    """log r of DESIGN §4 for every row, [B] fp32, from stored per-token values only.
+
+    current / proposal: the chain x and the proposal x', equal below `cut` ([B] slot of
+    the cut m). num_layers: L of the model (D(x) = mean d_t / L).
+
+    Why the stored values give the exact ratio of the target to the proposal kernel:
+    1. The stored suffix log q of x is the reverse proposal's density. A regeneration
+       stops exactly at EOS or at the block boundary, and the chain's state always ends
+       at one of the two (it was extended there, and only such proposals are accepted),
+       so producing x_{m:} from x'_{<m} = x_{<m} has probability prod_t q(x_t | x_<t),
+       with no extra stopping factor; every stored log q was computed under this same
+       proposal (temperature, truncation) from the same prefix.
+    2. log n_x - log n_x' is the ratio of the cut-index probabilities: m is uniform
+       over the n_x completion positions of x for the forward move and over the n_x'
+       positions of x' for the reverse one.
+    3. Per-token values depend only on earlier tokens: log p(x_t | x_<t), log q and the
+       collapse depth d_t (from the residuals at position t under causal attention) of
+       the shared prefix x_<m are the same in x and x', so whole-suffix sums are the
+       differences of the full sums, and D(x') from stored values is exactly D(x').
+    `reference_quirks` breaks 1 and 2 on purpose (see MCMCConfig).
+    """
     x_end = current.length
     if mc.reference_quirks:
         x_end = jnp.minimum(current.length, proposal.length)
@@ -104,7 +149,7 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, cfg:
              + _suffix_sum(current.logq, cut, x_end)
              - _suffix_sum(proposal.logq, cut, proposal.length))
     if mc.beta > 0:
-        log_r += mc.beta * (_depth_score(proposal, cfg) - _depth_score(current, cfg))
+        log_r += mc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
     if not mc.reference_quirks:
         n_x = (current.length - current.prompt_len).astype(jnp.float32)
         n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
@@ -113,6 +158,7 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, cfg:
 
 
 def _row_keys(keys: Array, *tags: int | Array) -> Array:
+    """fold_in(..fold_in(keys[b], tags[0]).., tags[-1]) for every row b."""
     for tag in tags:
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
     return keys
@@ -125,40 +171,64 @@ _COUNTERS = ("n_generated", "n_forward", "n_probed")
 _ROWS_PER_COPY = 8
 
 
-def _copy_cache_rows(current: KVCache, proposal: KVCache, rows: Array, take_proposal: Array):
+def _copy_cache_rows(current: Any, proposal: Any, rows: Array, take_proposal: Array, axis: int):
     """For every row r with rows[r]: both caches' row r := proposal's if take_proposal[r]
-    else current's. Rows go _ROWS_PER_COPY at a time through one gather and in-place
-    scatters (a full-cache select would move the whole cache on every step that ends a
-    proposal); with the batch split over a mesh, XLA partitions the gather and scatters
-    per device (a dynamic slice of the split batch axis would all-gather the cache)."""
+    else current's (rows along `axis` of every cache leaf). Rows go _ROWS_PER_COPY at a
+    time through one gather and in-place scatters (a full-cache select would move the
+    whole cache on every step that ends a proposal); with the batch split over a mesh,
+    XLA partitions the gather and scatters per device (a dynamic slice of the split
+    batch axis would all-gather the cache)."""
     B = rows.shape[0]
     R = min(B, _ROWS_PER_COPY)
     order = jnp.nonzero(rows, size=B + R, fill_value=B)[0]  # B: out of range, dropped
+    leading = (slice(None),) * axis
 
     def copy_chunk(i, caches):
         cur, prop = caches
         idx = jax.lax.dynamic_slice_in_dim(order, i * R, R)
-        take = take_proposal[jnp.minimum(idx, B - 1)][None, :, None, None, None]
-        rows_of = lambda a: jnp.take(a, idx, axis=1, mode="clip")  # [L, R, ...]
-        put = lambda a, v: a.at[:, idx].set(v, mode="drop")
-        k = jnp.where(take, rows_of(prop.k), rows_of(cur.k))
-        v = jnp.where(take, rows_of(prop.v), rows_of(cur.v))
-        return KVCache(put(cur.k, k), put(cur.v, v)), KVCache(put(prop.k, k), put(prop.v, v))
+        take = take_proposal[jnp.minimum(idx, B - 1)]
+        cur_leaves, treedef = jax.tree.flatten(cur)
+        new_cur, new_prop = [], []
+        for c, p in zip(cur_leaves, treedef.flatten_up_to(prop)):
+            shape = [1] * c.ndim
+            shape[axis] = R
+            chosen = jnp.where(take.reshape(shape), jnp.take(p, idx, axis=axis, mode="clip"),
+                               jnp.take(c, idx, axis=axis, mode="clip"))
+            new_cur.append(c.at[leading + (idx,)].set(chosen, mode="drop"))
+            new_prop.append(p.at[leading + (idx,)].set(chosen, mode="drop"))
+        return treedef.unflatten(new_cur), treedef.unflatten(new_prop)
 
     chunks = (jnp.sum(rows) + R - 1) // R
     return jax.lax.fori_loop(0, chunks, copy_chunk, (current, proposal))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mc"))
-def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mc: MCMCConfig,
-             translators: Optional[LensTranslators] = None) -> tuple[GenState, Array]:
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["current", "proposal", "generating", "step", "cut",
+                                "proposal_limit", "proposal_keys", "accepted"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class MHState:
+    """The carry of `mh_steps`' loop: a chain and its running proposal, per row."""
+
+    current: GenState  # the chain x
+    proposal: GenState  # x': equal to x except past the cut of a running proposal
+    generating: Array  # [B] bool: the row's proposal is still drawing tokens
+    step: Array  # [B] int32: MH steps finished in this block
+    cut: Array  # [B] int32: slot of the running proposal's cut m (prompt_len + m)
+    proposal_limit: Array  # [B] int32: length the running proposal may reach
+    proposal_keys: Array  # [B] PRNG keys of the running proposal's tokens
+    accepted: Array  # [B] int32: accepted steps in this block
+
+
+@functools.partial(jax.jit, static_argnames=("model", "mc"))
+def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
+             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array]:
     """`mc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
-    active: [B] rows that move (others are left untouched). keys: [B] chain keys; step
-    s of block k draws from fold_in(key, k, s + 1). translators: tuned-lens rows for
-    `mc.lens.lsub` (None: the logit lens). Returns (state, accepted [B] int32).
+    active: [B] rows that move (others are left untouched). keys: [B] chain keys;
+    streams as in the module docstring. Returns (state, accepted [B] int32). `state`
+    is not donated.
 
     Rows advance independently: every loop iteration is one decode step of every row's
     proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
@@ -172,66 +242,123 @@ def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, blo
     spec = mc.proposal
     block_keys = _row_keys(keys, block)
 
-    def begin(current, proposal, step, starting, cut, p_limit, gen_keys):
-        """Start step `step` of the rows in `starting`: draw the cut, truncate the proposal."""
-        step_keys = jax.vmap(jax.random.fold_in)(block_keys, step + 1)
-        k_cut, k_gen = _row_keys(step_keys, 0), _row_keys(step_keys, 1)
-        n_x = current.length - current.prompt_len
-        m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(k_cut, n_x)
-        # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
-        new_cut = current.prompt_len + m
-        new_limit = current.length if mc.reference_quirks else limit
-        proposal = dataclasses.replace(
-            proposal, length=jnp.where(starting, new_cut, proposal.length),
-            ended=proposal.ended & ~starting)
-        return (proposal, jnp.where(starting, new_cut, cut), jnp.where(starting, new_limit, p_limit),
-                jnp.where(starting, k_gen, gen_keys))
+    def step_keys(step: Array) -> Array:
+        return jax.vmap(jax.random.fold_in)(block_keys, FIRST_MH_STREAM + step)
 
-    def body(carry):
-        current, proposal, generating, step, cut, p_limit, gen_keys, accepted = carry
-        proposal, still = decode_step(params, cfg, proposal, generating, p_limit, gen_keys, cut, spec,
-                                      translators)
-        done = generating & ~still
-        step_keys = jax.vmap(jax.random.fold_in)(block_keys, step + 1)
-        log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys, 2)))
-        accept = done & (log_u < log_acceptance_ratio(current, proposal, cut, cfg, mc))
-        # Both states take the decided row (caches row by row above; select_rows' own
-        # cache select is replaced, so XLA drops it); the proposal keeps the work counters
-        # (work on rejected proposals counts in the compute accounting).
-        counters = {name: getattr(proposal, name) for name in _COUNTERS}
-        k_cache, p_cache = _copy_cache_rows(current.cache, proposal.cache, done, accept)
-        current = dataclasses.replace(select_rows(accept, proposal, current), cache=k_cache)
-        proposal = dataclasses.replace(select_rows(done, current, proposal), cache=p_cache, **counters)
-        step = step + done
-        starting = done & (step < mc.mh_steps)
-        proposal, cut, p_limit, gen_keys = begin(current, proposal, step, starting, cut, p_limit, gen_keys)
-        return (current, proposal, (generating & still) | starting, step, cut, p_limit, gen_keys,
-                accepted + accept)
+    def begin(chain: MHState, starting: Array) -> MHState:
+        """Start step `chain.step` of the rows in `starting`: draw the cut, truncate the proposal."""
+        keys_now = step_keys(chain.step)
+        n_x = chain.current.length - chain.current.prompt_len
+        m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(
+            _row_keys(keys_now, CUT_STREAM), n_x)
+        # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
+        new_cut = chain.current.prompt_len + m
+        new_limit = chain.current.length if mc.reference_quirks else limit
+        proposal = dataclasses.replace(
+            chain.proposal, length=jnp.where(starting, new_cut, chain.proposal.length),
+            ended=chain.proposal.ended & ~starting)
+        return dataclasses.replace(
+            chain, proposal=proposal, cut=jnp.where(starting, new_cut, chain.cut),
+            proposal_limit=jnp.where(starting, new_limit, chain.proposal_limit),
+            proposal_keys=jnp.where(starting, _row_keys(keys_now, REGENERATE_STREAM),
+                                    chain.proposal_keys),
+            generating=chain.generating | starting)
+
+    def body(chain: MHState) -> MHState:
+        with jax.named_scope("propose"):
+            proposal, still = decode_step(model, params, chain.proposal, chain.generating,
+                                          chain.proposal_limit, chain.proposal_keys, chain.cut, spec)
+        done = chain.generating & ~still
+        with jax.named_scope("accept_reject"):
+            log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys(chain.step), ACCEPT_STREAM)))
+            accept = done & (log_u < log_acceptance_ratio(chain.current, proposal, chain.cut, mc,
+                                                          model.num_layers))
+            # Both states take the decided row (caches row by row above; select_rows' own
+            # cache select is replaced, so XLA drops it); the proposal keeps the work
+            # counters (work on rejected proposals counts in the compute accounting).
+            counters = {name: getattr(proposal, name) for name in _COUNTERS}
+            k_cache, p_cache = _copy_cache_rows(chain.current.cache, proposal.cache, done, accept,
+                                                chain.current.cache_row_axis)
+            current = dataclasses.replace(select_rows(accept, proposal, chain.current), cache=k_cache)
+            proposal = dataclasses.replace(select_rows(done, current, proposal), cache=p_cache,
+                                           **counters)
+        step = chain.step + done
+        chain = MHState(current=current, proposal=proposal, generating=chain.generating & still,
+                        step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
+                        proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept)
+        return begin(chain, done & (step < mc.mh_steps))
 
     zeros = jnp.zeros(active.shape, jnp.int32)
-    proposal, cut, p_limit, gen_keys = begin(state, state, zeros, active, state.length, state.length,
-                                             keys)
-    carry = (state, proposal, active, zeros, cut, p_limit, gen_keys, zeros)
-    current, proposal, *_, accepted = jax.lax.while_loop(lambda c: jnp.any(c[2]), body, carry)
-    return dataclasses.replace(current, **{name: getattr(proposal, name) for name in _COUNTERS}), accepted
+    chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active), step=zeros,
+                    cut=state.length, proposal_limit=state.length, proposal_keys=keys,
+                    accepted=zeros)
+    chain = jax.lax.while_loop(lambda c: jnp.any(c.generating), body, begin(chain, active))
+    final = dataclasses.replace(chain.current,
+                                **{name: getattr(chain.proposal, name) for name in _COUNTERS})
+    return final, chain.accepted
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mc"))
-def mcmc_block(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
-               mc: MCMCConfig, translators: Optional[LensTranslators] = None
-               ) -> tuple[GenState, Array, Array]:
+@functools.partial(jax.jit, static_argnames=("model", "mc"))
+def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
+               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
     (block + 1)·block_len, then `mc.mh_steps` MH steps.
 
-    state: GenState of B chains; keys: [B] chain keys (a row's randomness depends only
-    on its key, the block and the step). translators: tuned-lens rows for `mc.lens.lsub`
-    (None: the logit lens). Returns (state, accepted [B] int32 count,
-    active [B] bool: rows that ran this block, i.e. had not ended before it).
+    state: GenState of B chains (not donated: the caller may keep using it; see
+    `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
+    key, the block and the step). Returns (state, accepted [B] int32 count, active [B]
+    bool: rows that ran this block, i.e. had not ended before it).
     """
     active = ~state.ended
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
     limit = jnp.where(active, boundary, state.length)
-    state = generate(params, cfg, state, limit, _row_keys(keys, block, 0), mc.proposal,
-                     translators=translators)
-    state, accepted = mh_steps(params, cfg, state, keys, block, limit, active, mc, translators)
+    with jax.named_scope("extend"):
+        state = generate(model, params, state, limit, _row_keys(keys, block, EXTENSION_STREAM),
+                         mc.proposal)
+    with jax.named_scope("mh_steps"):
+        state, accepted = mh_steps(model, params, state, keys, block, limit, active, mc)
     return state, accepted, active
+
+
+# `mcmc_block` with `state` donated, for host loops that replace their state every block
+# (its cache is then updated in place rather than copied; the caller must not touch the
+# state it passed, nor pass arrays that belong to it as other arguments).
+mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", "mc"),
+                              donate_argnames=("state",))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["state", "block", "accepted", "ran"], meta_fields=[])
+@dataclasses.dataclass
+class ChainRun:
+    """The carry of `run_chains`' loop over blocks, and its result."""
+
+    state: GenState
+    block: Array  # int32 scalar: blocks run so far
+    accepted: Array  # [B, num_blocks] int32: accepted MH steps per row and block
+    ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "mc"))
+def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
+               mc: MCMCConfig) -> ChainRun:
+    """Every block of the chain in one jitted `lax.while_loop` over blocks (stopping when
+    every row has ended): the traceable counterpart of a host loop over `mcmc_block`,
+    with the same draws. Jit- and vmap-able (under vmap the loop runs until every
+    instance is done; finished ones are left unchanged). `state` is not donated."""
+    B = state.length.shape[0]
+
+    def keep_going(run: ChainRun):
+        return (run.block < mc.num_blocks) & jnp.any(~run.state.ended)
+
+    def body(run: ChainRun) -> ChainRun:
+        with jax.named_scope("block"):
+            state, accepted, active = mcmc_block(model, params, run.state, keys, run.block, mc)
+        return ChainRun(state=state, block=run.block + 1,
+                        accepted=run.accepted.at[:, run.block].set(accepted),
+                        ran=run.ran.at[:, run.block].set(active))
+
+    start = ChainRun(state=state, block=jnp.int32(0),
+                     accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
+                     ran=jnp.zeros((B, mc.num_blocks), bool))
+    return jax.lax.while_loop(keep_going, body, start)

@@ -11,10 +11,12 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from .decoders import decode, encode_prompt, eos_ids_of
-from .lens import LensConfig, default_lsub, entropy_trajectory
+from .decoders import decode
+from .lens import DEFAULT_TAU, LensConfig
+from .model_api import TransformerLM, with_tuned_lens
 from .plots import plot_entropy_trajectories
-from .scoring import score_sequences
+from .scoring import EntropyTrajectory, score_sequences
+from .text import encode_prompt, eos_ids_of
 
 
 def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
@@ -55,7 +57,7 @@ def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
     return rows
 
 
-def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub=None,
+def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = DEFAULT_TAU, lsub=None,
               chat: bool = True, max_new_tokens: int = 256, limit: Optional[int] = None,
               batch_size: int = 8, tuned_lens=None) -> int:
     """Score every row's completion (greedy-completing rows without one) and write
@@ -63,8 +65,8 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     lens) and `entropy.png` (mean entropy per layer over all rows). tuned_lens: read the
     layers through a tuned lens (`train.tuned_lens`) instead of the logit lens."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
-    lens = LensConfig(lsub=tuple(lsub) if lsub else default_lsub(cfg.num_layers), tau=tau)
-    lens.validate_for(cfg.num_layers)
+    lm = TransformerLM(cfg)
+    lens = LensConfig.default(cfg.num_layers, tau=tau, lsub=lsub or None)
     rows = read_rows(input_path, limit)
     out_dir.mkdir(parents=True, exist_ok=True)
     eos = eos_ids_of(cfg, tok)
@@ -75,23 +77,22 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = 0.25, lsub
     todo = [i for i, c in enumerate(completions) if c is None]
     for start in tqdm(range(0, len(todo), batch_size), desc="greedy completion", disable=not todo):
         idx = todo[start:start + batch_size]
-        res = decode(params, cfg, [prompts[i] for i in idx], "greedy", jax.random.key(0),
+        res = decode(lm, params, [prompts[i] for i in idx], "greedy", jax.random.key(0),
                      eos_ids=eos, max_new_tokens=max_new_tokens, probe=False)
         for i, out in zip(idx, res.outputs):
             completions[i] = out.chosen.tokens
             rows[i]["completion"] = tok.decode(out.chosen.tokens, skip_special_tokens=True)
 
+    # One teacher-forced pass per batch: D(x) from L_sub and the entropy of every layer.
+    layers = tuple(range(cfg.num_layers + 1))
+    probe_lm, probe_params = with_tuned_lens(lm, params, tuned_lens)
     scores = []
     for start in tqdm(range(0, len(rows), batch_size), desc="probing", unit="batch"):
         sl = slice(start, start + batch_size)
-        scores += score_sequences(params, cfg, prompts[sl], completions[sl], lens, eos,
-                                  batch_size=batch_size, tuned_lens=tuned_lens)
-    sequences = []
-    for p, c, s in zip(prompts, completions, scores):
-        mask = np.zeros(len(p) + len(c), bool)
-        mask[len(p): len(p) + len(c) - int(s["ended"])] = True
-        sequences.append((list(p) + list(c), mask))
-    traj = entropy_trajectory(params, cfg, sequences, batch_size=batch_size, tuned_lens=tuned_lens)
+        scores += score_sequences(probe_lm, probe_params, prompts[sl], completions[sl], lens, eos,
+                                  batch_size=batch_size, layers=layers)
+    traj = EntropyTrajectory.from_sums(layers, [s["layer_entropy_sum"] for s in scores],
+                                       [s["n_scored"] for s in scores])
     lens_name = "logit" if tuned_lens is None else "tuned"
 
     with (out_dir / "probe.jsonl").open("w") as f:

@@ -94,7 +94,7 @@ ERROR_TABLE = [
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/a_file/run"], "which is a file"),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--seed", "99999999999999999999"], "--seed must be"),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--limit", "-1"], "--limit must be 0 or more"),
-    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--batch-size", "0"], "--batch-size takes a positive integer or 'auto', got '0'"),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--data-dir", "{tmp}/a_dir"], "a_dir"),
     (["analyze", "{tmp}/a_dir"], "is not a `degs eval` directory"),
 ]
@@ -246,3 +246,32 @@ def test_mesh_option_splits_rows_and_refuses_uneven_heads(capsys):
     with pytest.raises(SystemExit):
         main(argv + ["--mesh", "4"])
     assert "DATAxMODEL" in capsys.readouterr().err
+
+
+def test_sample_many_prompts_records_the_batch_choice_and_does_not_depend_on_it(tmp_path, capsys):
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": "a", "prompt": "What is 2 + 2?"}, {"prompt": "Name a colour."},
+        {"id": "c", "prompt": "Say hi."})))
+    argv = ["sample", "--input", str(rows), "--method", "temperature", "--temperature", "1.0",
+            "--max-new-tokens", "6", "--seed", "5", "--dtype", "float32"]
+    outputs = {}
+    for size in ("auto", "1"):
+        assert main(argv + ["--batch-size", size]) == 0
+        captured = capsys.readouterr()
+        lines = [json.loads(line) for line in captured.out.splitlines()]
+        assert [r["id"] for r in lines] == ["a", 1, "c"]
+        assert all(0 < r["tokens"] <= 6 and r["log_p"] < 0 for r in lines)
+        record = json.loads(captured.err.strip().splitlines()[-1])["run"]
+        assert record["n_prompts"] == 3 and set(record["peak_memory"]) == {"peak_bytes", "note"}
+        outputs[size] = ([r["completion"] for r in lines], record["batch_choice"])
+    choice = outputs["auto"][1]
+    assert choice["requested"] == "auto" and 1 < choice["batch_size"] <= 3
+    assert choice["bytes_per_row"] > 0 and "memory" in choice["memory_source"]
+    assert outputs["1"][1] == {"batch_size": 1, "requested": 1}
+    # Prompt i draws from fold_in(key(seed), i) whatever the batch. fp32: in bf16 the
+    # batch's padded length changes the kernels' rounding enough to flip a sample.
+    assert outputs["auto"][0] == outputs["1"][0]
+    assert len(set(outputs["auto"][0])) == 3
+    assert main(["sample", "--method", "greedy"]) == 2
+    assert "give a prompt or --input" in capsys.readouterr().err

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.decoders import DEFAULTS, METHODS, MCMC_METHODS, RERANK_METHODS, decode, resolve_hyperparameters
+from degs_jax.decoders import decode
+from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, DegsMCMC, PowerMCMC,
+                                      resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, log_acceptance_ratio, mcmc_block, mh_steps
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import KVCache, init_params
 from degs_jax.scoring import score_sequences, token_stats
 from hf_reference import tiny_config
@@ -72,7 +76,7 @@ def eos_model(model):
 def run(model, method, prompts=PROMPTS, seed=0, **overrides):
     cfg, params = model
     hp = {**HP[method], **overrides}
-    return decode(params, cfg, prompts, method, jax.random.key(seed), eos_ids=cfg.eos_token_ids, **hp)
+    return decode(TransformerLM(cfg), params, prompts, method, jax.random.key(seed), eos_ids=cfg.eos_token_ids, **hp)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def results(eos_model):
 
 def teacher_scores(model, prompts, cands):
     cfg, params = model
-    return score_sequences(params, cfg, prompts, [c.tokens for c in cands], LENS,
+    return score_sequences(TransformerLM(cfg), params, prompts, [c.tokens for c in cands], LENS,
                            eos_ids=cfg.eos_token_ids, bucket=32)
 
 
@@ -205,7 +209,7 @@ def test_depth_excludes_final_eos(eos_model, results):
             seq = PROMPTS[i] + c.tokens
             toks = np.zeros((1, 32), np.int32)
             toks[0, : len(seq)] = seq
-            _, depth, _ = jax.device_get(token_stats(params, cfg, jnp.asarray(toks), LENS))
+            depth = jax.device_get(token_stats(TransformerLM(cfg), params, jnp.asarray(toks), LENS).depth)
             P = len(PROMPTS[i])
             n_scored = len(c.tokens) - int(c.ended)
             want = depth[0, P:P + n_scored].mean() / cfg.num_layers if n_scored else 0.0
@@ -223,15 +227,15 @@ def test_decode_row_keys_and_batch_independence(model):
     cfg, params = model
     key = jax.random.key(5)
     spec_hp = dict(max_new_tokens=MAX_NEW, n=2, tau=TAU)
-    res = decode(params, cfg, PROMPTS, "best_of_n", key, eos_ids=cfg.eos_token_ids, **spec_hp)
+    res = decode(TransformerLM(cfg), params, PROMPTS, "best_of_n", key, eos_ids=cfg.eos_token_ids, **spec_hp)
     keys = jax.random.split(key, 2 * len(PROMPTS))
     spec = SamplerSpec(temperature=1.0, eos_ids=cfg.eos_token_ids, lens=LENS)
     for i, p in enumerate(PROMPTS):
         toks, lens = pad_prompts([p])
-        state = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens), 16 + MAX_NEW, jnp.float32)
+        state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), 16 + MAX_NEW, jnp.float32)
         for j in range(2):
             r = i * 2 + j
-            alone = generate(params, cfg, state, state.prompt_len + MAX_NEW, keys[r:r + 1], spec)
+            alone = generate(TransformerLM(cfg), params, state, state.prompt_len + MAX_NEW, keys[r:r + 1], spec)
             cand = res.outputs[i].candidates[j]
             assert cand.tokens == completions(alone)[0]
             P = len(p)
@@ -242,20 +246,19 @@ def mcmc_by_hand(params, cfg, prompts, keys, mc):
     """The decode loop of MCMC_METHODS: blocks until every chain ended or the schedule ran out.
     Returns (completions, acceptance per row per active block, log p)."""
     toks, lens = pad_prompts(prompts)
-    state = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens), toks.shape[1] + mc.max_new_tokens,
+    state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), toks.shape[1] + mc.max_new_tokens,
                     jnp.float32)
     acc = [[] for _ in prompts]
     for block in range(mc.num_blocks):
         before = state
-        state, accepted, active = mcmc_block(params, cfg, state, keys, jnp.int32(block), mc)
+        state, accepted, active = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(block), mc)
         active = np.asarray(active)
         np.testing.assert_array_equal(active, ~np.asarray(before.ended))
         for r in np.flatnonzero(active):
             acc[r].append(int(accepted[r]))
         # A chain that ended in an earlier block is left exactly as it was.
-        for a, b in zip(jax.tree.leaves(dataclasses.replace(state, cache=None)),
-                        jax.tree.leaves(dataclasses.replace(before, cache=None))):
-            np.testing.assert_array_equal(np.asarray(a)[~active], np.asarray(b)[~active])
+        idle = lambda s: jax.tree.map(lambda a: np.asarray(a)[~active], dataclasses.replace(s, cache=None))
+        chex.assert_trees_all_equal(idle(state), idle(before))
         if bool(np.asarray(state.ended).all()):
             break
     logp = [float(state.logp[b, int(state.prompt_len[b]):int(state.length[b])].sum()) for b in range(len(prompts))]
@@ -268,7 +271,7 @@ def test_mcmc_batch_equals_chains_one_by_one(eos_model):
     cfg, params = eos_model
     key = jax.random.key(11)
     hp = {**HP["degs_mcmc"], "n_chains": 1}
-    res = decode(params, cfg, PROMPTS6, "degs_mcmc", key, eos_ids=cfg.eos_token_ids, **hp)
+    res = decode(TransformerLM(cfg), params, PROMPTS6, "degs_mcmc", key, eos_ids=cfg.eos_token_ids, **hp)
     mc = MCMCConfig(alpha=4.0, beta=5.0, block_len=hp["block_len"], num_blocks=hp["num_blocks"],
                     mh_steps=hp["mh_steps"], lens=LENS, eos_ids=cfg.eos_token_ids)
     keys = jax.random.split(key, len(PROMPTS6))
@@ -290,7 +293,7 @@ def test_mcmc_chains_keep_the_models_statistics(model):
     After each decision the proposal's cache row must be reset to the chain's; a stale
     row (the rejected proposal's keys past its cut) would change later proposals' values."""
     cfg, params = model
-    res = decode(params, cfg, PROMPTS, "degs_mcmc", jax.random.key(5), eos_ids=(), block_len=12,
+    res = decode(TransformerLM(cfg), params, PROMPTS, "degs_mcmc", jax.random.key(5), eos_ids=(), block_len=12,
                  num_blocks=2, mh_steps=6, n_chains=4, lsub=LSUB, tau=TAU, alpha=1.5)
     acceptance = [a for o in res.outputs for c in o.candidates for a in c.acceptance]
     assert 0.2 < np.mean(acceptance) < 0.9, acceptance  # both accepted and rejected steps
@@ -349,20 +352,19 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
     mc = MCMCConfig(alpha=1.0, beta=5.0, block_len=6, num_blocks=1, mh_steps=4, lens=LENS,
                     eos_ids=cfg.eos_token_ids)
     toks, lens = pad_prompts([PROMPTS[0]] * B)
-    state = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens), 16 + mc.block_len, jnp.float32)
+    state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), 16 + mc.block_len, jnp.float32)
     limit = state.prompt_len + mc.block_len
     keys = jax.random.split(jax.random.key(2), B)
-    state = generate(params, cfg, state, limit, keys, mc.proposal)
+    state = generate(TransformerLM(cfg), params, state, limit, keys, mc.proposal)
     active = jnp.arange(B) < B - 2  # the last two rows sit out
-    after, accepted = mh_steps(params, cfg, state, keys, jnp.int32(0), limit, active, mc)
+    after, accepted = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
     eos = cfg.eos_token_ids[0]
     for b in range(B):
         comp = completions(after)[b]
         assert eos not in comp[:-1] and bool(after.ended[b]) == (comp[-1] == eos)
         assert bool(after.ended[b]) or int(after.length[b]) == int(limit[b])
-    for a, b in zip(jax.tree.leaves(dataclasses.replace(after, cache=None)),
-                    jax.tree.leaves(dataclasses.replace(state, cache=None))):
-        np.testing.assert_array_equal(np.asarray(a)[B - 2:], np.asarray(b)[B - 2:])
+    sat_out = lambda s: jax.tree.map(lambda a: np.asarray(a)[B - 2:], dataclasses.replace(s, cache=None))
+    chex.assert_trees_all_equal(sat_out(after), sat_out(state))
     start_len, end_len = np.asarray(state.length), np.asarray(after.length)
     started_early = np.asarray(state.ended) & (start_len < np.asarray(limit)) & np.asarray(active)
     assert started_early.any(), "no chain ended early: pick another seed"
@@ -418,8 +420,9 @@ def test_log_acceptance_ratio_by_hand(model, quirks):
     x = hand_state(lp_x, lq_x, d_x, lengths_x, [Pl] * 2, ended_x, S)
     y = hand_state(lp_y, lq_y, d_y, lengths_y, [Pl] * 2, ended_y, S)
     alpha, beta = 3.0, 2.0
-    mc = MCMCConfig(alpha=alpha, beta=beta, lens=LENS, reference_quirks=quirks)
-    got = np.asarray(log_acceptance_ratio(x, y, jnp.asarray(cut, jnp.int32), cfg, mc))
+    mc = MCMCConfig(alpha=alpha, beta=beta, block_len=S, num_blocks=1, mh_steps=1, lens=LENS,
+                    reference_quirks=quirks)
+    got = np.asarray(log_acceptance_ratio(x, y, jnp.asarray(cut, jnp.int32), mc, cfg.num_layers))
 
     def D(d, n, ended):
         scored = d[Pl:n - int(ended)]
@@ -450,7 +453,7 @@ def test_log_acceptance_ratio_by_hand(model, quirks):
     (dict(beta=1.0, lens=None), "beta > 0 needs a LensConfig"),
 ])
 def test_mcmc_config_validation(kwargs, match):
-    base = dict(alpha=4.0, beta=0.0, lens=LENS)
+    base = dict(alpha=4.0, beta=0.0, block_len=4, num_blocks=2, mh_steps=3, lens=LENS)
     with pytest.raises(ValueError, match=match):
         MCMCConfig(**{**base, **kwargs})
 
@@ -482,7 +485,7 @@ def test_decode_rejects_bad_hyperparameters(model, method, kwargs, match):
     cfg, params = model
     hp = {**HP.get(method, {}), **kwargs}
     with pytest.raises(ValueError, match=match):
-        decode(params, cfg, PROMPTS, method, jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
+        decode(TransformerLM(cfg), params, PROMPTS, method, jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
 
 
 @pytest.mark.parametrize("method, budget", [("greedy", dict(max_new_tokens=13)),
@@ -492,11 +495,11 @@ def test_prompt_plus_budget_longer_than_context(model, method, budget):
     assert cfg.max_position_embeddings == 512
     prompt = [1] * 500  # 500 + 13 > 512; 500 + 16 > 512
     with pytest.raises(ValueError, match="500 tokens .* exceeds the model's context of 512"):
-        decode(params, cfg, [PROMPTS[0], prompt], method, jax.random.key(0),
+        decode(TransformerLM(cfg), params, [PROMPTS[0], prompt], method, jax.random.key(0),
                eos_ids=cfg.eos_token_ids, **{**HP[method], **budget})
     big = [1] * 513
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        decode(params, cfg, [big], method, jax.random.key(0), eos_ids=cfg.eos_token_ids,
+        decode(TransformerLM(cfg), params, [big], method, jax.random.key(0), eos_ids=cfg.eos_token_ids,
                **{**HP[method], **budget})
 
 
@@ -505,11 +508,11 @@ def test_prompt_plus_budget_exactly_at_context(model):
     past position 511) and scores like a teacher-forced pass."""
     cfg, params = model
     prompt = [1] * 500
-    res = decode(params, cfg, [prompt, PROMPTS[0]], "greedy", jax.random.key(0), eos_ids=(),
+    res = decode(TransformerLM(cfg), params, [prompt, PROMPTS[0]], "greedy", jax.random.key(0), eos_ids=(),
                  max_new_tokens=12, tau=TAU)
     cand = res.outputs[0].chosen
     assert len(cand.tokens) == 12 and not cand.ended
-    ref = score_sequences(params, cfg, [prompt], [cand.tokens], LENS)[0]
+    ref = score_sequences(TransformerLM(cfg), params, [prompt], [cand.tokens], LENS)[0]
     assert abs(cand.log_p - ref["log_p"]) < 1e-4 and abs(cand.depth - ref["depth"]) < 1e-6
 
 
@@ -517,7 +520,7 @@ def test_prompt_plus_budget_exactly_at_context(model):
 def test_empty_prompt_rejected(model, prompts):
     cfg, params = model
     with pytest.raises(ValueError, match="at least one token"):
-        decode(params, cfg, prompts, "greedy", jax.random.key(0), eos_ids=cfg.eos_token_ids, **HP["greedy"])
+        decode(TransformerLM(cfg), params, prompts, "greedy", jax.random.key(0), eos_ids=cfg.eos_token_ids, **HP["greedy"])
 
 
 def test_defaults_match_design():
@@ -527,7 +530,7 @@ def test_defaults_match_design():
         hp = resolve_hyperparameters(m, {})
         assert (hp["alpha"], hp["block_len"], hp["num_blocks"], hp["mh_steps"]) == (4.0, 192, 16, 10)
         assert hp["reference_quirks"] is False and hp["tau"] == 0.25 and hp["top_k"] == 0
-    assert DEFAULTS["degs_mcmc"]["beta"] == 5.0 and DEFAULTS["power_mcmc"]["beta"] == 0.0
+    assert DegsMCMC().beta == 5.0 and PowerMCMC().beta == 0.0
     assert resolve_hyperparameters("temperature", {})["temperature"] == 0.25
     for m in RERANK_METHODS:
         hp = resolve_hyperparameters(m, {})
@@ -539,14 +542,33 @@ def test_per_prompt_keys_make_samples_independent_of_batching():
     params = init_params(cfg, jax.random.key(11), jnp.float32, scale=0.3)
     prompts = [[1, 2, 3], [4, 5], [6]]
     keys = jax.random.split(jax.random.key(5), 3)
-    batched = decode(params, cfg, prompts, "best_of_n", keys=keys, eos_ids=(), n=2, max_new_tokens=4)
+    batched = decode(TransformerLM(cfg), params, prompts, "best_of_n", keys=keys, eos_ids=(), n=2, max_new_tokens=4)
     for i, p in enumerate(prompts):
-        alone = decode(params, cfg, [p], "best_of_n", keys=keys[i:i + 1], eos_ids=(), n=2, max_new_tokens=4)
-        single_key = decode(params, cfg, [p], "best_of_n", keys[i], eos_ids=(), n=2, max_new_tokens=4)
+        alone = decode(TransformerLM(cfg), params, [p], "best_of_n", keys=keys[i:i + 1], eos_ids=(), n=2, max_new_tokens=4)
+        single_key = decode(TransformerLM(cfg), params, [p], "best_of_n", keys[i], eos_ids=(), n=2, max_new_tokens=4)
         for a, b, c in zip(batched.outputs[i].candidates, alone.outputs[0].candidates,
                            single_key.outputs[0].candidates):
             assert a.tokens == b.tokens == c.tokens
     with pytest.raises(ValueError, match="exactly one of key"):
-        decode(params, cfg, prompts, "greedy", jax.random.key(0), keys=keys, eos_ids=(), max_new_tokens=4)
+        decode(TransformerLM(cfg), params, prompts, "greedy", jax.random.key(0), keys=keys, eos_ids=(), max_new_tokens=4)
     with pytest.raises(ValueError, match="one key per prompt"):
-        decode(params, cfg, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)
+        decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)
+
+
+def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses():
+    """`degs eval` stores the resolved hyperparameters in run.json and refuses to resume a
+    directory whose configuration differs: the records of the default configurations
+    must stay what the string-keyed defaults produced (names and values), so that runs
+    started before the typed hyperparameters resume."""
+    common = dict(tau=0.25, lsub=None, lens_chunk=None, top_k=0, top_p=1.0, cache_dtype=None)
+    sampling = dict(max_new_tokens=3072, probe=True)
+    pool = dict(sampling, n=16, temperature=1.0)
+    chain = dict(alpha=4.0, block_len=192, num_blocks=16, mh_steps=10, n_chains=1,
+                 reference_quirks=False)
+    recorded = {
+        "greedy": sampling, "temperature": dict(sampling, temperature=0.25),
+        "best_of_n": pool, "best_of_n_entropy": pool, "degs_rerank": dict(pool, alpha=4.0, beta=5.0),
+        "power_mcmc": dict(chain, beta=0.0), "degs_mcmc": dict(chain, beta=5.0),
+    }
+    for method, values in recorded.items():
+        assert resolve_hyperparameters(method, {}) == {**common, **values}, method

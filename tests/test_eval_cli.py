@@ -284,3 +284,34 @@ def test_damaged_run_files_are_named(degs, tmp_path):
         rc, _, err = degs(*argv)
         assert rc == 2 and f"degs: error: {out / 'run.json'} is not valid JSON" in err, err
         assert "Traceback" not in err
+
+
+def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path):
+    """--batch-size auto (the default) sizes the batch from free memory and records the
+    choice and the peak memory in run.json; an explicit size overrides it."""
+    runs = {}
+    for name, extra in (("auto", []), ("one", ["--batch-size", 1])):
+        out = tmp_path / name
+        rc, _, err = degs("eval", "--benchmark", "gsm8k", "--method", "temperature",
+                          "--temperature", 1.0, "--limit", 3,
+                          "--out", out, *TINY, *extra)
+        assert rc == 0, err
+        runs[name] = (json.loads((out / "run.json").read_text())["invocations"][-1], _records(out))
+    auto, one = runs["auto"][0], runs["one"][0]
+    choice = auto["batch_choice"]
+    assert choice["requested"] == "auto" and auto["batch_size"] == choice["batch_size"]
+    assert 1 <= choice["batch_size"] <= 3 and choice["largest"] == 3
+    assert choice["bytes_per_row"] > 0 and choice["free_bytes"] > 0 and choice["memory_source"]
+    assert one["batch_choice"] == {"batch_size": 1, "requested": 1} and one["batch_size"] == 1
+    for inv in (auto, one):
+        assert set(inv["peak_memory"]) == {"peak_bytes", "note"}
+        if inv["device"].startswith("TFRT_CPU") or "cpu" in inv["device"].lower():
+            assert inv["peak_memory"]["peak_bytes"] is None
+    assert choice["batch_size"] > 1  # a CPU host has room for 3 tiny rows
+    # Same problems and keys; the completions themselves are compared in fp32 by
+    # test_cli's many-prompt test: in bf16 a batch padded to another prompt length runs
+    # other kernels, and rounding differences flip a sample after a few tokens.
+    assert [r["id"] for r in runs["auto"][1]] == [r["id"] for r in runs["one"][1]]
+    with pytest.raises(SystemExit) as bad:  # argparse's usage error
+        degs("eval", "--benchmark", "gsm8k", "--out", tmp_path / "bad", "--batch-size", "0")
+    assert bad.value.code == 2

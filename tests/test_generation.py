@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.generation import (GenState, SamplerSpec, completions, generate, pad_prompts,
-                                 prefill, proposal_log_density)
+from degs_jax.generation import (GenState, SamplerSpec, completions, generate, kth_largest,
+                                 pad_prompts, prefill, proposal_log_density)
 from degs_jax.lens import LensConfig, sequence_depth
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params
 from degs_jax.scoring import token_stats
 from hf_reference import tiny_config
@@ -59,7 +61,7 @@ def model():
 
 def start(cfg, params, prompts, max_len=S) -> GenState:
     toks, lens = pad_prompts(prompts)
-    return prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens), max_len, jnp.float32)
+    return prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), max_len, jnp.float32)
 
 
 def teacher_forced_logits(cfg, params, seq) -> np.ndarray:
@@ -93,7 +95,7 @@ def sampled(model):
     cfg, params = model
     state = start(cfg, params, PROMPTS)
     keys = keys_for(42)
-    out = generate(params, cfg, state, state.prompt_len + NEW, keys, SPEC)
+    out = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys, SPEC)
     return out, keys
 
 
@@ -106,7 +108,7 @@ GREEDY_NEW = 10
 def greedy_run(model):
     cfg, params = model
     state = start(cfg, params, PROMPTS)
-    return generate(params, cfg, state, state.prompt_len + GREEDY_NEW, keys_for(0), GREEDY)
+    return generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW, keys_for(0), GREEDY)
 
 
 # ------------------------------------------------------------------ exactness identity
@@ -122,7 +124,7 @@ def test_normaliser_identity_on_recorded_values(model, sampled, alpha):
         state, _ = sampled
     else:
         state = start(cfg, params, PROMPTS)
-        state = generate(params, cfg, state, state.prompt_len + NEW, keys_for(3),
+        state = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys_for(3),
                          SamplerSpec(temperature=1.0 / alpha))
     logp, logq = np.asarray(state.logp), np.asarray(state.logq)
     worst = 0.0
@@ -175,15 +177,15 @@ def test_same_key_bitwise_different_key_differs(model, sampled):
     cfg, params = model
     state, keys = sampled
     fresh = start(cfg, params, PROMPTS)
-    again = generate(params, cfg, fresh, fresh.prompt_len + NEW, keys, SPEC)
+    again = generate(TransformerLM(cfg), params, fresh, fresh.prompt_len + NEW, keys, SPEC)
     for name in ("tokens", "logp", "logq", "depth", "final_entropy", "length"):
         np.testing.assert_array_equal(getattr(again, name), getattr(state, name), err_msg=name)
-    other = generate(params, cfg, fresh, fresh.prompt_len + NEW, keys_for(43), SPEC)
+    other = generate(TransformerLM(cfg), params, fresh, fresh.prompt_len + NEW, keys_for(43), SPEC)
     differ = [completions(other)[b] != completions(state)[b] for b in range(len(PROMPTS))]
     assert any(differ), "different keys gave the same samples in every row"
     # Rows of one batch have distinct keys: the same prompt twice gives different samples.
     twice = start(cfg, params, [PROMPTS[0]] * 3)
-    twice = generate(params, cfg, twice, twice.prompt_len + NEW, keys_for(42), SPEC)
+    twice = generate(TransformerLM(cfg), params, twice, twice.prompt_len + NEW, keys_for(42), SPEC)
     assert len({tuple(c) for c in completions(twice)}) > 1
 
 
@@ -193,9 +195,9 @@ def test_batch_equals_rows_one_by_one(model, sampled):
     cfg, params = model
     state, keys = sampled
     limits = jnp.asarray(P + np.array([6, 8, 5]), jnp.int32)
-    batch = generate(params, cfg, start(cfg, params, PROMPTS), limits, keys, SPEC)
+    batch = generate(TransformerLM(cfg), params, start(cfg, params, PROMPTS), limits, keys, SPEC)
     for b in range(len(PROMPTS)):
-        alone = generate(params, cfg, start(cfg, params, [PROMPTS[b]]), limits[b:b + 1],
+        alone = generate(TransformerLM(cfg), params, start(cfg, params, [PROMPTS[b]]), limits[b:b + 1],
                          keys[b:b + 1], SPEC)
         n = int(limits[b])
         assert int(batch.length[b]) == int(alone.length[0]) == n
@@ -226,10 +228,10 @@ def test_continuation_from_cached_prefix_matches_regeneration(model, sampled, cu
     cutpos = jnp.asarray(P + m, jnp.int32)
     limit = state.prompt_len + NEW
     truncated = dataclasses.replace(state, length=cutpos, ended=jnp.zeros_like(state.ended))
-    cont = generate(params, cfg, truncated, limit, keys, SPEC, fresh_from=cutpos)
+    cont = generate(TransformerLM(cfg), params, truncated, limit, keys, SPEC, fresh_from=cutpos)
 
     prefixes = [list(row_seq(state, b)[: P[b] + m[b]]) for b in range(len(PROMPTS))]
-    ref = generate(params, cfg, start(cfg, params, prefixes), limit, keys, SPEC)
+    ref = generate(TransformerLM(cfg), params, start(cfg, params, prefixes), limit, keys, SPEC)
 
     for b in range(len(PROMPTS)):
         n, c = P[b] + NEW, P[b] + m[b]
@@ -265,8 +267,8 @@ def test_stats_below_fresh_from_are_never_rewritten(model, sampled):
                   depth=jnp.where(below, 55, state.depth),
                   final_entropy=jnp.where(below, 99.0, state.final_entropy))
     base = dataclasses.replace(state, length=cutpos, ended=jnp.zeros_like(state.ended))
-    clean = generate(params, cfg, base, state.prompt_len + NEW, keys, SPEC, fresh_from=cutpos)
-    dirty = generate(params, cfg, dataclasses.replace(base, **poison), state.prompt_len + NEW,
+    clean = generate(TransformerLM(cfg), params, base, state.prompt_len + NEW, keys, SPEC, fresh_from=cutpos)
+    dirty = generate(TransformerLM(cfg), params, dataclasses.replace(base, **poison), state.prompt_len + NEW,
                      keys, SPEC, fresh_from=cutpos)
     for name, value in poison.items():
         got = np.asarray(getattr(dirty, name))
@@ -301,7 +303,7 @@ def test_greedy_is_teacher_forced_argmax(model, greedy_run):
 def test_top_k_1_equals_greedy(model, greedy_run):
     cfg, params = model
     state = start(cfg, params, PROMPTS)
-    topk1 = generate(params, cfg, state, state.prompt_len + GREEDY_NEW, keys_for(5),
+    topk1 = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW, keys_for(5),
                      SamplerSpec(temperature=0.7, top_k=1, lens=LENS))
     np.testing.assert_array_equal(topk1.tokens, greedy_run.tokens)
     np.testing.assert_array_equal(topk1.depth, greedy_run.depth)
@@ -353,7 +355,7 @@ def test_recorded_log_q_is_the_truncated_density(model):
     cfg, params = model
     spec = SamplerSpec(temperature=0.8, top_k=7, top_p=0.9, lens=LENS)
     state = start(cfg, params, PROMPTS)
-    state = generate(params, cfg, state, state.prompt_len + NEW, keys_for(8), spec)
+    state = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys_for(8), spec)
     truncated_somewhere = False
     for b in range(len(PROMPTS)):
         seq = row_seq(state, b)
@@ -376,7 +378,8 @@ def test_recorded_depth_and_entropy_match_token_stats(model, sampled):
     that consumed x_t, equal the teacher-forced scoring of the finished sequence."""
     cfg, params = model
     state, _ = sampled
-    _, depth, ent = jax.device_get(token_stats(params, cfg, state.tokens, LENS))
+    stats = jax.device_get(token_stats(TransformerLM(cfg), params, state.tokens, LENS))
+    depth, ent = stats.depth, stats.final_entropy
     seen = set()
     for b in range(len(PROMPTS)):
         t = np.arange(P[b], int(state.length[b]))  # every completion token was consumed
@@ -406,7 +409,7 @@ def eos_run(model, greedy_run):
     spec = SamplerSpec(temperature=0.0, eos_ids=(eos,), lens=LENS)
     state = start(cfg, params, PROMPTS)
     limit = state.prompt_len + GREEDY_NEW
-    return generate(params, cfg, state, limit, keys_for(0), spec), spec, eos, paths
+    return generate(TransformerLM(cfg), params, state, limit, keys_for(0), spec), spec, eos, paths
 
 
 def test_eos_inside_immediately_and_never(model, greedy_run, eos_run):
@@ -449,12 +452,13 @@ def test_ended_rows_untouched_by_later_generate(model, eos_run):
     cfg, params = model
     state, spec, eos, paths = eos_run
     # Same limit: nothing to do, nothing changes (counters included).
-    same = generate(params, cfg, state, state.prompt_len + GREEDY_NEW, keys_for(9), spec)
-    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(a, b)
+    same = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW, keys_for(9), spec)
+    chex.assert_trees_all_equal(same, state)
     # Larger limit: ended rows 0 and 1 stay bit for bit (cache rows too); row 2 continues.
-    more = generate(params, cfg, state, state.prompt_len + GREEDY_NEW + 4, keys_for(9), spec)
+    more = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW + 4, keys_for(9), spec)
     for f in dataclasses.fields(GenState):
+        if f.name == "cache_row_axis":  # static metadata, not a per-row array
+            continue
         if f.name == "cache":
             for a, b in ((more.cache.k, state.cache.k), (more.cache.v, state.cache.v)):
                 np.testing.assert_array_equal(a[:, :2], b[:, :2])
@@ -463,7 +467,7 @@ def test_ended_rows_untouched_by_later_generate(model, eos_run):
                                           err_msg=f.name)
     # Row 2 continued in two calls = one call to the larger limit.
     direct = start(cfg, params, PROMPTS)
-    direct = generate(params, cfg, direct, direct.prompt_len + GREEDY_NEW + 4, keys_for(0), spec)
+    direct = generate(TransformerLM(cfg), params, direct, direct.prompt_len + GREEDY_NEW + 4, keys_for(0), spec)
     assert completions(more)[2] == completions(direct)[2]
     assert len(completions(more)[2]) > GREEDY_NEW
     np.testing.assert_array_equal(more.depth[2], direct.depth[2])
@@ -482,7 +486,7 @@ def test_eos_dominant_model_ends_immediately(model):
     params = eos_biased(params, eos, 30.0)
     state = start(cfg, params, PROMPTS)
     spec = SamplerSpec(temperature=1.0, eos_ids=(eos,), lens=LENS)
-    state = generate(params, cfg, state, state.prompt_len + NEW, keys_for(1), spec)
+    state = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys_for(1), spec)
     assert completions(state) == [[eos]] * 3
     assert np.all(np.asarray(state.ended))
     np.testing.assert_array_equal(state.n_forward, P + 1)
@@ -497,3 +501,25 @@ def eos_biased(params, eos: int, strength: float):
     embed = params.embed.at[:, 0].add(3.0)
     head = params.lm_head.at[eos].set(0.0).at[eos, 0].set(strength)
     return dataclasses.replace(params, embed=embed, lm_head=head)
+
+
+@pytest.mark.parametrize("k", [1, 7, 50, 96, 97])
+def test_kth_largest_is_lax_top_k_bit_for_bit(k):
+    """The threshold search of top-k truncation (no partial sort) finds exactly the k-th
+    largest value, ties counted with multiplicity: rows with ties, -inf (masked) entries,
+    signed zeros, tiny and huge spreads."""
+    rng = np.random.default_rng(k)
+    V = 97
+    rows = [rng.normal(0, 1, V), rng.normal(0, 1e-3, V), rng.normal(0, 1e3, V),
+            np.round(rng.normal(0, 1, V), 1),  # many ties
+            np.where(np.arange(V) < 40, -np.inf, rng.normal(0, 3, V)),
+            np.where(np.arange(V) % 2 == 0, 0.0, -0.0), np.full(V, -5.5),
+            -np.abs(rng.normal(0, 2, V))]
+    z = jnp.asarray(np.stack(rows).astype(np.float32))
+    got = np.asarray(jax.jit(kth_largest, static_argnums=1)(z, k))
+    want = np.asarray(jax.lax.top_k(z, k)[0][:, -1:])
+    np.testing.assert_array_equal(got, want)
+    # The truncated density is the one of a top-k by partial sort (what it replaced).
+    spec = SamplerSpec(temperature=0.7, top_k=k)
+    old = jax.nn.log_softmax(jnp.where(z / 0.7 >= jax.lax.top_k(z / 0.7, k)[0][:, -1:], z / 0.7, -jnp.inf), -1)
+    np.testing.assert_array_equal(np.asarray(proposal_log_density(z, spec)), np.asarray(old))

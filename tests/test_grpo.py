@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from degs_jax.decoders import decode
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import LoadedModel, init_params, load
 from degs_jax.models.sharding import make_mesh, shard_params
 from degs_jax.train import (ContainsTokenReward, GRPOConfig, MathReward, Task, group_advantages,
@@ -343,16 +344,16 @@ def test_checkpoint_loads_through_load_and_generates(resumed_runs, byte_model):
     prompt = tok.encode("2+2=")
     assert tok.decode(prompt) == "2+2="
     eos = (tok.eos_token_id,)
-    got = decode(loaded.params, loaded.cfg, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
+    got = decode(TransformerLM(loaded.cfg), loaded.params, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
                  max_new_tokens=8, probe=False)
-    want = decode(master, BYTE_CFG, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
+    want = decode(TransformerLM(BYTE_CFG), master, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
                  max_new_tokens=8, probe=False)
     assert got.outputs[0].chosen.tokens == want.outputs[0].chosen.tokens
     assert len(got.outputs[0].chosen.tokens) > 0
     bf16 = load(ckpt, progress=False)  # the default dtype
     assert bf16.params.embed.dtype == jnp.bfloat16
-    decode(bf16.params, bf16.cfg, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
-                 max_new_tokens=8, probe=False)
+    decode(TransformerLM(bf16.cfg), bf16.params, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
+           max_new_tokens=8, probe=False)
 
 
 def test_resume_refuses_a_different_configuration(resumed_runs, byte_model):

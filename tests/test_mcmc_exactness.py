@@ -29,6 +29,7 @@ from degs_jax import mcmc as mcmc_mod
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
 from degs_jax.lens import LensConfig, collapse_depth
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params
 from hf_reference import tiny_config
 
@@ -97,10 +98,10 @@ def pick_tau(entropies):
 def run_chains(cfg, params, mc, steps_seed=0):
     """Cold start: N_CHAINS chains from the prompt, one block. Returns final completions."""
     toks, lens = pad_prompts([PROMPT], multiple=1)
-    state = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lens), len(PROMPT) + BLOCK, jnp.float32)
+    state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), len(PROMPT) + BLOCK, jnp.float32)
     state = repeat_rows(state, N_CHAINS)
     keys = jax.random.split(jax.random.key(steps_seed), N_CHAINS)
-    state, accepted, _ = mcmc_block(params, cfg, state, keys, jnp.int32(0), mc)
+    state, accepted, _ = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(0), mc)
     return _completions(state), np.asarray(accepted)
 
 
@@ -119,7 +120,7 @@ def states_at(cfg, params, completions, mc):
     lengths = np.array([P + len(c) for c in completions], np.int32)
     for b, c in enumerate(completions):
         toks[b, : P + len(c)] = PROMPT + list(c)
-    state = prefill(params, cfg, jnp.asarray(toks), jnp.asarray(lengths), S, jnp.float32)
+    state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lengths), S, jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], toks.shape)
     out = forward(params, cfg, jnp.asarray(toks), pos, lens_layers=LSUB)
     lp_all = jax.nn.log_softmax(out.logits, -1)  # [B, S, V]: predicts position t + 1
@@ -142,7 +143,7 @@ def run_from_target(cfg, params, mc, seqs, pi, seed=0):
     keys = jax.random.split(jax.random.key(seed + 1), N_CHAINS)
     limit = jnp.full((N_CHAINS,), len(PROMPT) + BLOCK, jnp.int32)
     active = jnp.ones((N_CHAINS,), bool)
-    state, accepted = mh_steps(params, cfg, state, keys, jnp.int32(0), limit, active, mc)
+    state, accepted = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
     return _completions(state), np.asarray(accepted)
 
 
@@ -206,16 +207,16 @@ def test_tv_falls_with_more_steps(model, depth_setup, case):
     assert tvs[1] < 0.6 * tvs[0], tvs
 
 
-def _no_cut_ratio(current, proposal, cut, cfg, mc):
+def _no_cut_ratio(current, proposal, cut, mc, num_layers):
     n_x = (current.length - current.prompt_len).astype(jnp.float32)
     n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
-    return CORRECT_RATIO(current, proposal, cut, cfg, mc) - (jnp.log(n_x) - jnp.log(n_y))
+    return CORRECT_RATIO(current, proposal, cut, mc, num_layers) - (jnp.log(n_x) - jnp.log(n_y))
 
 
-def _q_sign_flipped(current, proposal, cut, cfg, mc):
+def _q_sign_flipped(current, proposal, cut, mc, num_layers):
     dq = (mcmc_mod._suffix_sum(current.logq, cut, current.length)
           - mcmc_mod._suffix_sum(proposal.logq, cut, proposal.length))
-    return CORRECT_RATIO(current, proposal, cut, cfg, mc) - 2 * dq
+    return CORRECT_RATIO(current, proposal, cut, mc, num_layers) - 2 * dq
 
 
 CORRECT_RATIO = mcmc_mod.log_acceptance_ratio

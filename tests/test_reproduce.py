@@ -78,7 +78,7 @@ def test_request_validation_and_jobs():
 
 
 def test_available_methods_follow_table1_order():
-    from degs_jax.decoders import METHODS
+    from degs_jax.hyperparameters import METHODS
 
     rows = study.available_methods()
     assert set(rows) == set(METHODS) | {"depth_only"}
@@ -138,9 +138,10 @@ def test_layer_statistics_match_score_sequences_and_trajectories():
     import jax
     import jax.numpy as jnp
 
-    from degs_jax.lens import LensConfig, entropy_trajectory
+    from degs_jax.lens import LensConfig
+    from degs_jax.model_api import TransformerLM
     from degs_jax.models import init_params
-    from degs_jax.scoring import score_sequences
+    from degs_jax.scoring import entropy_trajectory, score_sequences
     from hf_reference import tiny_config
 
     cfg = tiny_config("Qwen2ForCausalLM")  # vocab 97, 3 layers, EOS 96
@@ -160,12 +161,12 @@ def test_layer_statistics_match_score_sequences_and_trajectories():
                                             row_budget=4 * 16 * 3, bucket=16)
     assert [s["n_scored"] for s in stats] == [len(c) - e for _, c, e in seqs]
     for k, lsub in enumerate(sets):
-        ref = score_sequences(params, cfg, [p for p, _, _ in seqs], [c for _, c, _ in seqs],
+        ref = score_sequences(TransformerLM(cfg), params, [p for p, _, _ in seqs], [c for _, c, _ in seqs],
                               LensConfig(lsub=lsub, tau=tau), eos_ids=(96,))
         # D is stored rounded to 6 decimals
         assert [s["D"][k] for s in stats] == pytest.approx([r["depth"] for r in ref], abs=1e-6)
     assert len({s["D"][0] for s in stats}) > 3  # the depths vary: the comparison has teeth
-    traj = entropy_trajectory(params, cfg, [(p + c, [False] * len(p) + [True] * (len(c) - e) + [False] * e)
+    traj = entropy_trajectory(TransformerLM(cfg), params, [(p + c, [False] * len(p) + [True] * (len(c) - e) + [False] * e)
                                             for p, c, e in seqs], bucket=16)
     for s, row in zip(stats, traj.per_sequence):
         if s["n_scored"]:  # stored rounded to 5 decimals

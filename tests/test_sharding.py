@@ -14,6 +14,7 @@ from degs_jax.decoders import decode
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, mh_steps
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params, load
 from degs_jax.models.sharding import (CACHE, make_mesh, param_shardings, param_specs,
                                       parse_mesh, shard_params)
@@ -37,7 +38,7 @@ def params():
 
 
 def _decode(params, method, **hp):
-    r = decode(params, CFG, PROMPTS, method, jax.random.key(7), eos_ids=EOS, **hp)
+    r = decode(TransformerLM(CFG), params, PROMPTS, method, jax.random.key(7), eos_ids=EOS, **hp)
     return ([[list(c.tokens) for c in o.candidates] for o in r.outputs],
             np.array([[c.log_p for c in o.candidates] for o in r.outputs]),
             [[c.acceptance for c in o.candidates] for o in r.outputs])
@@ -105,7 +106,7 @@ def test_weights_and_cache_are_split(params):
     assert drawn.layers[1].down.sharding.is_equivalent_to(sharded.layers[1].down.sharding, 2)
     with jax.set_mesh(mesh):
         prompts = jnp.ones((4, 8), jnp.int32)
-        state = prefill(sharded, CFG, prompts, jnp.full((4,), 5, jnp.int32), 32, jnp.float32)
+        state = prefill(TransformerLM(CFG), sharded, prompts, jnp.full((4,), 5, jnp.int32), 32, jnp.float32)
     assert state.cache.k.sharding.is_equivalent_to(NamedSharding(mesh, CACHE), state.cache.k.ndim)
     L, B, Hkv, S, Dh = state.cache.k.shape
     assert state.cache.k.addressable_shards[0].data.shape == (L, B // 2, Hkv // 2, S, Dh)
@@ -136,14 +137,14 @@ def test_decode_step_and_mh_steps_move_no_weights_or_cache():
     def compiled(fn, B):
         with jax.set_mesh(mesh):
             sharded = shard_params(params, cfg, mesh)
-            state = prefill(sharded, cfg, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32),
+            state = prefill(TransformerLM(cfg), sharded, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32),
                             S, jnp.float32)
             keys = jax.random.split(jax.random.key(0), B)
             limit = jnp.full((B,), 40, jnp.int32)
             if fn is generate:
                 spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=lens)
-                return generate.lower(sharded, cfg, state, limit, keys, spec).compile().as_text()
-            return mh_steps.lower(sharded, cfg, state, keys, jnp.int32(0), limit,
+                return generate.lower(TransformerLM(cfg), sharded, state, limit, keys, spec).compile().as_text()
+            return mh_steps.lower(TransformerLM(cfg), sharded, state, keys, jnp.int32(0), limit,
                                   jnp.ones((B,), bool), mc).compile().as_text()
 
     B = 8

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from degs_jax.decoders import decode
-from degs_jax.lens import LensConfig, collapse_depth, entropy_trajectory, layer_entropies
+from degs_jax.lens import LensConfig, collapse_depth
+from degs_jax.model_api import TransformerLM, TunedTransformerLM, with_tuned_lens
 from degs_jax.models import LoadedModel, forward, init_params
-from degs_jax.scoring import score_sequences, token_stats
+from degs_jax.scoring import entropy_trajectory, layer_entropies, score_sequences, token_stats
 from degs_jax.train.tuned_lens import (TunedLens, TunedLensConfig, default_lens_path, fit_tuned_lens,
                                        identity_lens, lens_fingerprint, lens_kl, load_tuned_lens,
                                        params_fingerprint, resolve_lens, save_tuned_lens)
@@ -23,6 +24,14 @@ from hf_reference import tiny_config
 
 CFG = tiny_config(vocab=64, layers=4, hidden=32, head_dim=8, intermediate=48)
 L = CFG.num_layers
+LM = TransformerLM(CFG)
+
+
+def tuned(params, lens):
+    """The model protocol's (model, params) that probe through `lens`."""
+    model, both = with_tuned_lens(LM, params, lens)
+    assert isinstance(model, TunedTransformerLM)
+    return model, both
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +67,9 @@ def test_fitting_lowers_kl_at_every_layer_and_leaves_the_final_translator_at_ide
 
 def test_identity_lens_is_the_logit_lens(params):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
     layers = (1, 2, 4)
-    plain = layer_entropies(params, CFG, tokens, pos, layers)
-    ident = layer_entropies(params, CFG, tokens, pos, layers, tuned_lens=identity_lens(CFG))
+    plain = layer_entropies(LM, params, tokens, layers)
+    ident = layer_entropies(*tuned(params, identity_lens(CFG)), tokens, layers)
     np.testing.assert_array_equal(np.asarray(ident), np.asarray(plain))
     kl = lens_kl(identity_lens(CFG, (0, L)), params, CFG, tokens, 2)
     assert float(kl[1]) == pytest.approx(0.0, abs=1e-6) and float(kl[0]) > 0.1
@@ -118,14 +126,14 @@ def test_tuned_depth_equals_a_direct_computation(params):
     tau = float(np.median(H[:3]))
     assert np.abs(H - tau).min() > 1e-3 and np.abs(H_logit - tau).min() > 1e-3
     cfg_lens = LensConfig(lsub=LSUB, tau=tau)
-    got_H = layer_entropies(params, CFG, tokens, jnp.broadcast_to(jnp.arange(15), (2, 15)), LSUB,
-                            tuned_lens=lens)
+    got_H = layer_entropies(*tuned(params, lens), tokens, LSUB)
     np.testing.assert_allclose(np.asarray(got_H), H, rtol=1e-5, atol=1e-5)
     want_d = np.asarray(collapse_depth(jnp.asarray(H, jnp.float32), LSUB, L, tau))
     logit_d = np.asarray(collapse_depth(jnp.asarray(H_logit, jnp.float32), LSUB, L, tau))
-    logp_t, depth_t, fent_t = jax.device_get(token_stats(params, CFG, jnp.asarray(tokens), cfg_lens,
-                                                         lens.translators_for(LSUB)))
-    logp_l, depth_l, fent_l = jax.device_get(token_stats(params, CFG, jnp.asarray(tokens), cfg_lens))
+    stats_t = jax.device_get(token_stats(*tuned(params, lens), jnp.asarray(tokens), cfg_lens))
+    stats_l = jax.device_get(token_stats(LM, params, jnp.asarray(tokens), cfg_lens))
+    logp_t, depth_t, fent_t = stats_t.logp, stats_t.depth, stats_t.final_entropy
+    logp_l, depth_l, fent_l = stats_l.logp, stats_l.depth, stats_l.final_entropy
     np.testing.assert_array_equal(depth_t, want_d)
     np.testing.assert_array_equal(depth_l, logit_d)
     assert (depth_t != depth_l).any()  # the lens matters here
@@ -133,8 +141,8 @@ def test_tuned_depth_equals_a_direct_computation(params):
     # does not translate) are the logit lens's.
     np.testing.assert_allclose(logp_t, logp_l, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(fent_t, fent_l, rtol=1e-6, atol=1e-6)
-    scored = score_sequences(params, CFG, prompts, completions, cfg_lens, tuned_lens=lens, bucket=16)
-    plain = score_sequences(params, CFG, prompts, completions, cfg_lens, bucket=16)
+    scored = score_sequences(*tuned(params, lens), prompts, completions, cfg_lens, bucket=16)
+    plain = score_sequences(LM, params, prompts, completions, cfg_lens, bucket=16)
     for r, (p, c) in enumerate(zip(prompts, completions)):
         span = slice(len(p), len(p) + len(c))
         np.testing.assert_array_equal(scored[r]["token_depth"], want_d[r, span])
@@ -148,23 +156,23 @@ def test_decoding_with_a_tuned_lens_changes_only_depths(params):
     lens = random_lens(range(L))
     prompts = [[3, 9, 27], [5, 1]]
     hp = dict(max_new_tokens=10, lsub=LSUB, tau=2.0)
-    tuned = decode(params, CFG, prompts, "greedy", jax.random.key(0), eos_ids=(), tuned_lens=lens, **hp)
-    logit = decode(params, CFG, prompts, "greedy", jax.random.key(0), eos_ids=(), **hp)
-    ref = score_sequences(params, CFG, prompts, [o.chosen.tokens for o in tuned.outputs],
-                          LensConfig(lsub=LSUB, tau=2.0), tuned_lens=lens)
+    with_lens = decode(*tuned(params, lens), prompts, "greedy", jax.random.key(0), eos_ids=(), **hp)
+    logit = decode(LM, params, prompts, "greedy", jax.random.key(0), eos_ids=(), **hp)
+    ref = score_sequences(*tuned(params, lens), prompts, [o.chosen.tokens for o in with_lens.outputs],
+                          LensConfig(lsub=LSUB, tau=2.0))
     differs = False
-    for t, g, r in zip(tuned.outputs, logit.outputs, ref):
+    for t, g, r in zip(with_lens.outputs, logit.outputs, ref):
         assert t.chosen.tokens == g.chosen.tokens
         assert t.chosen.log_p == pytest.approx(g.chosen.log_p, abs=1e-5)
         assert t.chosen.depth == pytest.approx(r["depth"], abs=1e-6)
         differs |= abs(t.chosen.depth - g.chosen.depth) > 1e-6
     assert differs
     # The MCMC chain probes through the same translators (its D(x) enters the acceptance).
-    mc = decode(params, CFG, prompts[:1], "degs_mcmc", jax.random.key(1), eos_ids=(), tuned_lens=lens,
+    mc = decode(*tuned(params, lens), prompts[:1], "degs_mcmc", jax.random.key(1), eos_ids=(),
                 block_len=4, num_blocks=2, mh_steps=2, lsub=LSUB, tau=2.0)
     c = mc.outputs[0].chosen
-    again = score_sequences(params, CFG, prompts[:1], [c.tokens], LensConfig(lsub=LSUB, tau=2.0),
-                            tuned_lens=lens)[0]
+    again = score_sequences(*tuned(params, lens), prompts[:1], [c.tokens],
+                            LensConfig(lsub=LSUB, tau=2.0))[0]
     assert c.depth == pytest.approx(again["depth"], abs=1e-6)
 
 
@@ -173,7 +181,7 @@ def test_entropy_trajectory_reads_through_the_tuned_lens(params):
     toks = np.arange(12) % 60
     mask = np.zeros(12, bool)
     mask[4:] = True
-    traj = entropy_trajectory(params, CFG, [(toks, mask)], layers=LSUB, bucket=16, tuned_lens=lens)
+    traj = entropy_trajectory(*tuned(params, lens), [(toks, mask)], layers=LSUB, bucket=16)
     H = numpy_entropies(params, toks[None].astype(np.int32), lens, LSUB)[:, 0]
     np.testing.assert_allclose(traj.mean, H[:, mask].mean(-1), rtol=1e-5)
 

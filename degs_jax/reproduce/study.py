@@ -95,7 +95,7 @@ UNMEASURED_RESERVE = 0.15
 def available_methods() -> tuple[str, ...]:
     """Every row the study can produce, in Table 1 order: the decoders of
     ``degs_jax.decoders.METHODS`` (discovered at run time) plus the pool selections."""
-    from degs_jax.decoders import METHODS
+    from degs_jax.hyperparameters import METHODS
 
     known = set(METHODS) | {"depth_only"}
     ordered = [m for m in TABLE1_ORDER if m in known]
@@ -104,7 +104,7 @@ def available_methods() -> tuple[str, ...]:
 
 def method_defaults(method: str) -> dict[str, Any]:
     """The decoder's resolved default hyperparameters (the paper's, DESIGN §4)."""
-    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.hyperparameters import resolve_hyperparameters
 
     return dict(resolve_hyperparameters(method, {}))
 
@@ -221,7 +221,7 @@ def job_hyperparameters(method: str, benchmark: str,
     paper's): the paper's HumanEval settings, then the request's ``*`` and per-method
     overrides. For a pool selection: the selection's weights (``alpha``, ``beta`` of
     degs_rerank; ``alpha = 0`` for depth-only). Errors name the bad hyperparameter."""
-    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.hyperparameters import resolve_hyperparameters
 
     decoder = "degs_rerank" if method == "depth_only" else method
     defaults = method_defaults(decoder)
@@ -259,7 +259,7 @@ def selection_weights(method: str, hyperparameters: Mapping[str, Any]) -> dict[s
 def pool_hyperparameters(benchmark: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict:
     """The predictive-validity pool's best_of_n overrides: N = 16, T = 0.8, top-p 0.9,
     the request's ``*`` overrides and ``pool.`` overrides."""
-    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.hyperparameters import resolve_hyperparameters
 
     defaults = method_defaults(POOL_METHOD)
     hp = {**POOL_SETTINGS, **_scoped(overrides, POOL_METHOD, defaults, scope=POOL_SCOPE)}
@@ -660,13 +660,15 @@ def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
 
     One teacher-forced forward per sequence (prompt + completion, right-padded to a
     multiple of ``bucket``, as many per call as fit in ``row_budget`` lens rows, default
-    LENS_ROW_BUDGET) through :func:`degs_jax.lens.layer_entropies`. Scored tokens are the
+    LENS_ROW_BUDGET) through :func:`degs_jax.scoring.layer_entropies`. Scored tokens are the
     completion's, its final EOS excluded when ``ended``, each read at its own position
     (DESIGN §3) — the tokens and positions :func:`degs_jax.scoring.score_sequences` and
     generation score. Returns ``{"n_scored", "entropy": [L+1] (None if nothing is
     scored), "D": [one per set]}`` per sequence, in order.
     """
-    from degs_jax.lens import collapse_depth, layer_entropies, sequence_depth
+    from degs_jax.lens import collapse_depth, sequence_depth
+    from degs_jax.model_api import TransformerLM
+    from degs_jax.scoring import layer_entropies
 
     row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget
     L = cfg.num_layers
@@ -685,8 +687,8 @@ def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
         for r, (_, toks, first, n) in enumerate(group):
             tokens[r, :toks.size] = toks
             mask[r, first:first + n] = True
-        positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
-        entropy = np.asarray(layer_entropies(params, cfg, tokens, positions, layers))  # [L+1, rows, width]
+        # [L+1, rows, width]; positions 0..width-1 (padding after the real tokens)
+        entropy = np.asarray(layer_entropies(TransformerLM(cfg), params, tokens, layers))
         depths = [np.asarray(sequence_depth(collapse_depth(entropy[list(s)], s, L, tau), mask, L))
                   for s in lsub_sets]
         for r, (i, _, _, n) in enumerate(group):

@@ -76,6 +76,7 @@ import optax
 from tqdm.auto import tqdm
 
 from ..generation import SamplerSpec, generate, prefill, repeat_rows
+from ..model_api import TransformerLM
 from jax.sharding import PartitionSpec
 
 from ..models import ModelConfig, Params, forward
@@ -324,10 +325,11 @@ def rollout(params: Params, cfg: ModelConfig, prompts: Array, prompt_len: Array,
     r // group_size and draws with `split(key, P·G)[r]`. Returns the GenState (tokens,
     lengths, per-token log p of the generator)."""
     P, Lp = prompts.shape
-    state = prefill(params, cfg, prompts, prompt_len, Lp + max_new_tokens, params.embed.dtype)
+    model = TransformerLM(cfg)
+    state = prefill(model, params, prompts, prompt_len, Lp + max_new_tokens, params.embed.dtype)
     state = repeat_rows(state, group_size)
     keys = jax.random.split(key, P * group_size)
-    return generate(params, cfg, state, state.prompt_len + max_new_tokens, keys, spec)
+    return generate(model, params, state, state.prompt_len + max_new_tokens, keys, spec)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
@@ -420,7 +422,7 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
     """
     from degs_jax.eval.results import ResultStore, package_versions
 
-    from ..decoders import eos_ids_of
+    from ..text import eos_ids_of
     from .checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
     from .data import pad_prompts, step_tasks
 

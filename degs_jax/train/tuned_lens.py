@@ -83,6 +83,10 @@ class TunedLens:
             weight=jnp.stack([zeros_w if k is None else self.weight[k] for k in rows]),
             bias=jnp.stack([zeros_b if k is None else self.bias[k] for k in rows]))
 
+    def fingerprint(self) -> str:
+        """sha256 of the layers and fp32 weights (`lens_fingerprint`; recorded by runs)."""
+        return lens_fingerprint(self)
+
 
 def default_lens_layers(cfg: ModelConfig) -> tuple[int, ...]:
     """Layers 0..L-1 (every residual the final layer's lens is not already the model's)."""
