@@ -30,6 +30,7 @@ _LINEAR = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
 _BIAS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
          "v_bias": "self_attn.v_proj.bias"}
 _NORM = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
+_QK_NORM = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -47,6 +48,9 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + name] = getattr(layer, field)
         if cfg.qkv_bias:
             for field, name in _BIAS.items():
+                out[p + name] = getattr(layer, field)
+        if cfg.qk_norm:
+            for field, name in _QK_NORM.items():
                 out[p + name] = getattr(layer, field)
     return out
 
@@ -98,6 +102,7 @@ def params_from_hf(tensors: Mapping[str, object], cfg: ModelConfig, dtype=jnp.bf
         kw = {f: get(p + n + ".weight", owner, f, transpose=True) for f, n in _LINEAR.items()}
         kw.update({f: get(p + n, owner, f) for f, n in _NORM.items()})
         kw.update({f: get(p + n, owner, f) if cfg.qkv_bias else None for f, n in _BIAS.items()})
+        kw.update({f: get(p + n, owner, f) if cfg.qk_norm else None for f, n in _QK_NORM.items()})
         layers.append(LayerParams(**kw))
     return Params(
         embed=get("model.embed_tokens.weight", shardings, "embed"), layers=layers,
@@ -120,5 +125,8 @@ def params_to_hf(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
             out[p + n] = f32(getattr(layer, f))
         if cfg.qkv_bias:
             for f, n in _BIAS.items():
+                out[p + n] = f32(getattr(layer, f))
+        if cfg.qk_norm:
+            for f, n in _QK_NORM.items():
                 out[p + n] = f32(getattr(layer, f))
     return out

@@ -89,7 +89,8 @@ def param_specs(cfg: ModelConfig, model: int):
     bias = P(MODEL) if cfg.qkv_bias else None
     layer = LayerParams(
         attn_norm=P(), q=P(None, MODEL), k=P(None, MODEL), v=P(None, MODEL),
-        q_bias=bias, k_bias=bias, v_bias=bias, o=P(MODEL, None), mlp_norm=P(),
+        q_bias=bias, k_bias=bias, v_bias=bias, q_norm=P() if cfg.qk_norm else None,
+        k_norm=P() if cfg.qk_norm else None, o=P(MODEL, None), mlp_norm=P(),
         gate=P(None, MODEL), up=P(None, MODEL), down=P(MODEL, None))
     return Params(embed=vocab, layers=[layer] * cfg.num_layers, final_norm=P(),
                   lm_head=None if cfg.tie_word_embeddings else vocab)

@@ -1,4 +1,5 @@
-"""One pure-functional decoder-only transformer for Qwen2 and Llama/DeepSeek-Math.
+"""One pure-functional decoder-only transformer for Qwen2, Qwen3 (dense) and Llama
+(DeepSeek-Math, DeepSeek-R1-Distill-Llama: Llama-3 RoPE scaling).
 
 Free functions over registered dataclass pytrees; the config is static. Shapes use
 B = batch rows, T = new tokens in this call, S = cache slots, L = layers,
@@ -46,6 +47,8 @@ class LayerParams:
     q_bias: Optional[Array]  # [H*Dh] (Qwen2) or None (Llama)
     k_bias: Optional[Array]  # [Hkv*Dh] or None
     v_bias: Optional[Array]  # [Hkv*Dh] or None
+    q_norm: Optional[Array]  # [Dh] per-head RMSNorm weight of queries (Qwen3) or None
+    k_norm: Optional[Array]  # [Dh] per-head RMSNorm weight of keys (Qwen3) or None
     o: Array  # [H*Dh, D]
     mlp_norm: Array  # [D]
     gate: Array  # [D, F]
@@ -102,11 +105,12 @@ def param_shapes(cfg: ModelConfig) -> Params:
     """The expected shape of every tensor, as a Params of tuples (for checkpoint checks)."""
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias = cfg.qkv_bias
+    bias, qk_norm = cfg.qkv_bias, cfg.qk_norm
     layer = LayerParams(
         attn_norm=(D,), q=(D, q_out), k=(D, kv_out), v=(D, kv_out),
         q_bias=(q_out,) if bias else None, k_bias=(kv_out,) if bias else None,
-        v_bias=(kv_out,) if bias else None, o=(q_out, D), mlp_norm=(D,),
+        v_bias=(kv_out,) if bias else None, q_norm=(cfg.head_dim,) if qk_norm else None,
+        k_norm=(cfg.head_dim,) if qk_norm else None, o=(q_out, D), mlp_norm=(D,),
         gate=(D, F), up=(D, F), down=(F, D),
     )
     return Params(
@@ -157,14 +161,33 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * x32.astype(x.dtype)
 
 
-def _rope(x: Array, positions: Array, theta: float) -> Array:
-    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T].
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+    """[Dh/2] fp32 inverse frequencies of the rotary embedding, with Llama-3 scaling when
+    `cfg.rope_scaling` is set (the same fp32 arithmetic as HF `_compute_llama3_parameters`)."""
+    dh = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * jnp.pi / inv_freq
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T],
+    inv_freq: [Dh/2] (`rope_inv_freq`).
 
     Angles are computed in fp32 (bf16 positions lose integers above 256), then cos/sin
     are cast to x's dtype before the multiply, as HF does.
     """
     dh = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
@@ -201,8 +224,13 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
     if cfg.qkv_bias:
         q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-    q = constrain(_rope(q.reshape(B, T, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
-    k = constrain(_rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
+    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    q = constrain(_rope(q, positions, inv_freq), HEADS)
+    k = constrain(_rope(k, positions, inv_freq), HEADS)
     v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
     if cache is None:
         keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), positions
