@@ -1,4 +1,5 @@
-"""Pure-functional model ports (Qwen2, Llama/DeepSeek-Math) and checkpoint loading.
+"""Pure-functional model ports (Qwen2, Qwen3 dense, Llama/DeepSeek-Math/DeepSeek-R1-Distill-Llama)
+and checkpoint loading.
 
 Installed as `degs_jax.models`; knows nothing about sampling.
 """
@@ -8,9 +9,9 @@ from .config import ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
 from .gguf_io import GGUFError
 from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, ChecksumError, LoadedModel,
                       default_cache_dir, file_sha256, load)
+from .params import LayerParams, Params, is_stacked, param_shapes, stack_layers, unstack_layers
 from .transformer import (
-    ForwardOutput, KVCache, LayerParams, LensStats, Params, forward, init_cache,
-    init_params, param_shapes, rms_norm, streamed_head,
+    ForwardOutput, KVCache, LensStats, forward, init_cache, init_params, rms_norm, streamed_head,
 )
 
 __all__ = [
@@ -18,5 +19,5 @@ __all__ = [
     "LoadedModel", "default_cache_dir", "file_sha256", "load",
     "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "ForwardOutput", "KVCache",
     "LayerParams", "LensStats", "Params", "forward", "init_cache", "init_params",
-    "param_shapes", "rms_norm", "streamed_head",
+    "is_stacked", "param_shapes", "rms_norm", "stack_layers", "streamed_head", "unstack_layers",
 ]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .params import LayerParams, Params, param_shapes
 from .sharding import CACHE, FFN, HEADS, HIDDEN, constrain
 
 Array = jax.Array
@@ -34,38 +35,6 @@ def _pytree_dataclass(cls):
     cls = dataclasses.dataclass(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
     return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
-
-
-@_pytree_dataclass
-class LayerParams:
-    """One transformer block. Linear weights are stored [in, out] (x @ W)."""
-
-    attn_norm: Array  # [D]
-    q: Array  # [D, H*Dh]
-    k: Array  # [D, Hkv*Dh]
-    v: Array  # [D, Hkv*Dh]
-    q_bias: Optional[Array]  # [H*Dh] (Qwen2) or None (Llama)
-    k_bias: Optional[Array]  # [Hkv*Dh] or None
-    v_bias: Optional[Array]  # [Hkv*Dh] or None
-    q_norm: Optional[Array]  # [Dh] per-head RMSNorm weight of queries (Qwen3) or None
-    k_norm: Optional[Array]  # [Dh] per-head RMSNorm weight of keys (Qwen3) or None
-    o: Array  # [H*Dh, D]
-    mlp_norm: Array  # [D]
-    gate: Array  # [D, F]
-    up: Array  # [D, F]
-    down: Array  # [F, D]
-
-
-@_pytree_dataclass
-class Params:
-    embed: Array  # [V, D]
-    layers: list  # L x LayerParams
-    final_norm: Array  # [D]
-    lm_head: Optional[Array]  # [V, D]; None when the embeddings are tied
-
-    def unembedding(self) -> Array:
-        """W_U, [V, D]: the output projection, shared with the embedding when tied."""
-        return self.embed if self.lm_head is None else self.lm_head
 
 
 @_pytree_dataclass
@@ -99,24 +68,6 @@ class ForwardOutput:
     cache: Optional[KVCache]
     residuals: Optional[Array]  # [K, B, T, D] pre-final-norm, in `capture` order
     lens: Optional[LensStats]  # stats for `lens_layers`, in that order
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The expected shape of every tensor, as a Params of tuples (for checkpoint checks)."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias, qk_norm = cfg.qkv_bias, cfg.qk_norm
-    layer = LayerParams(
-        attn_norm=(D,), q=(D, q_out), k=(D, kv_out), v=(D, kv_out),
-        q_bias=(q_out,) if bias else None, k_bias=(kv_out,) if bias else None,
-        v_bias=(kv_out,) if bias else None, q_norm=(cfg.head_dim,) if qk_norm else None,
-        k_norm=(cfg.head_dim,) if qk_norm else None, o=(q_out, D), mlp_norm=(D,),
-        gate=(D, F), up=(D, F), down=(F, D),
-    )
-    return Params(
-        embed=(V, D), layers=[layer] * cfg.num_layers, final_norm=(D,),
-        lm_head=None if cfg.tie_word_embeddings else (V, D),
-    )
 
 
 def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02,
@@ -220,36 +171,39 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     """Block `index` (0-based), pre-norm. x: [B, T, D]; cache holds all layers and is
     updated in place at layer `index` (one scatter, no copy of other layers)."""
     B, T, _ = x.shape
-    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
-    if cfg.qkv_bias:
-        q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
-        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    q = constrain(_rope(q, positions, inv_freq), HEADS)
-    k = constrain(_rope(k, positions, inv_freq), HEADS)
-    v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
-    if cache is None:
-        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), positions
-    else:
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
-        # The indexed (row, slot) pairs come first in the updated slice: [B, T, Hkv, Dh]
-        # for both layouts. mode="drop": a padding entry past the cache end writes nothing.
-        cache = KVCache(
-            k=constrain(cache.k.at[index, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
-                        CACHE),
-            v=constrain(cache.v.at[index, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
-                        CACHE))
-        keys, values = cache.k[index], cache.v[index]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
-    attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
-    x = constrain(x + attn.reshape(B, T, -1) @ layer.o, HIDDEN)
-    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    hidden = constrain(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
-    return constrain(x + hidden @ layer.down, HIDDEN), cache
+    with jax.named_scope("attention"):
+        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
+        if cfg.qkv_bias:
+            q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
+            q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        inv_freq = rope_inv_freq(cfg)
+        q = constrain(_rope(q, positions, inv_freq), HEADS)
+        k = constrain(_rope(k, positions, inv_freq), HEADS)
+        v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
+        if cache is None:
+            keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), positions
+        else:
+            rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
+            # The indexed (row, slot) pairs come first in the updated slice: [B, T, Hkv, Dh]
+            # for both layouts. mode="drop": a padding entry past the cache end writes nothing.
+            cache = KVCache(
+                k=constrain(cache.k.at[index, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
+                            CACHE),
+                v=constrain(cache.v.at[index, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
+                            CACHE))
+            keys, values = cache.k[index], cache.v[index]
+            k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
+        attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+        x = constrain(x + attn.reshape(B, T, -1) @ layer.o, HIDDEN)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        hidden = constrain(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
+        x = constrain(x + hidden @ layer.down, HIDDEN)
+    return x, cache
 
 
 # With `chunk=None`, a lens whose whole [rows, V] fp32 block fits in this many bytes is
@@ -369,23 +323,27 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     wanted = set(capture) | set(lens_layers)
     saved = {0: x} if 0 in wanted else {}
     for l, layer in enumerate(params.layers):
-        x, cache = _block(layer, cfg, x, positions, cache, l)
+        with jax.named_scope(f"block_{l}"):
+            x, cache = _block(layer, cfg, x, positions, cache, l)
         if l + 1 in wanted:
             saved[l + 1] = x
 
-    h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-    h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
-    w_u = params.unembedding()
-    lens = None
-    if lens_layers:
-        lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps) for l in lens_layers])
-        K = len(lens_layers)
-        flat_logits, ent, top, ptop, lse = streamed_head(
-            w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)
-        logits = flat_logits.reshape(*h.shape[:2], -1)
-        lens = LensStats(entropy=ent.reshape(K, B, T), top1=top.reshape(K, B, T),
-                         top1_prob=ptop.reshape(K, B, T), logsumexp=lse.reshape(K, B, T))
-    else:
-        logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=jnp.float32)
+    with jax.named_scope("head"):
+        h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+        h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+        w_u = params.unembedding()
+        lens = None
+        if lens_layers:
+            with jax.named_scope("lens"):
+                lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps)
+                                    for l in lens_layers])
+                K = len(lens_layers)
+                flat_logits, ent, top, ptop, lse = streamed_head(
+                    w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)
+            logits = flat_logits.reshape(*h.shape[:2], -1)
+            lens = LensStats(entropy=ent.reshape(K, B, T), top1=top.reshape(K, B, T),
+                             top1_prob=ptop.reshape(K, B, T), logsumexp=lse.reshape(K, B, T))
+        else:
+            logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=jnp.float32)
     residuals = jnp.stack([saved[l] for l in capture]) if capture else None
     return ForwardOutput(logits=logits, cache=cache, residuals=residuals, lens=lens)
