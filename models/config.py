@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 _FAMILY = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+KV_READS = ("auto", "loop", "buckets", "all")
 
 
 class ConfigError(ValueError):
@@ -50,10 +51,28 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """One checkpoint's architecture. Sizes are counts; `head_dim` is the size of one
-    attention head; `qkv_bias`: q/k/v projections carry a bias (Qwen2); `qk_norm`: queries
-    and keys are RMS-normalised per head, with learned [head_dim] weights, before RoPE
-    (Qwen3); `rope_scaling`: Llama-3 frequency scaling or None (plain RoPE)."""
+    """One checkpoint's architecture, plus how its KV cache is read. Sizes are counts;
+    `head_dim` is the size of one attention head; `qkv_bias`: q/k/v projections carry a
+    bias (Qwen2); `qk_norm`: queries and keys are RMS-normalised per head, with learned
+    [head_dim] weights, before RoPE (Qwen3); `rope_scaling`: Llama-3 frequency scaling or
+    None (plain RoPE).
+
+    Runtime settings (not part of a checkpoint; `dataclasses.replace` to change them):
+    `kv_chunk`: cache slots per attention chunk (the unit of the live-length reads);
+    `kv_read`: how a call chooses which cache slots it reads (module docstring of
+      `transformer` for the numerics) --
+      "loop": a `lax.while_loop` per layer over the chunks below the batch's longest
+        live length (work exactly proportional; cheap where a loop iteration is cheap:
+        CPU);
+      "buckets": one `lax.switch` per call around the layer stack, over windows of
+        0, C, 2C, 4C, ... slots and the whole buffer (work at most twice the live
+        length; for GPUs, where each iteration of a data-dependent `while_loop` waits
+        for the host); compiles the layer stack once per window, so pair it with
+        stacked layers (`params.stack_layers`) where compile time matters;
+      "all": every slot of the allocated buffer (the cost before live-length reads;
+        for comparisons);
+      "auto" (default): "loop" on CPU, "buckets" on other backends.
+    """
 
     architecture: str
     vocab_size: int
@@ -73,6 +92,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
+    kv_chunk: int = 256
+    kv_read: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -97,6 +118,12 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError("rope_theta and rms_norm_eps must be positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if not isinstance(self.kv_chunk, int) or self.kv_chunk <= 0:
+            raise ConfigError(f"kv_chunk must be a positive integer, got {self.kv_chunk!r}")
+        if self.kv_read not in KV_READS:
+            raise ConfigError(f"kv_read must be one of {', '.join(KV_READS)}, got {self.kv_read!r}")
 
     @property
     def family(self) -> str:

@@ -3,16 +3,53 @@
 
 Free functions over registered dataclass pytrees; the config is static. Shapes use
 B = batch rows, T = new tokens in this call, S = cache slots, L = layers,
-D = hidden size, H / Hkv = query / key-value heads, Dh = head size, V = vocabulary,
-F = MLP size, K = number of captured or lensed layers.
+D = hidden size, H / Hkv = query / key-value heads, g = H / Hkv, Dh = head size,
+V = vocabulary, F = MLP size, K = number of captured or lensed layers, C = KV chunk.
 
 Positions and cache slots are the same thing: the token at position p of a row
 writes its keys and values to slot p of that row and attends to slots <= p. Rows
 of different lengths therefore need no left padding: right-pad each row and give
-padding entries positions after the row's real tokens (e.g. keep counting). A
-padded entry may write garbage into a slot, but every later real token at that
-position overwrites it before any query can read it, and queries never see slots
-beyond their own position.
+padding entries positions after the row's real tokens (keep counting; a row's
+positions in one call must be increasing and contiguous). A padded entry may write
+garbage into a slot, but every later real token at that position overwrites it before
+any query can read it, and queries never see slots beyond their own position. A row
+whose positions are all >= S (an idle row of a batch) writes nothing and reads only
+slot 0 (its output is garbage, but finite).
+
+Attention cost follows the live length. The cache is allocated for the whole
+generation, but a call reads only the slots below the batch's longest live length
+(one past a row's last position), so a decode step costs what the rows hold, not what
+was allocated. How the number of slots read is chosen is `cfg.kv_read`:
+
+- "loop" (the CPU default): per layer, a `lax.while_loop` over C-slot chunks
+  (C = `cfg.kv_chunk`) up to the longest live length; cost exactly proportional.
+- "buckets" (the default elsewhere): one `lax.switch` per call, around the whole
+  layer stack, over static windows of 0, C, 2C, 4C, ... slots and S; cost at most
+  twice the live length. On GPUs every iteration of a `while_loop` whose trip count is
+  data-dependent waits for the host (it reads the loop condition back), so a loop per
+  layer would stall the device L times per step; the switch does it once per call. It
+  compiles the layer stack once per window: use stacked layers.
+- "all": every slot of the buffer (the cost before live-length reads, for comparisons).
+
+Numerics: scores and softmax statistics are fp32; the probabilities are cast to the
+value dtype for the P·V product, accumulated in fp32, as in HF. A block of keys gives a
+partial (m = max score, l = sum exp(s - m), o = sum exp(s - m)·v) and partials are
+combined in a fixed order, rescaled to the running max; the output is o / l. In the
+"loop" read every chunk is a block: a chunk past a row's live length has every score at
+-inf and combines as an exact identity, so a row's result does not depend on how many
+chunks the batch reads (the other rows' lengths). The static reads use one window per
+call, so their rounding depends on the window (fp32 differences ~1e-7 relative).
+
+In-place cache updates. With "loop" and "all", each layer writes this call's keys and
+values into the cache and then reads it back (one scatter per layer, then the reads:
+XLA orders them by data dependence and updates the cache in place). Inside the
+"buckets" switch the cache is only read (a branch that writes makes XLA copy the
+cache), the layers attend to this call's own keys separately, and all layers' keys and
+values are written after the switch in one scatter.
+
+Layers: `params.layers` is a list (the layers are unrolled into the program) or a
+stacked LayerParams (one `lax.scan`, so a new shape compiles one layer, not L); see
+`params.stack_layers`.
 """
 
 from __future__ import annotations
@@ -29,6 +66,7 @@ from .params import LayerParams, Params, param_shapes
 from .sharding import CACHE, FFN, HEADS, HIDDEN, constrain
 
 Array = jax.Array
+_F32 = jnp.float32
 
 
 def _pytree_dataclass(cls):
@@ -72,7 +110,8 @@ class ForwardOutput:
 
 def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02,
                 shardings: Optional[Params] = None) -> Params:
-    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks.
+    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks,
+    in the list layout (`params.stack_layers` converts).
 
     shardings: a Params of `jax.sharding.Sharding` (`sharding.param_shardings`): each
       tensor is drawn directly into its shards, so a model that only fits split (a 72B
@@ -94,7 +133,7 @@ def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float =
 @functools.cache
 def _normal(shape: tuple[int, ...], sharding):
     """A jitted fp32 normal draw placed on `sharding` (None: the default device)."""
-    return jax.jit(functools.partial(jax.random.normal, shape=shape, dtype=jnp.float32),
+    return jax.jit(functools.partial(jax.random.normal, shape=shape, dtype=_F32),
                    out_shardings=sharding)
 
 
@@ -107,7 +146,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """HF Qwen2/Llama RMSNorm: normalise in fp32, cast back, then multiply by the weight."""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(_F32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
 
@@ -116,7 +155,7 @@ def rope_inv_freq(cfg: ModelConfig) -> Array:
     """[Dh/2] fp32 inverse frequencies of the rotary embedding, with Llama-3 scaling when
     `cfg.rope_scaling` is set (the same fp32 arithmetic as HF `_compute_llama3_parameters`)."""
     dh = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=_F32) / dh))
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq
@@ -139,7 +178,7 @@ def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     are cast to x's dtype before the multiply, as HF does.
     """
     dh = x.shape[-1]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = positions.astype(_F32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
@@ -147,29 +186,157 @@ def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return x * cos + rotated * sin
 
 
-def _attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array) -> Array:
+# ----------------------------------------------------------------------------- attention
+
+@_pytree_dataclass
+class SoftmaxState:
+    """A partial softmax-weighted sum over some keys, per query (fp32).
+
+    m: running max score (-inf: no visible key yet); l: sum of exp(score - m);
+    o: sum of exp(score - m) · v. The attention output is o / l."""
+
+    m: Array  # [B, Hkv, g, T]
+    l: Array  # [B, Hkv, g, T]
+    o: Array  # [B, Hkv, g, T, Dh]
+
+
+def _partial_softmax(scores: Array, values: Array) -> SoftmaxState:
+    """Partials over the last (key) axis. scores: [..., keys] fp32 with -inf at invisible
+    keys: [B, Hkv, g, T, keys]; values: [B, Hkv, Dh, keys]. An all-invisible block gives
+    m = -inf, l = 0, o = 0 (not NaN)."""
+    m = jnp.max(scores, axis=-1)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    o = jnp.einsum("bkgts,bkds->bkgtd", p.astype(values.dtype), values, preferred_element_type=_F32)
+    return SoftmaxState(m=m, l=jnp.sum(p, axis=-1), o=o)
+
+
+def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
+    """The partial over both key sets. Exact identity when b saw no visible key
+    (b.m = -inf: a's terms are scaled by exp(0) = 1 and b's by exp(-inf) = 0)."""
+    m = jnp.maximum(a.m, b.m)
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    scale_a, scale_b = jnp.exp(a.m - shift), jnp.exp(b.m - shift)
+    return SoftmaxState(m=m, l=scale_a * a.l + scale_b * b.l,
+                        o=scale_a[..., None] * a.o + scale_b[..., None] * b.o)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CacheRead:
+    """How one call reads the cache. `live` [B] int32: each row reads slots below it.
+    Either `window` > 0 (static): the first `window` slots are read as one block; or
+    `chunks` (a traced scalar): that many C-slot chunks (C = `chunk`) are read one by
+    one in a `while_loop`.
+
+    Two orders of reading and writing, picked for XLA to keep the cache update in place
+    (no copy of the cache per step): by default each layer writes this call's keys and
+    values first and then reads (live = one past the row's last position); with
+    `deferred` (the "buckets" read, whose layer stack sits inside a `lax.switch` that
+    must not write), layers only read the slots below the row's first position, attend
+    to this call's own keys separately, and all layers are written after the switch."""
+
+    cache: KVCache
+    live: Array
+    window: int = 0
+    chunks: Optional[Array] = None
+    chunk: int = 0
+    deferred: bool = False
+
+
+def _masked_partial(qg: Array, keys: Array, values: Array, visible: Array, scale: float) -> SoftmaxState:
+    """The partial softmax of queries qg [B, Hkv, g, T, Dh] over keys [B, Hkv, n, Dh] and
+    values [B, Hkv, Dh, n], of which `visible` [B, T, n] are seen."""
+    scores = jnp.einsum("bkgtd,bksd->bkgts", qg, keys.astype(qg.dtype), preferred_element_type=_F32) * scale
+    return _partial_softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), values.astype(qg.dtype))
+
+
+def _visible(slots: Array, positions: Array, live: Array) -> Array:
+    """[B, T, n]: slot s is visible to the query at position p of row b iff s <= p and
+    s < live[b] (the second only matters for idle rows)."""
+    return (slots[None, None] <= positions[:, :, None]) & (slots[None, None] < live[:, None, None])
+
+
+def _cache_window(qg: Array, positions: Array, read: _CacheRead, layer, scale: float) -> SoftmaxState:
+    """One partial over the first `read.window` slots of layer `layer` (static window)."""
+    cache, W = read.cache, read.window
+    L, B, Hkv, S, Dh = cache.k.shape
+    k = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, 0, 0), (1, B, Hkv, W, Dh))[0]
+    v = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, 0, 0), (1, B, Hkv, Dh, W))[0]
+    return _masked_partial(qg, k, v, _visible(jnp.arange(W), positions, read.live), scale)
+
+
+def _cache_chunks(qg: Array, positions: Array, read: _CacheRead, layer, scale: float
+                  ) -> tuple[SoftmaxState, KVCache]:
+    """Partials of chunks 0 .. read.chunks - 1 (traced count) of layer `layer`, combined in
+    order in a `while_loop`. A chunk reaching past S has its start moved back to S - C and
+    its already-covered slots masked. The cache travels through the loop's carry and is
+    returned (unchanged), so that the next layer's in-place write follows the read (as a
+    loop constant, XLA copies it for each loop)."""
+    C = read.chunk
+    L, B, Hkv, S, Dh = read.cache.k.shape
+    G, T = qg.shape[2], qg.shape[3]
+
+    def body(c, carry):
+        state, cache = carry
+        lo = c * C
+        start = jnp.minimum(lo, S - C)
+        k = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, start, 0), (1, B, Hkv, C, Dh))[0]
+        v = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, 0, start), (1, B, Hkv, Dh, C))[0]
+        slots = start + jnp.arange(C)
+        visible = _visible(slots, positions, read.live) & (slots >= lo)[None, None]  # earlier chunks' slots
+        return _combine(state, _masked_partial(qg, k, v, visible, scale)), cache
+
+    empty = SoftmaxState(m=jnp.full((B, Hkv, G, T), -jnp.inf, _F32), l=jnp.zeros((B, Hkv, G, T), _F32),
+                         o=jnp.zeros((B, Hkv, G, T, Dh), _F32))
+    return jax.lax.fori_loop(0, read.chunks, body, (empty, read.cache))
+
+
+def _attention(q: Array, k: Array, v: Array, positions: Array, read: Optional[_CacheRead],
+               layer) -> tuple[Array, Optional[_CacheRead]]:
     """Grouped-query causal attention by position.
 
-    q: [B, T, H, Dh]; k: [B, Hkv, S, Dh]; v: [B, Hkv, Dh, S]; q_pos: [B, T]; k_pos: [B, S].
-    Key j is visible to query t iff k_pos[j] <= q_pos[t]. Returns [B, T, H, Dh].
-    Scores and softmax in fp32; probabilities cast to v's dtype for the PV product (as HF).
+    q: [B, T, H, Dh]; k, v: [B, T, Hkv, Dh] this call's keys and values; positions:
+    [B, T]. Without a cache the keys are this call's; with one, the cache slots below each
+    row's live length (which already hold k, v unless `read.deferred`; then this call's
+    keys are attended to separately, after the cache). Returns ([B, T, H, Dh], read with
+    the cache as it came out of the chunk loop).
     """
     B, T, H, Dh = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(B, T, hkv, H // hkv, Dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5)
-    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bkds->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, Dh).astype(q.dtype)
+    hkv = k.shape[2]
+    scale = Dh ** -0.5
+    qg = q.reshape(B, T, hkv, H // hkv, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, g, T, Dh]
+    if read is None or read.deferred:
+        visible = positions[:, None, :] <= positions[:, :, None]  # [B, T(query), T(key)]
+        state = _masked_partial(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), visible, scale)
+        if read is not None and read.window:  # cache slots below the first position, then own keys
+            state = _combine(_cache_window(qg, positions, read, layer, scale), state)
+    elif read.chunks is not None:
+        state, cache = _cache_chunks(qg, positions, read, layer, scale)
+        read = dataclasses.replace(read, cache=cache)
+    else:
+        state = _cache_window(qg, positions, read, layer, scale)
+    out = state.o / state.l[..., None]  # [B, Hkv, g, T, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype), read
 
+
+def _write(cache: KVCache, layer, positions: Array, k: Array, v: Array) -> KVCache:
+    """Write new keys and values at their positions, in place: one layer's ([B, T, Hkv, Dh])
+    or, with layer = slice(None), every layer's ([B, T, L, Hkv, Dh]). Positions past the
+    cache (idle rows) write nothing."""
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    # The indexed (row, slot) pairs come first in the updated slice, for both layouts.
+    return KVCache(
+        k=constrain(cache.k.at[layer, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"), CACHE),
+        v=constrain(cache.v.at[layer, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"), CACHE))
+
+
+# ----------------------------------------------------------------------------- layers
 
 def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
-           cache: Optional[KVCache], index: int):
-    """Block `index` (0-based), pre-norm. x: [B, T, D]; cache holds all layers and is
-    updated in place at layer `index` (one scatter, no copy of other layers)."""
+           read: Optional[_CacheRead], index, inv_freq: Array):
+    """Block `index` (0-based; static, or traced inside a scan), pre-norm. x: [B, T, D].
+    With a cache, this call's keys and values are written at layer `index` first (one
+    scatter, in place), then read back with the rest (unless `read.deferred`). Returns
+    (x, read, (k, v) [B, T, Hkv, Dh])."""
     B, T, _ = x.shape
     with jax.named_scope("attention"):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
@@ -180,31 +347,118 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
             q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        inv_freq = rope_inv_freq(cfg)
         q = constrain(_rope(q, positions, inv_freq), HEADS)
         k = constrain(_rope(k, positions, inv_freq), HEADS)
         v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
-        if cache is None:
-            keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), positions
-        else:
-            rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
-            # The indexed (row, slot) pairs come first in the updated slice: [B, T, Hkv, Dh]
-            # for both layouts. mode="drop": a padding entry past the cache end writes nothing.
-            cache = KVCache(
-                k=constrain(cache.k.at[index, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
-                            CACHE),
-                v=constrain(cache.v.at[index, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
-                            CACHE))
-            keys, values = cache.k[index], cache.v[index]
-            k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
-        attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+        if read is not None and not read.deferred:
+            read = dataclasses.replace(read, cache=_write(read.cache, index, positions, k, v))
+        attn, read = _attention(q, k, v, positions, read, index)
         x = constrain(x + attn.reshape(B, T, -1) @ layer.o, HIDDEN)
     with jax.named_scope("mlp"):
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
         hidden = constrain(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
         x = constrain(x + hidden @ layer.down, HIDDEN)
-    return x, cache
+    return x, read, (k, v)
 
+
+def _layer_stack(layers, cfg: ModelConfig, x: Array, positions: Array, read: Optional[_CacheRead],
+                 keep: tuple[int, ...]):
+    """Every block in order. keep: sorted static layer indices in 1..L whose outputs are
+    returned ([len(keep), B, T, D]). Returns (x, kept | None, cache | None, and with a
+    deferred read the keys and values of every layer, [L, B, T, Hkv, Dh] each, else None)."""
+    inv_freq = rope_inv_freq(cfg)
+    deferred = read is not None and read.deferred
+    if not isinstance(layers, LayerParams):  # list layout: unrolled
+        kept, kvs = [], []
+        for l, layer in enumerate(layers):
+            with jax.named_scope(f"block_{l}"):
+                x, read, kv = _block(layer, cfg, x, positions, read, l, inv_freq)
+            if deferred:
+                kvs.append(kv)
+            if l + 1 in keep:
+                kept.append(x)
+        kvs = tuple(jnp.stack(a) for a in zip(*kvs)) if deferred else None
+        return x, (jnp.stack(kept) if keep else None), None if read is None else read.cache, kvs
+
+    # Stacked layout: one scan carrying the cache; kept outputs go to their slot of a
+    # carried buffer (slot len(keep) collects the others and is dropped).
+    slot_of = [len(keep)] * (cfg.num_layers + 1)
+    for i, l in enumerate(keep):
+        slot_of[l] = i
+    slots = jnp.asarray(slot_of[1:], jnp.int32)
+    kept = jnp.zeros((len(keep) + 1,) + x.shape, x.dtype) if keep else None
+
+    def body(carry, layer_index):
+        x, kept, cache = carry
+        layer, l = layer_index
+        with jax.named_scope("block"):
+            x, r, kv = _block(layer, cfg, x, positions,
+                              None if read is None else dataclasses.replace(read, cache=cache), l, inv_freq)
+        if kept is not None:
+            kept = jax.lax.dynamic_update_index_in_dim(kept, x, slots[l], 0)
+        return (x, kept, None if r is None else r.cache), kv if deferred else None
+
+    cache = None if read is None else read.cache
+    (x, kept, cache), kvs = jax.lax.scan(body, (x, kept, cache), (layers, jnp.arange(cfg.num_layers)))
+    return x, (kept[:-1] if keep else None), cache, kvs
+
+
+def _live_lengths(positions: Array, max_len: int, deferred: bool) -> Array:
+    """[B] slots each row reads from the cache: one past its last position in the call
+    (below its first position if `deferred`), or 1 for a row whose positions are all past
+    the cache (an idle row: it writes nothing, and slot 0 keeps its softmax finite)."""
+    last = jnp.max(positions, axis=1)
+    live = jnp.min(positions, axis=1) if deferred else last + 1
+    return jnp.where(last < max_len, live, 1).astype(jnp.int32)
+
+
+def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
+    """Static windows of the "buckets" read: 0, C·2^i slots, up to the whole cache."""
+    windows, n = [0], chunk
+    while n < max_len:
+        windows.append(n)
+        n *= 2
+    return tuple(windows) + (max_len,)
+
+
+def _read_mode(cfg: ModelConfig) -> str:
+    if cfg.kv_read != "auto":
+        return cfg.kv_read
+    return "loop" if jax.default_backend() == "cpu" else "buckets"
+
+
+def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Optional[KVCache],
+                keep: tuple[int, ...]):
+    """The layer stack with the cache read as `cfg.kv_read` says (module docstring).
+    Returns (x, kept, cache)."""
+    if cache is None:
+        return _layer_stack(layers, cfg, x, positions, None, keep)[:3]
+    S = cache.max_len
+    mode = _read_mode(cfg)
+    live = _live_lengths(positions, S, deferred=mode == "buckets")
+    if mode == "all":
+        return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, window=S), keep)[:3]
+    C = min(cfg.kv_chunk, S)
+    if mode == "loop":
+        chunks = (jnp.max(live) + C - 1) // C
+        read = _CacheRead(cache, live, chunks=chunks, chunk=C)
+        return _layer_stack(layers, cfg, x, positions, read, keep)[:3]
+    windows = _window_buckets(S, C)
+
+    def branch(window):
+        def run(layers, x, positions, cache, live):
+            read = _CacheRead(cache, live, window=window, deferred=True)
+            x, kept, _, (ks, vs) = _layer_stack(layers, cfg, x, positions, read, keep)
+            return x, kept, ks, vs
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(windows, jnp.int32), jnp.max(live), side="left")
+    x, kept, ks, vs = jax.lax.switch(index, [branch(w) for w in windows], layers, x, positions, cache, live)
+    # Every layer's keys and values at once, after every read (the switch's outputs).
+    return x, kept, _write(cache, slice(None), positions, ks.transpose(1, 2, 0, 3, 4), vs.transpose(1, 2, 0, 3, 4))
+
+
+# ----------------------------------------------------------------------------- output head
 
 # With `chunk=None`, a lens whose whole [rows, V] fp32 block fits in this many bytes is
 # computed as one block; larger ones stream in DEFAULT_LENS_CHUNK-token chunks. Slicing
@@ -224,12 +478,14 @@ def _vocab_chunks(vocab: int, chunk: int):
     return [(s, min(chunk, vocab - s)) for s in range(0, vocab, chunk)]
 
 
-def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Optional[int] = None):
+def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Optional[int] = None,
+                  out_stats: bool = False):
     """Unembed rows while streaming the vocabulary once.
 
     w_u: [V, D]; h_out: [N, D] final-normed rows whose full fp32 logits are returned
     (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
-    kept. Per lens row we carry the running max m, s = sum exp(z - m) and
+    kept. out_stats: also return the statistics of the h_out rows (first, then h_lens's:
+    N + M of each), e.g. when a lensed layer is the last one, whose rows are h_out. Per lens row we carry the running max m, s = sum exp(z - m) and
     t = sum exp(z - m)·(z - m), so H = log s - t / s and p_top1 = 1 / s at the end; no
     [M, V] array exists, only one [N + M, chunk] block at a time (chunk=None: one
     block when it fits SINGLE_BLOCK_MAX_BYTES, else DEFAULT_LENS_CHUNK). Carrying (z - m)
@@ -241,7 +497,8 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     """
     n_out = 0 if h_out is None else h_out.shape[0]
     rows = h_lens if h_out is None else jnp.concatenate([h_out, h_lens.astype(h_out.dtype)], 0)
-    M = h_lens.shape[0]
+    first = 0 if out_stats else n_out  # rows whose statistics are kept
+    M = rows.shape[0] - first
     m = jnp.full((M,), -jnp.inf, jnp.float32)
     s = jnp.zeros((M,), jnp.float32)
     t = jnp.zeros((M,), jnp.float32)
@@ -249,7 +506,7 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
 
     def update(carry, z, start):
         m, s, t, top = carry
-        zl = z[n_out:]
+        zl = z[first:]
         cmax = jnp.max(zl, axis=-1)
         carg = jnp.argmax(zl, axis=-1).astype(jnp.int32) + start
         new_m = jnp.maximum(m, cmax)
@@ -302,8 +559,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     """Run the transformer on `tokens`.
 
     tokens, positions: [B, T] int32 (see the module docstring for padding).
-    cache: a KVCache with S slots, updated at `positions` and returned; None runs
-      attention over the given tokens only (and returns cache=None).
+    cache: a KVCache with S slots, read below each row's first position and updated at
+      `positions` (returned); None runs attention over the given tokens only (and
+      returns cache=None).
     capture: static layer indices (HF `hidden_states` numbering: 0 = embeddings,
       l = after block l) whose residuals, pre final norm, are returned [K, B, T, D].
     lens_layers: static layer indices whose logit-lens entropy / top-1 are returned
@@ -312,6 +570,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
       (decode-sized) probes and 8192-token chunks otherwise (see streamed_head).
     logits_at: optional [B] int32 index into T; returns logits [B, 1, V] at those
       entries only (e.g. the last real prompt token of each row).
+    params.layers may be a list or stacked (`params.stack_layers`); the result is the
+    same up to fp32 rounding.
     """
     L = cfg.num_layers
     for name, layers in (("capture", capture), ("lens_layers", lens_layers)):
@@ -321,12 +581,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     B, T = tokens.shape
     x = constrain(params.embed[tokens], HIDDEN)
     wanted = set(capture) | set(lens_layers)
-    saved = {0: x} if 0 in wanted else {}
-    for l, layer in enumerate(params.layers):
-        with jax.named_scope(f"block_{l}"):
-            x, cache = _block(layer, cfg, x, positions, cache, l)
-        if l + 1 in wanted:
-            saved[l + 1] = x
+    keep = tuple(sorted(wanted - {0}))
+    embeddings = x
+    x, kept, cache = _run_layers(params.layers, cfg, x, positions, cache, keep)
+    saved = {l: kept[i] for i, l in enumerate(keep)}
+    if 0 in wanted:
+        saved[0] = embeddings
 
     with jax.named_scope("head"):
         h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
@@ -335,15 +595,22 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
         lens = None
         if lens_layers:
             with jax.named_scope("lens"):
-                lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps)
-                                    for l in lens_layers])
-                K = len(lens_layers)
-                flat_logits, ent, top, ptop, lse = streamed_head(
-                    w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)
+                # The last layer's lens rows are the output rows (h = final norm of x at every
+                # position): computed once, their statistics taken from the output rows.
+                shared = L in lens_layers and logits_at is None
+                others = [l for l in lens_layers if not (shared and l == L)]
+                lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps) for l in others]
+                                   ) if others else jnp.zeros((0, B, T, h.shape[-1]), h.dtype)
+                flat_logits, *stats = streamed_head(
+                    w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]), lens_chunk,
+                    out_stats=shared)
+                stats = [x.reshape(-1, B, T) for x in stats]  # [K, B, T] each, rows as listed
+                order = ([L] if shared else []) + others
+                index = jnp.asarray([order.index(l) for l in lens_layers])
+                ent, top, ptop, lse = (x[index] for x in stats)
             logits = flat_logits.reshape(*h.shape[:2], -1)
-            lens = LensStats(entropy=ent.reshape(K, B, T), top1=top.reshape(K, B, T),
-                             top1_prob=ptop.reshape(K, B, T), logsumexp=lse.reshape(K, B, T))
+            lens = LensStats(entropy=ent, top1=top, top1_prob=ptop, logsumexp=lse)
         else:
-            logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=_F32)
     residuals = jnp.stack([saved[l] for l in capture]) if capture else None
     return ForwardOutput(logits=logits, cache=cache, residuals=residuals, lens=lens)

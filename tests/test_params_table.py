@@ -56,7 +56,7 @@ def test_shapes_specs_and_hf_names_agree(name):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_layouts_hold_the_same_weights(name):
+def test_layouts_hold_the_same_weights_and_give_the_same_forward(name):
     cfg = CONFIGS[name]
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.2)
     stacked = stack_layers(params)
