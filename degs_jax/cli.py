@@ -73,8 +73,10 @@ def _hyperparameters(args) -> dict:
 
 
 def _load(args):
+    from .models.compilation import enable_compilation_cache
     from .models.loading import DEFAULT_MODEL, load
 
+    enable_compilation_cache()  # compiled programs persist across runs (models/compilation.py)
     source = args.model or DEFAULT_MODEL
     t0 = time.perf_counter()
     mesh = None

@@ -5,6 +5,7 @@ Installed as `degs_jax.models`; knows nothing about sampling.
 """
 
 from .checkpoint import CheckpointError
+from .compilation import enable_compilation_cache
 from .config import ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
 from .gguf_io import GGUFError
 from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, ChecksumError, LoadedModel,
@@ -16,7 +17,7 @@ from .transformer import (
 
 __all__ = [
     "BUILTIN_MODELS", "CheckpointError", "ChecksumError", "DEFAULT_MODEL", "GGUFError",
-    "LoadedModel", "default_cache_dir", "file_sha256", "load",
+    "LoadedModel", "default_cache_dir", "enable_compilation_cache", "file_sha256", "load",
     "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "ForwardOutput", "KVCache",
     "LayerParams", "LensStats", "Params", "forward", "init_cache", "init_params",
     "is_stacked", "param_shapes", "rms_norm", "stack_layers", "streamed_head", "unstack_layers",

@@ -67,10 +67,19 @@ def test_layouts_hold_the_same_weights_and_give_the_same_forward(name):
     jax.tree.map(np.testing.assert_array_equal, from_hf, stacked)
     assert params_to_hf(stacked, cfg).keys() == params_to_hf(params, cfg).keys()
 
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    lens = (1, cfg.num_layers)
+    outs = [forward(p, cfg, tokens, positions, init_cache(cfg, 2, 16, jnp.float32), capture=(0, 2),
+                    lens_layers=lens) for p in (params, stacked)]
+    # Same arithmetic in a different program (loop body vs unrolled): fp32 rounding only.
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
 # The models package, lowest layer first: a module may import only modules before it.
-LAYERS = ["config", "params", "sharding", "transformer", "checkpoint", "gguf_io", "loading", "__init__"]
+LAYERS = ["config", "params", "sharding", "transformer", "checkpoint", "gguf_io", "loading", "compilation",
+          "__init__"]
 
 
 def test_models_modules_import_only_lower_layers_and_nothing_of_the_samplers():
