@@ -37,7 +37,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats as _stats
 
-from degs_jax.eval.results import wilson_interval, write_json
+from degs_jax.eval.results import read_json, read_records, wilson_interval, write_json
 
 __all__ = [
     "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
@@ -282,9 +282,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     if not run_file.exists() or not results.exists():
         raise FileNotFoundError(f"{run_dir} is not a `degs eval` directory (needs run.json and "
                                 "results.jsonl)")
-    run = json.loads(run_file.read_text())
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    return run, records
+    return read_json(run_file), read_records(results)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -443,10 +441,15 @@ def decode_tokens(candidate: Mapping[str, Any]) -> list[int]:
 def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[int]], *,
                alpha: Optional[float] = None, beta: Optional[float] = None,
                batch_size: int = 8, out_dir: str | os.PathLike | None = None,
-               data_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict[str, Any]:
+               data_dir: str | os.PathLike | None = None, quiet: bool = False,
+               lenses: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Re-score every kept candidate of a run with each probe set and report, per set, the
     predictive statistics of D(x) and the accuracy of DEGS reranking
     (argmax ``alpha·log p + beta·D``, log p as recorded at generation).
+
+    lenses: name -> lens to read the layers with (None: the logit lens; a
+    ``train.tuned_lens.TunedLens``); every probe set is scored under each, one row per
+    (lens, set). Default: the logit lens only.
 
     alpha/beta default to the run's own (degs_rerank runs) or 4 and 5. Also reports the
     likelihood-only (Best-of-N) and depth-only choices and the oracle (any candidate
@@ -489,19 +492,20 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
         "mean_candidate": float(base.correct.mean()),
     }
     rows = []
-    for lsub in lsub_sets:
+    lenses = {"logit": None} if lenses is None else dict(lenses)
+    for (lens_name, tuned), lsub in ((item, lsub) for item in lenses.items() for lsub in lsub_sets):
         lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.cfg.num_layers)
         # Compile outside the timing (first batch once); the timed pass is warm.
         score_sequences(model.params, model.cfg, prompts[:batch_size], completions[:batch_size],
-                        lens, eos, batch_size=batch_size)
+                        lens, eos, batch_size=batch_size, tuned_lens=tuned)
         t0 = time.perf_counter()
         scored = score_sequences(model.params, model.cfg, prompts, completions, lens, eos,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, tuned_lens=tuned)
         seconds = time.perf_counter() - t0
         d = np.array([s["depth"] for s in scored])
         stats = predictive_validity(base, scores=d)
         rows.append({
-            "lsub": list(lsub), "K": len(lsub),
+            "lens": lens_name, "lsub": list(lsub), "K": len(lsub),
             "probe_forward_equivalents_per_token": len(lsub) / model.cfg.num_layers,
             "seconds": seconds,
             "auc": stats["auc"], "spearman_rho": stats["spearman_rho"], "gap": stats["gap"],
@@ -530,7 +534,7 @@ def format_lsub_table(result: Mapping[str, Any]) -> str:
         f"DEGS rerank = argmax {result['alpha']:g}·log p + {result['beta']:g}·D, tau {result['tau']:g}",
         f"reference: Best-of-N (log p) {_fmt(ref['best_of_n'])}, oracle {_fmt(ref['oracle'])}, "
         f"mean candidate {_fmt(ref['mean_candidate'])}",
-        f"{'L_sub':<28} {'K':>3} {'K/L':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
+        f"{'lens':<6} {'L_sub':<28} {'K':>3} {'K/L':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
         f"{'DEGS rerank':>11} {'depth-only':>10} {'mean D':>7} {'seconds':>8}",
     ]
     for r in result["rows"]:
@@ -538,7 +542,7 @@ def format_lsub_table(result: Mapping[str, Any]) -> str:
         if len(lsub) > 28:
             lsub = "{" + f"{r['lsub'][0]},...,{r['lsub'][-1]}" + "}"
         lines.append(
-            f"{lsub:<28} {r['K']:>3} {r['probe_forward_equivalents_per_token']:>6.3f} "
+            f"{r.get('lens', 'logit'):<6} {lsub:<28} {r['K']:>3} {r['probe_forward_equivalents_per_token']:>6.3f} "
             f"{_fmt(r['auc']):>6} {_fmt(r['pairwise_accuracy']):>8} {_fmt(r['spearman_rho']):>7} "
             f"{_fmt(r['degs_rerank_accuracy']):>11} {_fmt(r['depth_only_accuracy']):>10} "
             f"{r['mean_D']:>7.4f} {r['seconds']:>8.1f}")

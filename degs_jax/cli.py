@@ -4,6 +4,12 @@
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (eval/commands.py)
+  degs train-grpo / degs train-lens           GRPO reference and tuned lens (train/commands.py)
+  degs reproduce --model M --out DIR          the paper's whole study, resumable (reproduce/)
+
+Failures a user can cause (bad input, missing files, no network, a run directory in use)
+end in one `degs: error: ...` line and exit status 2, never a traceback. Ctrl-C ends the
+command within seconds (`interruptible`), with one line, and exit status 130.
 """
 
 from __future__ import annotations
@@ -11,7 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +71,22 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
     g.add_argument("--n-chains", type=int, help="independent MCMC chains per prompt (1)")
     g.add_argument("--reference-quirks", action="store_true", default=None,
                    help="reproduce the public power-sampling code's deviations (off)")
+    _add_lens_args(g)
+
+
+def _add_lens_args(p) -> None:
+    p.add_argument("--lens", choices=["logit", "tuned"], default="logit",
+                   help="how layer residuals are read for d_t and D(x): the logit lens (default, "
+                        "the paper's) or a tuned lens (`degs train-lens`)")
+    p.add_argument("--tuned-lens", default=None, metavar="FILE",
+                   help="tuned-lens file (default: the one cached for the model's weights)")
+
+
+def _tuned_lens(args, model):
+    """The TunedLens `--lens tuned` asks for, or None."""
+    from .train.tuned_lens import resolve_lens
+
+    return resolve_lens(args.lens, model, args.tuned_lens)
 
 
 _HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "beta", "tau", "lsub",
@@ -70,6 +95,42 @@ _HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "b
 
 def _hyperparameters(args) -> dict:
     return {k: getattr(args, k) for k in _HP_NAMES if getattr(args, k, None) is not None}
+
+
+SEED_RANGE = (0, 2**63 - 1)  # jax.random.key takes a signed 64-bit seed
+
+
+def check_seed(seed: int) -> int:
+    """`seed` if jax can take it; ValueError naming the range otherwise."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"--seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {seed}")
+    return seed
+
+
+def prompt_text(prompt: str) -> str:
+    """The prompt argument, if it is text: the shell passes bytes, and bytes that are not
+    UTF-8 reach Python as lone surrogates, which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid UTF-8 text (byte 0x{ord(prompt[e.start]) & 0xFF:02x} "
+                         f"at character {e.start})") from None
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    return prompt
+
+
+def check_output_dir(path: Path, option: str = "--out") -> Path:
+    """`path` if a directory can be created or used there; ValueError saying why not."""
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                where = "is a file" if parent == path else f"is under {parent}, which is a file"
+                raise ValueError(f"{option} {path} {where}; give a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{option} {path}: {parent} is not writable")
+            return path
+    return path
 
 
 def _load(args):
@@ -96,8 +157,9 @@ def _load(args):
 def cmd_generate(args) -> int:
     from .decoders import sample
 
+    prompt = prompt_text(args.prompt)
     model = _load(args)
-    result = sample(model, args.prompt, "greedy", chat=not args.no_chat,
+    result = sample(model, prompt, "greedy", chat=not args.no_chat,
                     max_new_tokens=args.max_new_tokens, probe=False)
     print(result.outputs[0].chosen.text)
     return 0
@@ -106,11 +168,14 @@ def cmd_generate(args) -> int:
 def cmd_sample(args) -> int:
     import jax
 
-    from .decoders import sample
+    from .decoders import resolve_hyperparameters, sample
 
+    prompt, seed = prompt_text(args.prompt), check_seed(args.seed)
+    resolve_hyperparameters(args.method, _hyperparameters(args))  # bad names before loading the model
     model = _load(args)
-    result = sample(model, args.prompt, args.method, key=jax.random.key(args.seed),
-                    chat=not args.no_chat, progress=True, **_hyperparameters(args))
+    result = sample(model, prompt, args.method, key=jax.random.key(seed),
+                    chat=not args.no_chat, progress=True, tuned_lens=_tuned_lens(args, model),
+                    **_hyperparameters(args))
     out = result.outputs[0]
     c = out.chosen
     fe = result.forward_equivalents(model.cfg.num_layers)
@@ -141,12 +206,14 @@ def cmd_sample(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    from .probe import run_probe
+    from .probe import read_rows, run_probe
 
+    read_rows(Path(args.input), args.limit)  # input errors before loading the model
+    out = check_output_dir(Path(args.out))
     model = _load(args)
-    return run_probe(model, Path(args.input), Path(args.out), tau=args.tau, lsub=args.lsub,
+    return run_probe(model, Path(args.input), out, tau=args.tau, lsub=args.lsub,
                      chat=not args.no_chat, max_new_tokens=args.max_new_tokens or 256,
-                     limit=args.limit)
+                     limit=args.limit, tuned_lens=_tuned_lens(args, model))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,24 +247,136 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="budget for greedy completion of prompts without one (256)")
     p.add_argument("--limit", type=int, default=None, help="only the first N rows")
+    _add_lens_args(p)
     p.set_defaults(func=cmd_probe)
 
     from .eval.commands import add_commands  # degs eval, degs analyze
 
     add_commands(sub, _add_model_args, _add_decoder_args, _hyperparameters, _load)
+
+    from .train.commands import add_commands as add_training_commands  # train-grpo, train-lens
+
+    add_training_commands(sub, _add_model_args, _load)
+
+    from .reproduce.command import add_command as add_reproduce  # degs reproduce
+
+    add_reproduce(sub, _add_model_args, _load)
     return parser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that report a problem with the input or the environment (one line)
+    rather than a bug (a traceback)."""
+    from .eval.results import RunInUseError
+
+    return (ValueError, OSError, RunInUseError)
+
+
+def one_line(error: BaseException) -> str:
+    """The message of `error` on one line (OSError: its reason and file)."""
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        text = f"{error.strerror}: {error.filename}"
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def interruptible(message: str, grace_s: float = 3.0):
+    """Ctrl-C ends the command within `grace_s` seconds, printing `message` once.
+
+    Python raises KeyboardInterrupt only between bytecodes, so a jitted decode running in
+    XLA would delay it until the whole loop returns (minutes). The signal also writes its
+    number to a pipe (`signal.set_wakeup_fd`), which wakes a thread at once: it gives the
+    main thread `grace_s` to unwind (its `except KeyboardInterrupt` prints `message`),
+    then prints it itself and ends the process (exit status 130). Everything a run keeps
+    is already on disk (results are fsynced per problem), so this is as safe as SIGKILL,
+    which the resumable store is built for. A second Ctrl-C ends it at once. Only in the
+    main thread (elsewhere there are no signals); restores what it replaces."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    done, printed = threading.Event(), threading.Lock()
+    said = []
+
+    def say() -> None:
+        with printed:
+            if not said:
+                said.append(True)
+                print(message, file=sys.stderr, flush=True)
+
+    def watch() -> None:
+        deadline = None
+        while not done.is_set():
+            import select
+
+            ready, _, _ = select.select([read_fd], [], [], 0.2 if deadline is None else
+                                        max(0.0, min(0.2, deadline - time.monotonic())))
+            if ready:
+                try:
+                    signals = os.read(read_fd, 64)
+                except OSError:
+                    return
+                if signal.SIGINT in signals:
+                    if deadline is not None:  # a second Ctrl-C
+                        deadline = time.monotonic()
+                    else:
+                        deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() >= deadline and not done.is_set():
+                say()
+                os._exit(130)
+
+    watcher = threading.Thread(target=watch, name="degs-interrupt", daemon=True)
+    watcher.start()
+    try:
+        yield say
+    finally:
+        done.set()
+        os.write(write_fd, b"\0")  # wakes the watcher at once
+        watcher.join()
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous_handler)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def interrupted_message(args) -> str:
+    if getattr(args, "command", None) == "eval":
+        return (f"degs: interrupted; finished problems are saved in {args.out}: rerun the same "
+                "command to resume")
+    return "degs: interrupted"
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        with contextlib.ExitStack() as scope:  # what the command enters (the mesh) ends with it
-            args.scope = scope
-            return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"degs: error: {e}", file=sys.stderr)
-        return 2
+    with interruptible(interrupted_message(args)) as say_interrupted:
+        try:
+            with contextlib.ExitStack() as scope:  # what the command enters (the mesh) ends with it
+                args.scope = scope
+                return args.func(args)
+        except KeyboardInterrupt:
+            say_interrupted()
+            return 130
+        except user_errors() as e:
+            print(f"degs: error: {one_line(e)}", file=sys.stderr)
+            return 2
+
+
+def entry_point() -> None:
+    """The `degs` console script: `main`, ended by `os._exit` after Ctrl-C, because the
+    interpreter's normal shutdown (jax's atexit backend clean-up) can crash while XLA
+    threads are still compiling or decoding for the interrupted call."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry_point()

@@ -139,8 +139,13 @@ def _choose(method: str, pool: list[Candidate], hp: dict[str, Any]) -> Candidate
 
 def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], method: str,
            key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None,
-           eos_ids: Sequence[int], progress: bool = False, **hyperparameters) -> DecodeResult:
+           eos_ids: Sequence[int], progress: bool = False, tuned_lens=None,
+           **hyperparameters) -> DecodeResult:
     """Run `method` on token-id prompts.
+
+    tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
+    them: D(x), DEGS reranking and acceptance) read the residuals through its
+    translators instead of the logit lens.
 
     Randomness: with one `key`, row r of the batch (prompt i, candidate or chain j,
     r = i·n + j) uses `split(key, rows)[r]`. With `keys` ([len(prompts)] PRNG keys, one
@@ -184,12 +189,14 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
         if keys.shape != (len(prompts),):
             raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
         keys = jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
+    translators = None if tuned_lens is None else tuned_lens.translators_for(lens.lsub)
     acceptance = None
     if method in MCMC_METHODS:
         acceptance = [[] for _ in range(rows)]
         bar = tqdm(range(mc.num_blocks), desc=method, unit="block", disable=not progress)
         for block in bar:
-            state, accepted, active = mcmc_block(params, cfg, state, keys, jnp.int32(block), mc)
+            state, accepted, active = mcmc_block(params, cfg, state, keys, jnp.int32(block), mc,
+                                                 translators if mc.lens is not None else None)
             accepted, active = jax.device_get((accepted, active))
             for r in np.flatnonzero(active):
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
@@ -198,7 +205,8 @@ def decode(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], m
         probed = mc.beta > 0
     else:
         limit = state.prompt_len + max_new
-        state = generate(params, cfg, state, limit, keys, spec)
+        state = generate(params, cfg, state, limit, keys, spec,
+                         translators=translators if spec.lens is not None else None)
         probed = spec.lens is not None
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()
@@ -233,10 +241,10 @@ def eos_ids_of(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
 
 def sample(model, prompts: str | Sequence[str], method: str = "degs_mcmc",
            key: Optional[jax.Array] = None, *, seed: int = 0, chat: bool = True,
-           progress: bool = False, **hyperparameters) -> DecodeResult:
+           progress: bool = False, tuned_lens=None, **hyperparameters) -> DecodeResult:
     """Decode text prompts with a loaded model (`degs_jax.models.loading.load`).
 
-    Returns a DecodeResult whose candidates carry decoded `text`.
+    tuned_lens: as in `decode`. Returns a DecodeResult whose candidates carry decoded `text`.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -244,7 +252,7 @@ def sample(model, prompts: str | Sequence[str], method: str = "degs_mcmc",
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     eos = eos_ids_of(model.cfg, model.tokenizer)
     result = decode(model.params, model.cfg, ids, method, key, eos_ids=eos, progress=progress,
-                    **hyperparameters)
+                    tuned_lens=tuned_lens, **hyperparameters)
     for out in result.outputs:
         for cand in out.candidates:
             cand.text = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .lens import LensConfig, collapse_depth
-from .models import KVCache, ModelConfig, Params, forward, init_cache
+from .models import KVCache, LensTranslators, ModelConfig, Params, forward, init_cache
 
 Array = jax.Array
 
@@ -131,12 +131,14 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
 
 
 def decode_step(params: Params, cfg: ModelConfig, st: GenState, active: Array, limit: Array,
-                keys: Array, fresh_from: Array, spec: SamplerSpec) -> tuple[GenState, Array]:
+                keys: Array, fresh_from: Array, spec: SamplerSpec,
+                translators: Optional[LensTranslators] = None) -> tuple[GenState, Array]:
     """One step of every `active` row (see the module docstring); the body of `generate`'s
     loop, also driven directly by loops that restart rows mid-way (mcmc.mh_steps).
 
-    active, limit, fresh_from: [B]; keys: [B] PRNG keys. Returns (state, active [B]: rows
-    that still have tokens to draw after this step).
+    active, limit, fresh_from: [B]; keys: [B] PRNG keys. translators: tuned-lens rows for
+    `spec.lens.lsub` (None: the logit lens). Returns (state, active [B]: rows that still
+    have tokens to draw after this step).
     """
     B, S = st.tokens.shape
     rows = jnp.arange(B)
@@ -146,7 +148,8 @@ def decode_step(params: Params, cfg: ModelConfig, st: GenState, active: Array, l
     # Inactive rows write their KV to slot S, which the scatter drops.
     pos = jnp.where(active, n - 1, S)[:, None]
     out = forward(params, cfg, consumed, pos, st.cache, lens_layers=lens_layers,
-                  lens_chunk=spec.lens.chunk if spec.lens is not None else None)
+                  lens_chunk=spec.lens.chunk if spec.lens is not None else None,
+                  lens_translators=translators if spec.lens is not None else None)
     logits = out.logits[:, 0]  # [B, V] fp32
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     write_stats = active & (n - 1 >= fresh_from)
@@ -184,14 +187,16 @@ def decode_step(params: Params, cfg: ModelConfig, st: GenState, active: Array, l
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
 def generate(params: Params, cfg: ModelConfig, state: GenState, limit: Array, keys: Array,
-             spec: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
+             spec: SamplerSpec, fresh_from: Optional[Array] = None,
+             translators: Optional[LensTranslators] = None) -> GenState:
     """Continue every row from its current length until EOS or `limit` tokens.
 
     state: a GenState (from `prefill`, a previous `generate`, or a truncated copy of
       one: set `length` to the cut; the cache need not be cleared).
     limit: [B] int32 total-length cap per row (prompt included), <= S.
     keys: [B] PRNG keys. fresh_from: [B] int32 first slot whose statistics may be
-      (re)written; defaults to the current lengths.
+      (re)written; defaults to the current lengths. translators: tuned-lens rows for
+      `spec.lens.lsub` (None: the logit lens).
     Rows that are already ended or at their limit are left untouched.
     """
     fresh_from = state.length if fresh_from is None else fresh_from
@@ -199,7 +204,7 @@ def generate(params: Params, cfg: ModelConfig, state: GenState, limit: Array, ke
 
     def body(carry):
         st, active = carry
-        return decode_step(params, cfg, st, active, limit, keys, fresh_from, spec)
+        return decode_step(params, cfg, st, active, limit, keys, fresh_from, spec, translators)
 
     state, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1]), body, (state, active0))
     return state

@@ -125,19 +125,23 @@ class LensConfig:
 
 
 def layer_entropies(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
-                    layers: Sequence[int], chunk: Optional[int] = DEFAULT_CHUNK) -> Array:
+                    layers: Sequence[int], chunk: Optional[int] = DEFAULT_CHUNK,
+                    tuned_lens=None) -> Array:
     """Logit-lens entropies H_l at every position, fp32 nats, shape [K, B, T].
 
     tokens, positions: [B, T] int32 (padding as in `forward`); layers: static indices
     in 0..L (K = len(layers)), in the order of the output rows. Runs one full forward
     without a cache; the output logits are only requested at entry 0 of each row so
-    that no [B, T, V] array is built.
+    that no [B, T, V] array is built. tuned_lens: a `train.tuned_lens.TunedLens` to
+    read the residuals through its translators (None: the logit lens).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
+    layers = tuple(int(l) for l in layers)
     out = forward(params, cfg, tokens, jnp.asarray(positions, jnp.int32),
-                  lens_layers=tuple(int(l) for l in layers),
+                  lens_layers=layers,
                   lens_chunk=None if chunk is None else int(chunk),
-                  logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
+                  logits_at=jnp.zeros(tokens.shape[:1], jnp.int32),
+                  lens_translators=None if tuned_lens is None else tuned_lens.translators_for(layers))
     return out.lens.entropy
 
 
@@ -210,7 +214,7 @@ def entropy_trajectory(params: Params, cfg: ModelConfig,
                        sequences: Sequence[tuple[Sequence[int], Sequence[bool]]],
                        layers: Optional[Sequence[int]] = None, batch_size: int = 8,
                        bucket: int = 64, chunk: Optional[int] = DEFAULT_CHUNK,
-                       pad_id: int = 0) -> EntropyTrajectory:
+                       pad_id: int = 0, tuned_lens=None) -> EntropyTrajectory:
     """Layer-entropy trajectory (the paper's Figure 1) over a set of completions.
 
     sequences: S pairs (tokens [N_i] ints, mask [N_i] bools) holding prompt +
@@ -218,6 +222,7 @@ def entropy_trajectory(params: Params, cfg: ModelConfig,
     H_l(t) is read at their own positions. layers: indices in 0..L, default all of
     0..L. Rows are right-padded to a multiple of `bucket` (bounding recompiles) and run
     `batch_size` at a time; padding is masked out and does not change the result.
+    tuned_lens: read the residuals through a tuned lens (None: the logit lens).
     """
     L = cfg.num_layers
     layers = tuple(range(L + 1)) if layers is None else tuple(int(l) for l in layers)
@@ -248,7 +253,8 @@ def entropy_trajectory(params: Params, cfg: ModelConfig,
             tokens[r, :t.size], mask[r, :m.size] = t, m
         # Padding keeps counting positions, so it never precedes a real token's slot.
         positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
-        ent = np.asarray(layer_entropies(params, cfg, tokens, positions, layers, chunk), np.float64)
+        ent = np.asarray(layer_entropies(params, cfg, tokens, positions, layers, chunk, tuned_lens),
+                         np.float64)
         n = len(group)
         sums[start:start + n] = np.where(mask[:n], ent[:, :n], 0.0).sum(-1).T
         counts[start:start + n] = mask[:n].sum(-1)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .generation import GenState, SamplerSpec, decode_step, generate, select_rows
 from .lens import LensConfig, sequence_depth
-from .models import KVCache, ModelConfig, Params
+from .models import KVCache, LensTranslators, ModelConfig, Params
 
 Array = jax.Array
 
@@ -151,12 +151,14 @@ def _copy_cache_rows(current: KVCache, proposal: KVCache, rows: Array, take_prop
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mc"))
 def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array]:
+             limit: Array, active: Array, mc: MCMCConfig,
+             translators: Optional[LensTranslators] = None) -> tuple[GenState, Array]:
     """`mc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
     active: [B] rows that move (others are left untouched). keys: [B] chain keys; step
-    s of block k draws from fold_in(key, k, s + 1). Returns (state, accepted [B] int32).
+    s of block k draws from fold_in(key, k, s + 1). translators: tuned-lens rows for
+    `mc.lens.lsub` (None: the logit lens). Returns (state, accepted [B] int32).
 
     Rows advance independently: every loop iteration is one decode step of every row's
     proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
@@ -187,7 +189,8 @@ def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, blo
 
     def body(carry):
         current, proposal, generating, step, cut, p_limit, gen_keys, accepted = carry
-        proposal, still = decode_step(params, cfg, proposal, generating, p_limit, gen_keys, cut, spec)
+        proposal, still = decode_step(params, cfg, proposal, generating, p_limit, gen_keys, cut, spec,
+                                      translators)
         done = generating & ~still
         step_keys = jax.vmap(jax.random.fold_in)(block_keys, step + 1)
         log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys, 2)))
@@ -215,17 +218,20 @@ def mh_steps(params: Params, cfg: ModelConfig, state: GenState, keys: Array, blo
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mc"))
 def mcmc_block(params: Params, cfg: ModelConfig, state: GenState, keys: Array, block: Array,
-               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
+               mc: MCMCConfig, translators: Optional[LensTranslators] = None
+               ) -> tuple[GenState, Array, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
     (block + 1)·block_len, then `mc.mh_steps` MH steps.
 
     state: GenState of B chains; keys: [B] chain keys (a row's randomness depends only
-    on its key, the block and the step). Returns (state, accepted [B] int32 count,
+    on its key, the block and the step). translators: tuned-lens rows for `mc.lens.lsub`
+    (None: the logit lens). Returns (state, accepted [B] int32 count,
     active [B] bool: rows that ran this block, i.e. had not ended before it).
     """
     active = ~state.ended
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
     limit = jnp.where(active, boundary, state.length)
-    state = generate(params, cfg, state, limit, _row_keys(keys, block, 0), mc.proposal)
-    state, accepted = mh_steps(params, cfg, state, keys, block, limit, active, mc)
+    state = generate(params, cfg, state, limit, _row_keys(keys, block, 0), mc.proposal,
+                     translators=translators)
+    state, accepted = mh_steps(params, cfg, state, keys, block, limit, active, mc, translators)
     return state, accepted, active

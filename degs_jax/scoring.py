@@ -10,31 +10,41 @@ generation up to floating-point summation order.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .lens import LensConfig, collapse_depth, mean_final_entropy, sequence_depth
-from .models import ModelConfig, Params, forward, rms_norm
+from .models import LensTranslators, ModelConfig, Params, forward, rms_norm
 
 Array = jax.Array
 
 
+def probe_layers(lens: LensConfig, num_layers: int) -> tuple[int, ...]:
+    """The lens rows `token_stats` computes: L_sub, then L if L_sub lacks it."""
+    return tuple(lens.lsub) + (() if num_layers in lens.lsub else (num_layers,))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "lens"))
-def token_stats(params: Params, cfg: ModelConfig, tokens: Array, lens: LensConfig):
+def token_stats(params: Params, cfg: ModelConfig, tokens: Array, lens: LensConfig,
+                translators: Optional[LensTranslators] = None):
     """Per-position statistics of right-padded sequences.
 
     tokens: [B, T] int32. Returns (logp [B, T]: log p(x_t | x_<t) at t >= 1 (0 at t = 0),
     depth [B, T] int32: d_t from the residuals at position t, final_entropy [B, T]).
+    translators: tuned-lens rows for `probe_layers(lens, L)` (None: the logit lens). log p
+    and the final entropy come from row L, which a tuned lens leaves untranslated unless
+    it has a translator for L.
     """
     B, T = tokens.shape
     L = cfg.num_layers
-    layers = tuple(lens.lsub) + (() if L in lens.lsub else (L,))
+    layers = probe_layers(lens, L)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
     out = forward(params, cfg, tokens, positions, capture=(L,), lens_layers=layers,
-                  lens_chunk=lens.chunk, logits_at=jnp.zeros((B,), jnp.int32))
+                  lens_chunk=lens.chunk, logits_at=jnp.zeros((B,), jnp.int32),
+                  lens_translators=translators)
     final = layers.index(L)
     h = rms_norm(out.residuals[0], params.final_norm, cfg.rms_norm_eps)  # [B, T, D]
     w_next = params.unembedding()[tokens[:, 1:]]  # [B, T-1, D]
@@ -47,8 +57,11 @@ def token_stats(params: Params, cfg: ModelConfig, tokens: Array, lens: LensConfi
 
 def score_sequences(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                     completions: Sequence[Sequence[int]], lens: LensConfig,
-                    eos_ids: Sequence[int] = (), batch_size: int = 8, bucket: int = 64):
+                    eos_ids: Sequence[int] = (), batch_size: int = 8, bucket: int = 64,
+                    tuned_lens=None):
     """log p(x), D(x) and mean final-layer entropy of each completion given its prompt.
+
+    tuned_lens: a `train.tuned_lens.TunedLens` for d_t (None: the logit lens).
 
     Returns a list of dicts (one per completion) with `log_p`, `depth`, `final_entropy`,
     `n_tokens`, `ended` and the per-token `token_depth` list (scored tokens only).
@@ -56,6 +69,8 @@ def score_sequences(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     eos = set(eos_ids)
+    translators = (None if tuned_lens is None
+                   else tuned_lens.translators_for(probe_layers(lens, cfg.num_layers)))
     results = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(range(start, min(start + batch_size, len(prompts))))
@@ -69,7 +84,8 @@ def score_sequences(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
         tokens = np.zeros((len(chunk), T), np.int32)
         for r, s in enumerate(seqs):
             tokens[r, : len(s)] = s
-        logp, depth, ent = jax.device_get(token_stats(params, cfg, jnp.asarray(tokens), lens))
+        logp, depth, ent = jax.device_get(token_stats(params, cfg, jnp.asarray(tokens), lens,
+                                                          translators))
         for r, i in enumerate(chunk):
             P, n = len(prompts[i]), len(completions[i])
             ended = n > 0 and completions[i][-1] in eos

@@ -12,13 +12,15 @@ from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, ChecksumError, LoadedModel,
                       default_cache_dir, file_sha256, load)
 from .params import LayerParams, Params, is_stacked, param_shapes, stack_layers, unstack_layers
 from .transformer import (
-    ForwardOutput, KVCache, LensStats, forward, init_cache, init_params, rms_norm, streamed_head,
+    ForwardOutput, KVCache, LensStats, LensTranslators, forward, init_cache, init_params, rms_norm,
+    streamed_head, translate_residuals,
 )
 
 __all__ = [
     "BUILTIN_MODELS", "CheckpointError", "ChecksumError", "DEFAULT_MODEL", "GGUFError",
     "LoadedModel", "default_cache_dir", "enable_compilation_cache", "file_sha256", "load",
     "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "ForwardOutput", "KVCache",
-    "LayerParams", "LensStats", "Params", "forward", "init_cache", "init_params",
-    "is_stacked", "param_shapes", "rms_norm", "stack_layers", "streamed_head", "unstack_layers",
+    "LayerParams", "LensStats", "LensTranslators", "Params", "forward", "init_cache", "init_params",
+    "is_stacked", "param_shapes", "rms_norm", "stack_layers", "streamed_head", "translate_residuals",
+    "unstack_layers",
 ]

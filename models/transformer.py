@@ -101,6 +101,27 @@ class LensStats:
 
 
 @_pytree_dataclass
+class LensTranslators:
+    """Affine maps applied to lensed residuals before the final norm (a tuned lens,
+    Belrose et al. 2023): row k maps the residual h of `lens_layers[k]` to
+    `h + h·weight[k] + bias[k]` (all zeros: the logit lens). Computed in fp32 and cast
+    back to the residual's dtype; the output logits are never translated."""
+
+    weight: Array  # [K, D, D] fp32
+    bias: Array  # [K, D] fp32
+
+
+def translate_residuals(h: Array, translators: LensTranslators) -> Array:
+    """`h + h·W_k + b_k` for every lensed row k. h: [K, ..., D]; returns h's dtype."""
+    h32 = h.astype(jnp.float32)
+    flat = h32.reshape(h.shape[0], -1, h.shape[-1])
+    moved = jnp.einsum("knd,kde->kne", flat, translators.weight,
+                       preferred_element_type=jnp.float32).reshape(h.shape)
+    bias = translators.bias.reshape((h.shape[0],) + (1,) * (h.ndim - 2) + (h.shape[-1],))
+    return (h32 + moved + bias).astype(h.dtype)
+
+
+@_pytree_dataclass
 class ForwardOutput:
     logits: Array  # [B, T, V] fp32 (or [B, 1, V] with logits_at)
     cache: Optional[KVCache]
@@ -220,6 +241,8 @@ def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
                         o=scale_a[..., None] * a.o + scale_b[..., None] * b.o)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "live", "chunks"],
+                   meta_fields=["window", "chunk", "deferred"])
 @dataclasses.dataclass(frozen=True)
 class _CacheRead:
     """How one call reads the cache. `live` [B] int32: each row reads slots below it.
@@ -362,17 +385,19 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
 
 
 def _layer_stack(layers, cfg: ModelConfig, x: Array, positions: Array, read: Optional[_CacheRead],
-                 keep: tuple[int, ...]):
+                 keep: tuple[int, ...], remat: bool = False):
     """Every block in order. keep: sorted static layer indices in 1..L whose outputs are
-    returned ([len(keep), B, T, D]). Returns (x, kept | None, cache | None, and with a
-    deferred read the keys and values of every layer, [L, B, T, Hkv, Dh] each, else None)."""
+    returned ([len(keep), B, T, D]); remat: recompute each block in the backward pass
+    (`jax.checkpoint`). Returns (x, kept | None, cache | None, and with a deferred read the
+    keys and values of every layer, [L, B, T, Hkv, Dh] each, else None)."""
     inv_freq = rope_inv_freq(cfg)
     deferred = read is not None and read.deferred
     if not isinstance(layers, LayerParams):  # list layout: unrolled
+        block = jax.checkpoint(_block, static_argnums=(1, 5)) if remat else _block
         kept, kvs = [], []
         for l, layer in enumerate(layers):
             with jax.named_scope(f"block_{l}"):
-                x, read, kv = _block(layer, cfg, x, positions, read, l, inv_freq)
+                x, read, kv = block(layer, cfg, x, positions, read, l, inv_freq)
             if deferred:
                 kvs.append(kv)
             if l + 1 in keep:
@@ -387,12 +412,13 @@ def _layer_stack(layers, cfg: ModelConfig, x: Array, positions: Array, read: Opt
         slot_of[l] = i
     slots = jnp.asarray(slot_of[1:], jnp.int32)
     kept = jnp.zeros((len(keep) + 1,) + x.shape, x.dtype) if keep else None
+    block = jax.checkpoint(_block, static_argnums=(1,)) if remat else _block
 
     def body(carry, layer_index):
         x, kept, cache = carry
         layer, l = layer_index
         with jax.named_scope("block"):
-            x, r, kv = _block(layer, cfg, x, positions,
+            x, r, kv = block(layer, cfg, x, positions,
                               None if read is None else dataclasses.replace(read, cache=cache), l, inv_freq)
         if kept is not None:
             kept = jax.lax.dynamic_update_index_in_dim(kept, x, slots[l], 0)
@@ -428,11 +454,13 @@ def _read_mode(cfg: ModelConfig) -> str:
 
 
 def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Optional[KVCache],
-                keep: tuple[int, ...]):
+                keep: tuple[int, ...], remat: bool = False):
     """The layer stack with the cache read as `cfg.kv_read` says (module docstring).
-    Returns (x, kept, cache)."""
+    Returns (x, kept, cache). remat (training, no cache): see `_layer_stack`."""
     if cache is None:
-        return _layer_stack(layers, cfg, x, positions, None, keep)[:3]
+        return _layer_stack(layers, cfg, x, positions, None, keep, remat)[:3]
+    if remat:
+        raise ValueError("remat recomputes blocks for a backward pass; run it without a KV cache")
     S = cache.max_len
     mode = _read_mode(cfg)
     live = _live_lengths(positions, S, deferred=mode == "buckets")
@@ -551,11 +579,13 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     return logits, entropy, top, 1.0 / s, m + jnp.log(s)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk"))
+@functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk", "remat"))
 def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
             cache: Optional[KVCache] = None, capture: tuple[int, ...] = (),
             lens_layers: tuple[int, ...] = (), lens_chunk: Optional[int] = None,
-            logits_at: Optional[Array] = None) -> ForwardOutput:
+            logits_at: Optional[Array] = None,
+            lens_translators: Optional[LensTranslators] = None,
+            remat: bool = False) -> ForwardOutput:
     """Run the transformer on `tokens`.
 
     tokens, positions: [B, T] int32 (see the module docstring for padding).
@@ -570,6 +600,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
       (decode-sized) probes and 8192-token chunks otherwise (see streamed_head).
     logits_at: optional [B] int32 index into T; returns logits [B, 1, V] at those
       entries only (e.g. the last real prompt token of each row).
+    lens_translators: optional LensTranslators with one row per `lens_layers` entry,
+      applied to those residuals before the final norm (a tuned lens); None is the
+      logit lens. Captured residuals and the output logits are never translated.
+    remat: recompute each block in the backward pass (`jax.checkpoint`) instead of
+      keeping its activations: training memory grows with the number of blocks, not
+      with everything inside them.
     params.layers may be a list or stacked (`params.stack_layers`); the result is the
     same up to fp32 rounding.
     """
@@ -583,7 +619,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     wanted = set(capture) | set(lens_layers)
     keep = tuple(sorted(wanted - {0}))
     embeddings = x
-    x, kept, cache = _run_layers(params.layers, cfg, x, positions, cache, keep)
+    x, kept, cache = _run_layers(params.layers, cfg, x, positions, cache, keep, remat)
     saved = {l: kept[i] for i, l in enumerate(keep)}
     if 0 in wanted:
         saved[0] = embeddings
@@ -593,13 +629,20 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
         h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
         w_u = params.unembedding()
         lens = None
+        if lens_translators is not None and lens_translators.bias.shape[0] != len(lens_layers):
+            raise ValueError(f"lens_translators has {lens_translators.bias.shape[0]} rows for "
+                             f"{len(lens_layers)} lens_layers {lens_layers}")
         if lens_layers:
             with jax.named_scope("lens"):
                 # The last layer's lens rows are the output rows (h = final norm of x at every
-                # position): computed once, their statistics taken from the output rows.
-                shared = L in lens_layers and logits_at is None
+                # position) unless translated: computed once, their statistics taken from the
+                # output rows.
+                shared = L in lens_layers and logits_at is None and lens_translators is None
                 others = [l for l in lens_layers if not (shared and l == L)]
-                lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps) for l in others]
+                rows = [saved[l] for l in others]
+                if lens_translators is not None:  # then others == lens_layers, in order
+                    rows = list(translate_residuals(jnp.stack(rows), lens_translators))
+                lensed = jnp.stack([rms_norm(r, params.final_norm, cfg.rms_norm_eps) for r in rows]
                                    ) if others else jnp.zeros((0, B, T, h.shape[-1]), h.dtype)
                 flat_logits, *stats = streamed_head(
                     w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]), lens_chunk,

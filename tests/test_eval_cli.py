@@ -236,3 +236,51 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert len(json.loads((killed / "run.json").read_text())["invocations"]) == 2
     assert json.loads((killed / "summary.json").read_text())["accuracy"] == \
         json.loads((reference / "summary.json").read_text())["accuracy"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_second_run_into_a_directory_in_use_is_one_line_and_leaves_run_json_alone(degs, tmp_path):
+    from degs_jax.eval.results import ResultStore
+
+    out = tmp_path / "run"
+    args = ["eval", "--benchmark", "gsm8k", "--method", "greedy", "--limit", 0, "--out", out, *TINY]
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    before = (out / "run.json").read_bytes()
+    with ResultStore(out / "results.jsonl"):  # another run holds the directory
+        rc, _, err = degs(*args)
+    assert rc == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("degs")]
+    assert line.startswith("degs: error: ") and "being written by another run" in line
+    assert (out / "run.json").read_bytes() == before  # no phantom invocation
+
+
+def test_damaged_run_files_are_named(degs, tmp_path):
+    out = tmp_path / "run"
+    args = ["eval", "--benchmark", "deepmind500", "--method", "greedy", "--limit", 1, "--out", out,
+            *TINY]
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    results = out / "results.jsonl"
+    good = results.read_bytes()
+    # A torn last line (an interrupted write): the store and `degs analyze` both accept it.
+    results.write_bytes(good + b'{"id": "deepmind500/1", "corr')
+    rc, stdout, err = degs("analyze", out)
+    assert rc == 0, err
+    assert json.loads((out / "analysis.json").read_text())["predictive_validity"]["n"] == 1
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    assert results.read_bytes() == good  # the store cut the torn line off
+    # A bad line before the last one is corruption: named with its file and line.
+    results.write_bytes(b"{oops\n" + good)
+    for argv in (args, ("analyze", out)):
+        rc, _, err = degs(*argv)
+        assert rc == 2 and f"degs: error: {results}: line 1 is not valid JSON" in err, err
+    results.write_bytes(good)
+    (out / "run.json").write_text('{"config": ')
+    for argv in (args, ("analyze", out)):
+        rc, _, err = degs(*argv)
+        assert rc == 2 and f"degs: error: {out / 'run.json'} is not valid JSON" in err, err
+        assert "Traceback" not in err

@@ -67,6 +67,7 @@ from degs_jax.eval.results import (
     ResultStore,
     merge_shards,
     package_versions,
+    read_json,
     summarize,
     transcript_fields,
     write_json,
@@ -143,11 +144,13 @@ def _jsonable(value: Any) -> Any:
 
 
 def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str, Any],
-               seed: int, chat: bool, keep_candidates: bool) -> dict[str, Any]:
+               seed: int, chat: bool, keep_candidates: bool, tuned_lens=None) -> dict[str, Any]:
     """The configuration that determines a run's results (what resuming must match).
 
     Hyperparameters are resolved against the method's defaults (``lsub`` made explicit),
-    so spelling a default out or leaving it implicit gives the same configuration.
+    so spelling a default out or leaving it implicit gives the same configuration. A
+    tuned lens is recorded by its layers and weights' sha256 (the logit lens, the
+    default, adds nothing, so earlier runs keep their configuration).
     """
     from degs_jax.decoders import resolve_hyperparameters
     from degs_jax.lens import default_lsub
@@ -157,6 +160,12 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
     if "lsub" in hp and hp["lsub"] is None:
         hp["lsub"] = default_lsub(model.cfg.num_layers)
     dtype = str(np.dtype(model.params.embed.dtype)) if hasattr(model.params, "embed") else None
+    lens = {}
+    if tuned_lens is not None:
+        from degs_jax.train.tuned_lens import lens_fingerprint
+
+        lens = {"lens": {"kind": "tuned", "layers": list(tuned_lens.layers),
+                         "sha256": lens_fingerprint(tuned_lens)}}
     return _jsonable({
         "benchmark": bench,
         "method": method,
@@ -168,6 +177,7 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
         "chat": bool(chat and uses_chat_template(model.tokenizer)),
         "keep_candidates": bool(keep_candidates),
         "template_sha256": template_hash(bench),
+        **lens,
     })
 
 
@@ -187,7 +197,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     """Create or check ``run.json``; refuse a different configuration."""
     run_file = out / RUN_FILE
     if run_file.exists():
-        run = json.loads(run_file.read_text())
+        run = read_json(run_file)
         diffs = _config_differences(run.get("config", {}), config)
         if diffs:
             raise ValueError(
@@ -202,7 +212,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                   "see run.json", file=sys.stderr)
         run.setdefault("invocations", []).append(invocation)
     else:
-        if (out / RESULTS_FILE).exists() or _shards(out):
+        if (out / RESULTS_FILE).stat().st_size or _shards(out):  # (the caller's store created it)
             raise ValueError(f"{out} has results but no {RUN_FILE}; refusing to mix runs")
         run = {"config": config, "invocations": [invocation]}
     out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +243,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
              limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
              batch_size: int = 1, keep_candidates: bool = False, chat: bool = True,
              progress: bool = True, data_dir=None, grader: Optional[Grader] = None,
-             argv: Optional[Sequence[str]] = None, print_table: bool = True) -> dict[str, Any]:
+             argv: Optional[Sequence[str]] = None, print_table: bool = True,
+             tuned_lens=None) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmark`` with a loaded model, resumably, into ``out_dir``.
 
     model: a ``LoadedModel`` (``degs_jax.models.loading.load``).
@@ -242,6 +253,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     batch_size: problems per ``decode`` call.
     keep_candidates: grade and store every candidate. chat: use the chat template when
       the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
+    tuned_lens: probe through a tuned lens (`degs_jax.train.tuned_lens`) instead of the
+      logit lens (recorded in the configuration).
     In a ``jax.distributed`` job every process calls this with the same arguments and
     they share the problems (module docstring); only process 0 shows a progress bar and
     prints the table. Raises :class:`PeerProcessError` when another process failed; a
@@ -260,7 +273,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     out = Path(out_dir)
     bench = canonical_name(benchmark)
     hyperparameters = dict(hyperparameters or {})
-    config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates)
+    config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates, tuned_lens)
     chat = config["chat"]
     all_problems = load_benchmark(bench, data_dir=data_dir)
     if indices is not None:
@@ -283,7 +296,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     decode_batch = functools.partial(
         _decode_batch, model, seed=seed, method=method, hyperparameters=hyperparameters,
         eos=eos_ids_of(model.cfg, model.tokenizer), grader=grader, chat=chat,
-        keep_candidates=keep_candidates)
+        keep_candidates=keep_candidates, tuned_lens=tuned_lens)
     bar_label = f"{bench} {method}"
     try:
         if group is None:
@@ -302,7 +315,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
 
 def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: str,
                   hyperparameters: Mapping[str, Any], eos, grader: Grader, chat: bool,
-                  keep_candidates: bool):
+                  keep_candidates: bool, tuned_lens=None):
     """Decode one batch of ``(index, problem)`` with the problems' own keys; yield each
     problem's graded record, in order."""
     import jax
@@ -313,7 +326,7 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
     result = decode(model.params, model.cfg, prompts, method, keys=keys, eos_ids=eos,
-                    **hyperparameters)
+                    tuned_lens=tuned_lens, **hyperparameters)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
         yield _record(model, problem, index, output, result, len(batch), decode_s,
@@ -323,8 +336,9 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
 def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,
                 batch_size: int, progress: bool, bar_label: str) -> dict[str, Any]:
     """The one-process run: everything goes straight into ``results.jsonl``."""
-    run = _prepare_run_dir(out, config, invocation)
+    # The store's lock first: a second run into this directory stops before touching run.json.
     with ResultStore(out / RESULTS_FILE) as store:
+        run = _prepare_run_dir(out, config, invocation)
         merge_shards(store, _shards(out))  # an interrupted multi-process run's records
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
         bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
@@ -483,10 +497,10 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
             _check_agreement(announced)
             invocation["processes"] = [{"host": a["host"], "device": a["device"]}
                                        for a in announced]
-            run = _prepare_run_dir(out, config, invocation)
             # Held until the end, as by a single process: a second job in this directory
-            # fails here.
+            # fails here, before touching run.json.
             store = stack.enter_context(ResultStore(out / RESULTS_FILE))
+            run = _prepare_run_dir(out, config, invocation)
             merge_shards(store, _shards(out))  # an interrupted run's records count as done
             todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
             _share(group, "plan", {"todo": todo, "invocation": run["invocations"][-1]})
