@@ -72,6 +72,13 @@ class ModelConfig:
       "all": every slot of the allocated buffer (the cost before live-length reads;
         for comparisons);
       "auto" (default): "loop" on CPU, "buckets" on other backends.
+    `batch_invariant`: a row's results do not depend on the other rows of its batch (nor
+      on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
+      (padded; one program per tile shape, so the same kernel and reduction order for any
+      batch), attention uses the "loop" read (fixed KV chunks combined in a fixed order;
+      chunks past a row's length are exact identities) and the lens streams a fixed
+      vocabulary chunk. Costs speed (issue 16); off by default.
+    `row_tile`: rows per matmul tile under `batch_invariant`.
     """
 
     architecture: str
@@ -94,6 +101,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     kv_chunk: int = 256
     kv_read: str = "auto"
+    batch_invariant: bool = False
+    row_tile: int = 8
 
     def __post_init__(self):
         self.validate()
@@ -122,6 +131,8 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         if not isinstance(self.kv_chunk, int) or self.kv_chunk <= 0:
             raise ConfigError(f"kv_chunk must be a positive integer, got {self.kv_chunk!r}")
+        if not isinstance(self.row_tile, int) or self.row_tile <= 0:
+            raise ConfigError(f"row_tile must be a positive integer, got {self.row_tile!r}")
         if self.kv_read not in KV_READS:
             raise ConfigError(f"kv_read must be one of {', '.join(KV_READS)}, got {self.kv_read!r}")
 

@@ -159,8 +159,13 @@ def _normal(shape: tuple[int, ...], sharding):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache (see KVCache; split by row and head under a mesh)."""
+    """An empty cache (see KVCache; split by row and head under a mesh). Under
+    `cfg.batch_invariant` the slots are rounded up to a multiple of `cfg.kv_chunk`, so that
+    every chunk read starts at a multiple of it whatever the buffer asked for (the extra
+    slots are never visible)."""
     L, H, Dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    if cfg.batch_invariant:
+        max_len = -(-max_len // cfg.kv_chunk) * cfg.kv_chunk
     return KVCache(k=constrain(jnp.zeros((L, batch, H, max_len, Dh), dtype), CACHE),
                    v=constrain(jnp.zeros((L, batch, H, Dh, max_len), dtype), CACHE))
 
@@ -242,7 +247,7 @@ def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "live", "chunks"],
-                   meta_fields=["window", "chunk", "deferred"])
+                   meta_fields=["window", "chunk", "deferred", "per_row"])
 @dataclasses.dataclass(frozen=True)
 class _CacheRead:
     """How one call reads the cache. `live` [B] int32: each row reads slots below it.
@@ -263,6 +268,7 @@ class _CacheRead:
     chunks: Optional[Array] = None
     chunk: int = 0
     deferred: bool = False
+    per_row: bool = False  # chunks read one row at a time (batch-invariant numerics)
 
 
 def _masked_partial(qg: Array, keys: Array, values: Array, visible: Array, scale: float) -> SoftmaxState:
@@ -297,19 +303,37 @@ def _cache_chunks(qg: Array, positions: Array, read: _CacheRead, layer, scale: f
     C = read.chunk
     L, B, Hkv, S, Dh = read.cache.k.shape
     G, T = qg.shape[2], qg.shape[3]
+    if read.per_row:  # the same program for every row, whatever B: a lax.map of 1-row reads
+        def one_row(args):
+            qg_b, positions_b, live_b, b = args
+            state, _ = _cache_chunks_rows(qg_b[None], positions_b[None], live_b[None], read, layer, scale, b, 1)
+            return state
+        rows = jnp.arange(B)
+        if B == 1:  # two trips (row 0 twice): XLA inlines a loop of one trip, with other numerics
+            qg, positions, rows = (jnp.concatenate([a, a]) for a in (qg, positions, rows))
+        state = jax.lax.map(one_row, (qg, positions, jnp.concatenate([read.live] * (2 if B == 1 else 1)), rows))
+        return jax.tree.map(lambda a: a[:B, 0], state), read.cache
+    return _cache_chunks_rows(qg, positions, read.live, read, layer, scale, 0, B)
+
+
+def _cache_chunks_rows(qg, positions, live, read: _CacheRead, layer, scale: float, row, rows: int):
+    """`_cache_chunks` for the `rows` cache rows from `row` on."""
+    C = read.chunk
+    L, B, Hkv, S, Dh = read.cache.k.shape
+    G, T = qg.shape[2], qg.shape[3]
 
     def body(c, carry):
         state, cache = carry
         lo = c * C
         start = jnp.minimum(lo, S - C)
-        k = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, start, 0), (1, B, Hkv, C, Dh))[0]
-        v = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, 0, start), (1, B, Hkv, Dh, C))[0]
+        k = jax.lax.dynamic_slice(cache.k, (layer, row, 0, start, 0), (1, rows, Hkv, C, Dh))[0]
+        v = jax.lax.dynamic_slice(cache.v, (layer, row, 0, 0, start), (1, rows, Hkv, Dh, C))[0]
         slots = start + jnp.arange(C)
-        visible = _visible(slots, positions, read.live) & (slots >= lo)[None, None]  # earlier chunks' slots
+        visible = _visible(slots, positions, live) & (slots >= lo)[None, None]  # earlier chunks' slots
         return _combine(state, _masked_partial(qg, k, v, visible, scale)), cache
 
-    empty = SoftmaxState(m=jnp.full((B, Hkv, G, T), -jnp.inf, _F32), l=jnp.zeros((B, Hkv, G, T), _F32),
-                         o=jnp.zeros((B, Hkv, G, T, Dh), _F32))
+    empty = SoftmaxState(m=jnp.full((rows, Hkv, G, T), -jnp.inf, _F32), l=jnp.zeros((rows, Hkv, G, T), _F32),
+                         o=jnp.zeros((rows, Hkv, G, T, Dh), _F32))
     return jax.lax.fori_loop(0, read.chunks, body, (empty, read.cache))
 
 
@@ -354,6 +378,28 @@ def _write(cache: KVCache, layer, positions: Array, k: Array, v: Array) -> KVCac
 
 # ----------------------------------------------------------------------------- layers
 
+def row_tiled(fn, x: Array, tile: Optional[int]) -> Array:
+    """fn over the rows of x (all axes but the last), `tile` rows at a time (None: all at
+    once). fn maps [n, D] -> [n, ...] row by row. Rows are padded with zeros to a multiple
+    of `tile` and the tiles run in a `lax.map`, so fn is compiled for [tile, D] only: the
+    same kernel, hence the same reduction order, whatever the number of rows. At least two
+    tiles run: a loop of one trip is inlined by XLA and fused with its neighbours (other
+    numerics at one row, measured on CPU)."""
+    if tile is None:
+        return fn(x)
+    lead, D = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, D)
+    n = flat.shape[0]
+    pad = -n % tile + (tile if n <= tile else 0)  # >= 2 tiles: XLA inlines a 1-trip loop
+    tiles = jnp.pad(flat, ((0, pad), (0, 0))).reshape(-1, tile, D)
+    out = jax.lax.map(fn, tiles)
+    return out.reshape((-1,) + out.shape[2:])[:n].reshape(lead + out.shape[2:])
+
+
+def _tile(cfg: ModelConfig) -> Optional[int]:
+    return cfg.row_tile if cfg.batch_invariant else None
+
+
 def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
            read: Optional[_CacheRead], index, inv_freq: Array):
     """Block `index` (0-based; static, or traced inside a scan), pre-norm. x: [B, T, D].
@@ -363,7 +409,8 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     B, T, _ = x.shape
     with jax.named_scope("attention"):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
+        tile = _tile(cfg)
+        q, k, v = (row_tiled(lambda r, w=w: r @ w, h, tile) for w in (layer.q, layer.k, layer.v))
         if cfg.qkv_bias:
             q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
@@ -376,11 +423,12 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
         if read is not None and not read.deferred:
             read = dataclasses.replace(read, cache=_write(read.cache, index, positions, k, v))
         attn, read = _attention(q, k, v, positions, read, index)
-        x = constrain(x + attn.reshape(B, T, -1) @ layer.o, HIDDEN)
+        x = constrain(x + row_tiled(lambda r: r @ layer.o, attn.reshape(B, T, -1), tile), HIDDEN)
     with jax.named_scope("mlp"):
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        hidden = constrain(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
-        x = constrain(x + hidden @ layer.down, HIDDEN)
+        gate, up = (row_tiled(lambda r, w=w: r @ w, h, tile) for w in (layer.gate, layer.up))
+        hidden = constrain(jax.nn.silu(gate) * up, FFN)
+        x = constrain(x + row_tiled(lambda r: r @ layer.down, hidden, tile), HIDDEN)
     return x, read, (k, v)
 
 
@@ -448,6 +496,8 @@ def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
 
 
 def _read_mode(cfg: ModelConfig) -> str:
+    if cfg.batch_invariant:  # fixed chunks in a fixed order, whatever the other rows
+        return "loop"
     if cfg.kv_read != "auto":
         return cfg.kv_read
     return "loop" if jax.default_backend() == "cpu" else "buckets"
@@ -466,10 +516,10 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
     live = _live_lengths(positions, S, deferred=mode == "buckets")
     if mode == "all":
         return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, window=S), keep)[:3]
-    C = min(cfg.kv_chunk, S)
+    C = cfg.kv_chunk if cfg.batch_invariant and S % cfg.kv_chunk == 0 else min(cfg.kv_chunk, S)
     if mode == "loop":
         chunks = (jnp.max(live) + C - 1) // C
-        read = _CacheRead(cache, live, chunks=chunks, chunk=C)
+        read = _CacheRead(cache, live, chunks=chunks, chunk=C, per_row=cfg.batch_invariant)
         return _layer_stack(layers, cfg, x, positions, read, keep)[:3]
     windows = _window_buckets(S, C)
 
@@ -507,13 +557,15 @@ def _vocab_chunks(vocab: int, chunk: int):
 
 
 def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Optional[int] = None,
-                  out_stats: bool = False):
+                  out_stats: bool = False, row_tile: Optional[int] = None):
     """Unembed rows while streaming the vocabulary once.
 
     w_u: [V, D]; h_out: [N, D] final-normed rows whose full fp32 logits are returned
     (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
     kept. out_stats: also return the statistics of the h_out rows (first, then h_lens's:
-    N + M of each), e.g. when a lensed layer is the last one, whose rows are h_out. Per lens row we carry the running max m, s = sum exp(z - m) and
+    N + M of each), e.g. when a lensed layer is the last one, whose rows are h_out.
+    row_tile: run the vocabulary matmuls on tiles of this many rows and stream a fixed
+    DEFAULT_LENS_CHUNK (batch-invariant numerics, `ModelConfig.batch_invariant`). Per lens row we carry the running max m, s = sum exp(z - m) and
     t = sum exp(z - m)·(z - m), so H = log s - t / s and p_top1 = 1 / s at the end; no
     [M, V] array exists, only one [N + M, chunk] block at a time (chunk=None: one
     block when it fits SINGLE_BLOCK_MAX_BYTES, else DEFAULT_LENS_CHUNK). Carrying (z - m)
@@ -548,8 +600,14 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
         return (new_m, s, t, top)
 
     V = w_u.shape[0]
+    if chunk is None and row_tile is not None:
+        chunk = min(V, DEFAULT_LENS_CHUNK)
     if chunk is None:
         chunk = V if rows.shape[0] * V * 4 <= SINGLE_BLOCK_MAX_BYTES else DEFAULT_LENS_CHUNK
+
+    def unembed(w):
+        return row_tiled(lambda r: jnp.einsum("nd,vd->nv", r, w.astype(rows.dtype), preferred_element_type=jnp.float32),
+                         rows, row_tile)
     spans = _vocab_chunks(V, chunk)
     full = [sp for sp in spans if sp[1] == chunk]
     carry = (m, s, t, top)
@@ -557,12 +615,12 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     if full:
         def body(carry, start):
             w = jax.lax.dynamic_slice_in_dim(w_u, start, chunk, axis=0)
-            z = jnp.einsum("nd,vd->nv", rows, w.astype(rows.dtype), preferred_element_type=jnp.float32)
+            z = unembed(w)
             return update(carry, z, start), (None if h_out is None else z[:n_out])
 
         starts = jnp.arange(len(full), dtype=jnp.int32) * chunk
         if len(full) == 1:  # one block: no slicing of W_U, no loop
-            z = jnp.einsum("nd,vd->nv", rows, w_u.astype(rows.dtype), preferred_element_type=jnp.float32)
+            z = unembed(w_u)
             carry, ys = update(carry, z, 0), z[None, :n_out]
         else:
             carry, ys = jax.lax.scan(body, carry, starts)  # ys: [n_full, N, chunk]
@@ -570,7 +628,7 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
             out_blocks.append(jnp.transpose(ys, (1, 0, 2)).reshape(n_out, len(full) * chunk))
     if len(full) < len(spans):
         start, size = spans[-1]
-        z = jnp.einsum("nd,vd->nv", rows, w_u[start:].astype(rows.dtype), preferred_element_type=jnp.float32)
+        z = unembed(w_u[start:])
         carry = update(carry, z, start)
         out_blocks.append(z[:n_out])
     m, s, t, top = carry
@@ -646,7 +704,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
                                    ) if others else jnp.zeros((0, B, T, h.shape[-1]), h.dtype)
                 flat_logits, *stats = streamed_head(
                     w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]), lens_chunk,
-                    out_stats=shared)
+                    out_stats=shared, row_tile=_tile(cfg))
                 stats = [x.reshape(-1, B, T) for x in stats]  # [K, B, T] each, rows as listed
                 order = ([L] if shared else []) + others
                 index = jnp.asarray([order.index(l) for l in lens_layers])
@@ -654,6 +712,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
             logits = flat_logits.reshape(*h.shape[:2], -1)
             lens = LensStats(entropy=ent, top1=top, top1_prob=ptop, logsumexp=lse)
         else:
-            logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=_F32)
+            logits = row_tiled(lambda r: jnp.einsum("...d,vd->...v", r, w_u, preferred_element_type=_F32), h,
+                               _tile(cfg))
     residuals = jnp.stack([saved[l] for l in capture]) if capture else None
     return ForwardOutput(logits=logits, cache=cache, residuals=residuals, lens=lens)
