@@ -168,8 +168,10 @@ def check_output_dir(path: Path, option: str = "--out") -> Path:
 
 
 def _load(args):
+    from .models.compilation import enable_compilation_cache
     from .models.loading import DEFAULT_MODEL, load
 
+    enable_compilation_cache()  # compiled programs persist across runs (models/compilation.py)
     source = args.model or DEFAULT_MODEL
     t0 = time.perf_counter()
     mesh = None
