@@ -163,7 +163,8 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     from degs_jax.cli import check_output_dir, check_seed
     from degs_jax.eval.benchmarks import load_benchmark
     from degs_jax.hyperparameters import resolve_hyperparameters
-    from degs_jax.eval.runner import PeerProcessError, publish_failure, run_eval
+    from degs_jax.eval.processes import PeerProcessError, publish_failure
+    from degs_jax.eval.runner import run_eval
     from degs_jax.train.tuned_lens import resolve_lens
 
     # Everything that can be checked without the model, before loading it.

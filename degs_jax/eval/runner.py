@@ -23,7 +23,8 @@ process 0 merges the shards into ``results.jsonl`` in problem order, deletes the
 writes ``summary.json`` (only then: there is no running summary). A failure in any
 process stops all of them at their next batch. Leftover shards of an interrupted run
 count as done and are merged first by the next invocation, with any number of
-processes. Records are the same as a single process writes.
+processes. Records are the same as a single process writes. The barriers, shared values and failure
+propagation are in :mod:`degs_jax.eval.processes`.
 
 Randomness: problem ``i`` (its index in the benchmark file, independent of ``--limit``)
 is decoded with the key ``fold_in(key(seed), i)`` (passed to ``decode`` as its per-prompt
@@ -45,14 +46,12 @@ import base64
 import contextlib
 import functools
 import hashlib
-import itertools
 import json
 import math
 import socket
 import sys
 import time
 import zlib
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -62,6 +61,8 @@ from tqdm.auto import tqdm
 
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
 from degs_jax.eval.graders import Grader, pass_at_k
+from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
+                                     raise_if_peer_failed, share, shared)
 from degs_jax.eval.prompts import template_hash, user_message, uses_chat_template
 from degs_jax.eval.results import (
     ResultStore,
@@ -83,12 +84,7 @@ GPQA = "gpqa_diamond"
 SHARD_PATTERN = "results.process-*-of-*.jsonl"
 
 __all__ = ["run_eval", "run_config", "problem_prompt_ids", "problem_key", "pack_tokens",
-           "unpack_tokens", "format_summary", "shard_file", "publish_failure",
-           "PeerProcessError", "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
-
-
-class PeerProcessError(RuntimeError):
-    """Another process of a multi-process `degs eval` failed (its error is in the message)."""
+           "unpack_tokens", "format_summary", "shard_file", "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
 
 
 def shard_file(process: int, count: int) -> str:
@@ -220,20 +216,7 @@ def _mean_or_none(values: Optional[Sequence[float]]) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
 
-def _failures_published(fn):
-    """Decorator: an exception escaping ``fn`` is published to the job's other processes
-    (:func:`publish_failure`) before it propagates."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as error:  # KeyboardInterrupt too: the others must stop
-            publish_failure(error)
-            raise
-    return wrapper
-
-
-@_failures_published
+@failures_published
 def run_eval(model, out_dir, *, benchmark: str, method: str,
              hyperparameters: Optional[Mapping[str, Any]] = None, seed: int = 0,
              limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
@@ -264,7 +247,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
 
     from degs_jax.text import eos_ids_of
 
-    group = _process_group()
+    group = process_group()
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     out = Path(out_dir)
@@ -382,99 +365,6 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batc
     return summary
 
 
-# ----------------------------------------------------------------------------- processes
-#
-# Synchronisation goes through the key-value store of jax.distributed's coordination
-# service (the client that jax's own multihost_utils and array_serialization use; jax
-# 0.10 has no public accessor): a barrier is a counter that every process increments
-# and then polls, together with the job's failure messages. The alternatives were
-# tried and rejected:
-# - multihost_utils.sync_global_devices is an XLA collective (gloo on CPU, NCCL on GPU):
-#   a process that raises leaves the others waiting in it;
-# - client.wait_at_barrier needs a finite timeout, while the wait before the merge lasts
-#   as long as the slowest process's share (hours for MCMC), and it does not notice a
-#   peer that raised either: both sides sat in jax's shutdown barrier for 5 minutes.
-# A process that dies without a word (SIGKILL, OOM) stops sending heartbeats; the
-# coordination service then terminates the others (after ~100 s).
-
-_POLL_S = 0.5
-_FAILED = "degs_eval/failed"  # job-wide: after a failure the processes are out of step
-_CALLS = itertools.count()  # run_eval calls of this process: distinct key namespaces
-
-
-@dataclass(frozen=True)
-class _Group:
-    """This process's view of the jax.distributed job it belongs to."""
-
-    client: Any  # jax's DistributedRuntimeClient
-    index: int
-    count: int
-    prefix: str  # the KV-store namespace of this run_eval call (same on every process)
-
-
-def _client():
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
-def _process_group() -> Optional[_Group]:
-    """The job's processes, or None when this is the only one."""
-    import jax
-
-    if jax.process_count() == 1:
-        return None
-    if _client() is None:
-        raise RuntimeError("several JAX processes but no jax.distributed client; call "
-                           "jax.distributed.initialize() first")
-    return _Group(_client(), jax.process_index(), jax.process_count(),
-                  f"degs_eval/{next(_CALLS)}")
-
-
-def publish_failure(error: BaseException) -> None:
-    """Tell the other processes of this jax.distributed job that this one failed with
-    ``error``: they raise :class:`PeerProcessError` at their next barrier or batch
-    instead of waiting for it. A no-op outside a job, and for a PeerProcessError (the
-    failure is another process's, already published)."""
-    import jax
-
-    client = _client()
-    if client is None or isinstance(error, PeerProcessError):
-        return
-    try:
-        client.key_value_set(f"{_FAILED}/{jax.process_index()}",
-                             f"{type(error).__name__}: {error}", allow_overwrite=True)
-    except Exception:  # the coordinator is gone too; jax then stops the others itself
-        pass
-
-
-def _raise_if_peer_failed(group: _Group) -> None:
-    for key, message in sorted(group.client.key_value_dir_get(f"{_FAILED}/")):
-        process = int(key.rsplit("/", 1)[1])
-        if process != group.index:
-            raise PeerProcessError(f"process {process} of {group.count} failed: {message}")
-
-
-def _barrier(group: _Group, name: str) -> None:
-    """Wait until every process has reached ``name``; PeerProcessError if one failed."""
-    key = f"{group.prefix}/barrier/{name}"
-    group.client.key_value_increment(key, 1)
-    while True:
-        _raise_if_peer_failed(group)
-        if group.client.key_value_increment(key, 0) >= group.count:
-            return
-        time.sleep(_POLL_S)
-
-
-def _share(group: _Group, name: str, value: Any) -> None:
-    group.client.key_value_set(f"{group.prefix}/{name}", json.dumps(value))
-
-
-def _shared(group: _Group, name: str) -> Any:
-    """A value ``_share``d before a barrier that this process has passed."""
-    return json.loads(group.client.key_value_try_get(f"{group.prefix}/{name}"))
-
-
 def _check_agreement(announced: Sequence[Mapping[str, Any]]) -> None:
     """Every process must run the same configuration, problems and batches as process 0."""
     first = announced[0]
@@ -495,7 +385,7 @@ def _check_agreement(announced: Sequence[Mapping[str, Any]]) -> None:
                              "(--batch-size auto sizes each process's device: pass an integer)")
 
 
-def _check_shared_dir(out: Path, group: _Group, invocation: Mapping[str, Any]) -> None:
+def _check_shared_dir(out: Path, group: ProcessGroup, invocation: Mapping[str, Any]) -> None:
     """Process 0 has just written ``run.json``: a process that does not see it there
     would write a shard that process 0 never merges."""
     try:
@@ -508,19 +398,19 @@ def _check_shared_dir(out: Path, group: _Group, invocation: Mapping[str, Any]) -
                          "must be on a filesystem shared by all processes")
 
 
-def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selected,
+def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, selected,
                decode_batch, batch_size: int, progress: bool,
                bar_label: str) -> dict[str, Any]:
     """One process's part of a multi-process run (module docstring)."""
     ids = json.dumps([[i, p.id] for i, p in selected])
-    _share(group, f"announced/{group.index}", {
+    share(group, f"announced/{group.index}", {
         "config": config, "selection": hashlib.sha256(ids.encode()).hexdigest(),
         "n_selected": len(selected), "batch_size": batch_size,
         "host": socket.gethostname(), "device": invocation["device"]})
-    _barrier(group, "announced")
+    barrier(group, "announced")
     with contextlib.ExitStack() as stack:
         if group.index == 0:
-            announced = [_shared(group, f"announced/{k}") for k in range(group.count)]
+            announced = [shared(group, f"announced/{k}") for k in range(group.count)]
             _check_agreement(announced)
             invocation["processes"] = [{"host": a["host"], "device": a["device"]}
                                        for a in announced]
@@ -530,9 +420,9 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
             run = _prepare_run_dir(out, config, invocation)
             merge_shards(store, _shards(out))  # an interrupted run's records count as done
             todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
-            _share(group, "plan", {"todo": todo, "invocation": run["invocations"][-1]})
-        _barrier(group, "planned")
-        plan = _shared(group, "plan")
+            share(group, "plan", {"todo": todo, "invocation": run["invocations"][-1]})
+        barrier(group, "planned")
+        plan = shared(group, "plan")
         if group.index != 0:
             _check_shared_dir(out, group, plan["invocation"])
         todo = [selected[pos] for pos in plan["todo"]]
@@ -543,7 +433,7 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
         shown = 0
         with ResultStore(out / shard_file(group.index, group.count)) as shard:
             while True:
-                _raise_if_peer_failed(group)
+                raise_if_peer_failed(group)
                 # Batches are claimed from a shared counter, in problem order, and are the
                 # ones a single process would decode.
                 claimed = group.client.key_value_increment(f"{group.prefix}/next_batch", 1) - 1
@@ -557,7 +447,7 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
                 bar.update(finished - shown)  # every process's problems, as of now
                 shown = finished
         bar.close()
-        _barrier(group, "decoded")
+        barrier(group, "decoded")
 
         if group.index == 0:
             merge_shards(store, _shards(out))
@@ -568,7 +458,7 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
             summary = _summary(store.records, run)
             write_summary(out, summary)
             _record_peak_memory(out, run)  # process 0's device
-    _barrier(group, "merged")
+    barrier(group, "merged")
     if group.index != 0:
         summary = json.loads((out / SUMMARY_FILE).read_text())
     return summary
