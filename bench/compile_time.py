@@ -40,15 +40,16 @@ def abstract_programs(cfg, layout: str, batch: int, prompt: int):
     shapes = param_shapes(cfg, stacked=layout == "stacked")
     params = jax.tree.map(lambda s: sds(s, jnp.bfloat16), shapes, is_leaf=lambda x: isinstance(x, tuple))
     model = TransformerLM(cfg)
-    mc = default_mcmc("degs_mcmc", cfg.num_layers, eos_ids=(0,))
+    mcmc_config = default_mcmc("degs_mcmc", cfg.num_layers, eos_ids=(0,))
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     lengths = sds((batch,), jnp.int32)
     state = jax.eval_shape(lambda p: prefill(model, p, jnp.zeros((batch, prompt), jnp.int32),
                                              jnp.full((batch,), prompt, jnp.int32),
-                                             prompt + mc.max_new_tokens, jnp.bfloat16), params)
-    spec = SamplerSpec(temperature=1.0, eos_ids=(0,), lens=mc.lens)
+                                             prompt + mcmc_config.max_new_tokens, jnp.bfloat16), params)
+    spec = SamplerSpec(temperature=1.0, eos_ids=(0,), lens=mcmc_config.lens)
     return [("generate", generate, (model, params, state, lengths, keys, spec)),
-            ("mcmc_block", mcmc_block, (model, params, state, keys, sds((), jnp.int32), mc))]
+            ("mcmc_block", mcmc_block,
+             (model, params, state, keys, sds((), jnp.int32), mcmc_config))]
 
 
 def main():
@@ -78,7 +79,8 @@ def main():
                     t2 = time.perf_counter()
                     record = {"bench": "compile", "shape": shape, "program": name, "layout": layout,
                               "kv_read": kv_read, "batch": args.batch, "prompt": args.prompt,
-                              "max_new_tokens": fn_args[2].tokens.shape[1] - args.prompt, "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
+                              "max_new_tokens": fn_args[2].tokens.shape[1] - args.prompt,
+                              "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
                     if args.persistent_cache:
                         jax.clear_caches()
                         t3 = time.perf_counter()

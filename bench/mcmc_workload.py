@@ -59,21 +59,21 @@ def main():
                for _ in range(args.problems)]
     targets, lengths = parse_lengths(args.lengths, args.problems)
     eos = cfg.vocab_size - 1  # never in a prompt
-    mc = hyperparameters_for("power_mcmc", **sizes)
-    hp = dict(block_len=mc.block_len, num_blocks=mc.num_blocks, mh_steps=mc.mh_steps)
+    defaults = hyperparameters_for("power_mcmc", **sizes)
+    chain_sizes = dict(block_len=defaults.block_len, num_blocks=defaults.num_blocks, mh_steps=defaults.mh_steps)
     model = forced_eos_model(cfg, targets, [len(p) for p in prompts], eos)
     for method in args.methods.split(","):
         extra = dict(beta=0.0) if method == "power_mcmc" else dict(beta=5.0)
         runs = []
         for attempt in range(2):  # the first includes compilation
             t = time.perf_counter()
-            res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), **hp, **extra)
+            res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), **chain_sizes, **extra)
             runs.append((time.perf_counter() - t, res))
         (first, _), (sec, res) = runs
         acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
         done = np.array([len(o.chosen.tokens) for o in res.outputs])
         emit({"bench": "mcmc", "method": method, "shape": args.shape, "problems": args.problems,
-              **hp, "buffer_new_slots": mc.max_new_tokens, "lengths": lengths,
+              **chain_sizes, "buffer_new_slots": defaults.max_new_tokens, "lengths": lengths,
               "lengths_match_targets": bool((done == targets).all()),
               "seconds": sec, "seconds_with_compile": first,
               "seconds_per_problem": sec / args.problems,

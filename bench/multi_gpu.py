@@ -82,19 +82,19 @@ def mcmc(args, cfg, mesh, params):
     prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(128, 321)).tolist()
                for _ in range(args.mcmc_problems)]
     eos = cfg.vocab_size - 1  # never in a prompt
-    mc = hyperparameters_for("degs_mcmc", mh_steps=args.mcmc_mh_steps)  # the default block sizes
-    hp = dict(block_len=mc.block_len, num_blocks=mc.num_blocks, mh_steps=mc.mh_steps)
+    defaults = hyperparameters_for("degs_mcmc", mh_steps=args.mcmc_mh_steps)  # the default block sizes
+    chain_sizes = dict(block_len=defaults.block_len, num_blocks=defaults.num_blocks, mh_steps=defaults.mh_steps)
     model = forced_eos_model(cfg, np.full(len(prompts), args.mcmc_length), [len(p) for p in prompts], eos)
     with jax.set_mesh(mesh):
         times = []
         for _ in range(2):  # the first includes compilation
             t = time.perf_counter()
-            res = decode(model, params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(eos,), **hp)
+            res = decode(model, params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(eos,), **chain_sizes)
             times.append(time.perf_counter() - t)
     acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
     emit({"bench": "tensor_parallel_mcmc", "method": "degs_mcmc", "shape": args.tp_shape,
-          "mesh": list(mesh.devices.shape), "problems": args.mcmc_problems, **hp,
-          "buffer_new_slots": mc.max_new_tokens,
+          "mesh": list(mesh.devices.shape), "problems": args.mcmc_problems, **chain_sizes,
+          "buffer_new_slots": defaults.max_new_tokens,
           "seconds": times[1], "seconds_with_compile": times[0],
           "seconds_per_problem": times[1] / args.mcmc_problems,
           "generated_tokens_per_s": res.counters["generated_tokens"] / times[1],

@@ -45,7 +45,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # 7B at batch 128 + caches
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -141,20 +140,20 @@ def run_mcmc(plan, cap: int):
     lo, hi = (128, 321) if spec["shape"] != "tiny" else (4, 12)
     prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(lo, hi)).tolist() for _ in range(spec["problems"])]
     base = hyperparameters_for("power_mcmc", **spec["sizes"])
-    hp = dict(block_len=base.block_len, num_blocks=base.num_blocks, mh_steps=base.mh_steps, alpha=base.alpha)
+    sizes = dict(block_len=base.block_len, num_blocks=base.num_blocks, mh_steps=base.mh_steps, alpha=base.alpha)
     cap = min(cap, base.max_new_tokens)
     targets = target_lengths(spec["problems"], spec["median"], spec["sigma"], cap)
     eos = cfg.vocab_size - 1  # never in a prompt
     model = forced_eos_model(cfg, targets, [len(p) for p in prompts], eos)
     for method, beta in (("power_mcmc", 0.0), ("degs_mcmc", 5.0)):
-        compile_s = compile_mcmc_block(model, params, prompts, method, beta, hp, eos)
+        compile_s = compile_mcmc_block(model, params, prompts, method, beta, sizes, eos)
         t = time.perf_counter()
-        res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), beta=beta, **hp)
+        res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), beta=beta, **sizes)
         sec = time.perf_counter() - t
         lengths = np.array([len(o.chosen.tokens) for o in res.outputs])
         acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
         emit({"bench": "mcmc_realistic", "method": method, "shape": spec["shape"], "problems": len(prompts),
-              **hp, "buffer_slots": max(len(p) for p in prompts) + base.max_new_tokens,
+              **sizes, "buffer_slots": max(len(p) for p in prompts) + base.max_new_tokens,
               "target_lengths": dict(distribution=f"lognormal(median {spec['median']}, sigma {spec['sigma']})",
                                      cap=cap, median=float(np.median(targets)),
                                      mean=float(targets.mean()), max=int(targets.max())),
@@ -166,21 +165,22 @@ def run_mcmc(plan, cap: int):
               "mean_acceptance": float(np.mean(acc)) if acc else None}, OUT)
 
 
-def compile_mcmc_block(model, params, prompts, method, beta, hp, eos) -> float:
+def compile_mcmc_block(model, params, prompts, method, beta, sizes, eos) -> float:
     """Seconds to compile the prefill and the block program ahead of time, as `decode`
     calls them (they land in the persistent compilation cache, from which the timed run
     then loads them)."""
     from degs_jax.generation import pad_prompts, prefill, repeat_rows
 
-    mc = default_mcmc(method, model.num_layers, (eos,), beta=beta, **hp)
+    mcmc_config = default_mcmc(method, model.num_layers, (eos,), beta=beta, **sizes)
     tokens, lengths = pad_prompts(prompts)
-    prefill_args = (model, params, jnp.asarray(tokens), jnp.asarray(lengths), tokens.shape[1] + mc.max_new_tokens,
-                    jnp.bfloat16)
+    prefill_args = (model, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                    tokens.shape[1] + mcmc_config.max_new_tokens, jnp.bfloat16)
     state = jax.eval_shape(lambda p: repeat_rows(prefill(*prefill_args[:1], p, *prefill_args[2:]), 1), params)
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), len(prompts)))
     t = time.perf_counter()
     prefill.lower(*prefill_args).compile()
-    mcmc_block_donating.lower(model, params, state, keys, jax.ShapeDtypeStruct((), jnp.int32), mc).compile()
+    block = jax.ShapeDtypeStruct((), jnp.int32)
+    mcmc_block_donating.lower(model, params, state, keys, block, mcmc_config).compile()
     return time.perf_counter() - t
 
 
