@@ -16,13 +16,14 @@ import jax.numpy as jnp
 
 import numpy as np
 
-import degs_jax.generation as generation
-from degs_jax.decoders import DEFAULTS
+from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.mcmc import MCMCConfig
+from degs_jax.model_api import StepOutput, TransformerLM
 from degs_jax.models import ModelConfig, init_params
 
 # The library's default buffer of the sampling decoders (prompt + this many slots); the MCMC
-# default is `mcmc.MCMCConfig()` (16 blocks x 192 = 3072 as well).
-BUFFER_NEW = DEFAULTS["temperature"]["max_new_tokens"]
+# default is `hyperparameters_for("power_mcmc")` (16 blocks x 192 = 3072 as well).
+BUFFER_NEW = hyperparameters_for("temperature").max_new_tokens
 
 # Model shapes (config.json of the hub checkpoints), for random weights.
 _QWEN2 = dict(architecture="Qwen2ForCausalLM", rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True)
@@ -90,7 +91,6 @@ def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: 
     `lens`: a LensConfig to probe every step. The prefill is run before each timed call
     and not timed."""
     from degs_jax.generation import SamplerSpec, generate, prefill
-    from degs_jax.model_api import TransformerLM
 
     model = TransformerLM(cfg)
     spec = SamplerSpec(temperature=temperature, eos_ids=(), lens=lens)
@@ -145,27 +145,41 @@ def target_lengths(problems: int, median: float, sigma: float, cap: int, seed: i
     return np.clip(np.round(median * np.exp(sigma * rng.standard_normal(problems))), 8, cap).astype(np.int32)
 
 
-def force_eos(targets: np.ndarray, prompt_lens: np.ndarray, eos: int):
-    """Patch the model call of the decode step so that row b samples EOS exactly when its
-    completion reaches targets[b] tokens, and never before (benchmark harness: a random
-    model never ends on its own). Returns the function that undoes the patch."""
-    original = generation.forward
-    targets, prompt_lens = jnp.asarray(targets), jnp.asarray(prompt_lens)
+def default_mcmc(method: str, num_layers: int, eos_ids: tuple[int, ...] = (), **overrides) -> MCMCConfig:
+    """The MCMCConfig of `method` ("power_mcmc" or "degs_mcmc") with the library's defaults
+    (`degs_jax.hyperparameters`) updated by `overrides` (e.g. block_len, mh_steps);
+    no `eos_ids`: EOS suppressed."""
+    return hyperparameters_for(method, **overrides).mcmc_config(num_layers, eos_ids=tuple(eos_ids))
 
-    def forward(params, cfg, tokens, positions, cache=None, **kw):
-        out = original(params, cfg, tokens, positions, cache, **kw)
+
+@dataclasses.dataclass(frozen=True)
+class ForcedEOSLM(TransformerLM):
+    """`TransformerLM` whose decode steps (one token per row) sample EOS exactly when row b's
+    completion reaches targets[b] tokens, and never before (benchmark harness: a random
+    model never ends on its own). Rows are the sampler's batch rows (prompts x chains, one
+    chain here); the prefill (several tokens per row) is left alone. Static and hashable
+    like any `CausalLM`: targets and prompt lengths are tuples baked into the program."""
+
+    targets: tuple[int, ...] = ()
+    prompt_lens: tuple[int, ...] = ()
+    eos: int = 0
+
+    def step(self, params, tokens, positions, cache, lens_layers=()) -> StepOutput:
+        out = super().step(params, tokens, positions, cache, lens_layers)
         if tokens.shape[1] != 1:
             return out
+        if tokens.shape[0] != len(self.targets):
+            raise ValueError(f"ForcedEOSLM has {len(self.targets)} targets for a batch of {tokens.shape[0]} rows")
+        targets = jnp.asarray(self.targets, jnp.int32)
+        prompt_lens = jnp.asarray(self.prompt_lens, jnp.int32)
         logits = out.logits[:, 0]
         # The step at position p samples the token at p + 1: completion length p + 2 - prompt.
         ends = positions[:, 0] + 2 - prompt_lens >= targets
         eos_logit = jnp.where(ends, jnp.max(logits, axis=-1) + 30.0, -1e9)
-        return dataclasses.replace(out, logits=logits.at[:, eos].set(eos_logit)[:, None])
+        return dataclasses.replace(out, logits=logits.at[:, self.eos].set(eos_logit)[:, None])
 
-    generation.forward = forward
-    jax.clear_caches()
 
-    def undo():
-        generation.forward = original
-        jax.clear_caches()
-    return undo
+def forced_eos_model(cfg: ModelConfig, targets, prompt_lens, eos: int) -> ForcedEOSLM:
+    """The model of `cfg` ending row b's completion with `eos` at exactly targets[b] tokens."""
+    return ForcedEOSLM(cfg=cfg, targets=tuple(int(t) for t in targets),
+                       prompt_lens=tuple(int(n) for n in prompt_lens), eos=int(eos))

@@ -9,7 +9,9 @@ attention read (`auto` = `loop` on CPU, `buckets` elsewhere). With --persistent-
 DIR each program is compiled twice: cold (written to DIR) and again after
 `jax.clear_caches()` (read back from DIR), the cost of a later process.
 
-Buffer: the library defaults, prompt + 3072 new tokens (decode) and 16 x 192 (MCMC).
+Buffer: the library defaults (`degs_jax.hyperparameters`): 16 blocks x 192 = 3072 new-token
+slots after the prompt, for both programs; the MCMC block is degs_mcmc's defaults
+(10 MH steps, alpha 4, beta 5, default L_sub).
 
     python bench/compile_time.py --shapes smollm2-135m qwen2.5-7b --layouts list stacked
 """
@@ -22,10 +24,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from common import emit, environment, shape_config
+from common import default_mcmc, emit, environment, shape_config
 from degs_jax.generation import SamplerSpec, generate, prefill
-from degs_jax.lens import LensConfig
-from degs_jax.mcmc import MCMCConfig, mcmc_block
+from degs_jax.mcmc import mcmc_block
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import param_shapes
 from degs_jax.models.compilation import enable_compilation_cache
 
@@ -37,15 +39,17 @@ def abstract_programs(cfg, layout: str, batch: int, prompt: int):
     sds = jax.ShapeDtypeStruct
     shapes = param_shapes(cfg, stacked=layout == "stacked")
     params = jax.tree.map(lambda s: sds(s, jnp.bfloat16), shapes, is_leaf=lambda x: isinstance(x, tuple))
-    mc = MCMCConfig(lens=LensConfig.default(cfg), eos_ids=(0,))
+    model = TransformerLM(cfg)
+    mcmc_config = default_mcmc("degs_mcmc", cfg.num_layers, eos_ids=(0,))
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     lengths = sds((batch,), jnp.int32)
-    state = jax.eval_shape(lambda p: prefill(p, cfg, jnp.zeros((batch, prompt), jnp.int32),
+    state = jax.eval_shape(lambda p: prefill(model, p, jnp.zeros((batch, prompt), jnp.int32),
                                              jnp.full((batch,), prompt, jnp.int32),
-                                             prompt + mc.max_new_tokens, jnp.bfloat16), params)
-    spec = SamplerSpec(temperature=1.0, eos_ids=(0,), lens=mc.lens)
-    return [("generate", generate, (params, cfg, state, lengths, keys, spec)),
-            ("mcmc_block", mcmc_block, (params, cfg, state, keys, sds((), jnp.int32), mc))]
+                                             prompt + mcmc_config.max_new_tokens, jnp.bfloat16), params)
+    spec = SamplerSpec(temperature=1.0, eos_ids=(0,), lens=mcmc_config.lens)
+    return [("generate", generate, (model, params, state, lengths, keys, spec)),
+            ("mcmc_block", mcmc_block,
+             (model, params, state, keys, sds((), jnp.int32), mcmc_config))]
 
 
 def main():
@@ -75,7 +79,8 @@ def main():
                     t2 = time.perf_counter()
                     record = {"bench": "compile", "shape": shape, "program": name, "layout": layout,
                               "kv_read": kv_read, "batch": args.batch, "prompt": args.prompt,
-                              "max_new_tokens": 3072, "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
+                              "max_new_tokens": fn_args[2].tokens.shape[1] - args.prompt,
+                              "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
                     if args.persistent_cache:
                         jax.clear_caches()
                         t3 = time.perf_counter()

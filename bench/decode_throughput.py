@@ -1,10 +1,12 @@
 """Decode throughput of degs_jax generation (random Qwen2.5 shapes, bf16, prompt 256,
 512 new tokens, EOS suppressed, greedy as HF's default), and percent of the HBM roofline.
-The cache has the library's default buffer, prompt + 3072 slots (`--buffer`), whatever
+The cache has the library's default buffer, prompt + 3072 slots (`--buffer`; the default
+is `hyperparameters_for("temperature").max_new_tokens`), whatever
 the number of tokens drawn; `--kv-read all` reads every slot of it (the cost before
 issue 17), the default reads the live length.
 
     python bench/decode_throughput.py --shapes qwen2.5-0.5b:1,64,256 qwen2.5-7b:1,16,64
+    python bench/decode_throughput.py --shapes tiny:2 --prompt 8 --new 8 --buffer 32 --copy-gib 0.1  # CPU
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--buffer", type=int, default=BUFFER_NEW, help="cache slots after the prompt")
     ap.add_argument("--kv-read", default="auto", choices=["auto", "loop", "buckets", "all"])
+    ap.add_argument("--copy-gib", type=float, default=4.0,
+                    help="size of the array of the bandwidth measurement (GiB; small for CPU smoke tests)")
     args = ap.parse_args()
     env = environment()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(gib=args.copy_gib)
     emit({"bench": "environment", **env, "copy_bandwidth_GBps": bw / 1e9}, "decode.jsonl")
     for item in args.shapes:
         name, batches = item.split(":")

@@ -1,6 +1,6 @@
 """The MATH500-shaped MCMC workload: degs_mcmc (beta = 5) vs power_mcmc (beta = 0) on the
 same keys, random bf16 weights, the library's default buffer (16 blocks x 192 = 3072
-new-token slots, `mcmc.MCMCConfig`), 10 MH steps per block, one chain per problem, all
+new-token slots, `hyperparameters_for("power_mcmc")`), 10 MH steps per block, one chain per problem, all
 problems in one batch; prompts of 128..320 tokens.
 
 Completion lengths (EOS forced at each problem's target and impossible before, for the
@@ -11,6 +11,8 @@ first draft and every MH proposal; a random model never ends on its own):
                                   sigma 0.7, capped at 3072 (bench/real_shape.py's workload)
 
     python bench/mcmc_workload.py --problems 64
+    python bench/mcmc_workload.py --shape tiny --problems 4 --lengths fixed:20 --block-len 8 \
+        --num-blocks 4 --mh-steps 2 --prompt-range 4 12                  # CPU smoke test
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ import time
 import jax
 import numpy as np
 
-from common import emit, environment, force_eos, random_model, target_lengths
+from common import emit, environment, forced_eos_model, random_model, target_lengths
 from degs_jax.decoders import decode
-from degs_jax.mcmc import MCMCConfig
-from degs_jax.model_api import TransformerLM
+from degs_jax.hyperparameters import hyperparameters_for
 
 
 def parse_lengths(text: str, problems: int) -> tuple[np.ndarray, str]:
@@ -43,40 +44,44 @@ def main():
     ap.add_argument("--problems", type=int, default=64)
     ap.add_argument("--lengths", default="fixed:576")
     ap.add_argument("--methods", default="power_mcmc,degs_mcmc")
+    ap.add_argument("--block-len", type=int, default=None, help="tokens per block (default: the library's)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="blocks (default: the library's)")
+    ap.add_argument("--mh-steps", type=int, default=None, help="MH steps per block (default: the library's)")
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 321], metavar=("LO", "HI"),
+                    help="prompt lengths drawn uniformly in [LO, HI)")
     args = ap.parse_args()
+    sizes = {name: value for name, value in (("block_len", args.block_len), ("num_blocks", args.num_blocks),
+                                             ("mh_steps", args.mh_steps)) if value is not None}
     emit({"bench": "environment", **environment()}, "mcmc.jsonl")
     cfg, params = random_model(args.shape)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(128, 321)).tolist()
+    prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(*args.prompt_range)).tolist()
                for _ in range(args.problems)]
     targets, lengths = parse_lengths(args.lengths, args.problems)
     eos = cfg.vocab_size - 1  # never in a prompt
-    mc = MCMCConfig(beta=0.0)  # the default sizes
-    hp = dict(block_len=mc.block_len, num_blocks=mc.num_blocks, mh_steps=mc.mh_steps)
-    undo = force_eos(targets, np.array([len(p) for p in prompts]), eos)
-    try:
-        for method in args.methods.split(","):
-            extra = dict(beta=0.0) if method == "power_mcmc" else dict(beta=5.0)
-            runs = []
-            for attempt in range(2):  # the first includes compilation
-                t = time.perf_counter()
-                res = decode(TransformerLM(cfg), params, prompts, method, jax.random.key(0), eos_ids=(eos,), **hp, **extra)
-                runs.append((time.perf_counter() - t, res))
-            (first, _), (sec, res) = runs
-            acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
-            done = np.array([len(o.chosen.tokens) for o in res.outputs])
-            emit({"bench": "mcmc", "method": method, "shape": args.shape, "problems": args.problems,
-                  **hp, "buffer_new_slots": mc.max_new_tokens, "lengths": lengths,
-                  "lengths_match_targets": bool((done == targets).all()),
-                  "seconds": sec, "seconds_with_compile": first,
-                  "seconds_per_problem": sec / args.problems,
-                  "generated_tokens": res.counters["generated_tokens"],
-                  "generated_tokens_per_s": res.counters["generated_tokens"] / sec,
-                  "forward_equivalents": res.forward_equivalents(cfg.num_layers),
-                  "mean_acceptance": float(np.mean(acc)) if acc else None,
-                  "completion_tokens": float(done.mean())}, "mcmc.jsonl")
-    finally:
-        undo()
+    defaults = hyperparameters_for("power_mcmc", **sizes)
+    chain_sizes = dict(block_len=defaults.block_len, num_blocks=defaults.num_blocks, mh_steps=defaults.mh_steps)
+    model = forced_eos_model(cfg, targets, [len(p) for p in prompts], eos)
+    for method in args.methods.split(","):
+        extra = dict(beta=0.0) if method == "power_mcmc" else dict(beta=5.0)
+        runs = []
+        for attempt in range(2):  # the first includes compilation
+            t = time.perf_counter()
+            res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), **chain_sizes, **extra)
+            runs.append((time.perf_counter() - t, res))
+        (first, _), (sec, res) = runs
+        acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
+        done = np.array([len(o.chosen.tokens) for o in res.outputs])
+        emit({"bench": "mcmc", "method": method, "shape": args.shape, "problems": args.problems,
+              **chain_sizes, "buffer_new_slots": defaults.max_new_tokens, "lengths": lengths,
+              "lengths_match_targets": bool((done == targets).all()),
+              "seconds": sec, "seconds_with_compile": first,
+              "seconds_per_problem": sec / args.problems,
+              "generated_tokens": res.counters["generated_tokens"],
+              "generated_tokens_per_s": res.counters["generated_tokens"] / sec,
+              "forward_equivalents": res.forward_equivalents(cfg.num_layers),
+              "mean_acceptance": float(np.mean(acc)) if acc else None,
+              "completion_tokens": float(done.mean())}, "mcmc.jsonl")
 
 
 if __name__ == "__main__":

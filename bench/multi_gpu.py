@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
-                    force_eos, param_bytes, shape_config)
+                    forced_eos_model, param_bytes, shape_config)
 from degs_jax.decoders import decode
-from degs_jax.mcmc import MCMCConfig
-from degs_jax.model_api import TransformerLM
+from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.models import init_params
 from degs_jax.models.sharding import make_mesh, param_shardings
 
@@ -83,22 +82,19 @@ def mcmc(args, cfg, mesh, params):
     prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(128, 321)).tolist()
                for _ in range(args.mcmc_problems)]
     eos = cfg.vocab_size - 1  # never in a prompt
-    mc = MCMCConfig(beta=0.0)  # the default sizes
-    hp = dict(block_len=mc.block_len, num_blocks=mc.num_blocks, mh_steps=args.mcmc_mh_steps)
-    undo = force_eos(np.full(len(prompts), args.mcmc_length), np.array([len(p) for p in prompts]), eos)
-    try:
-        with jax.set_mesh(mesh):
-            times = []
-            for _ in range(2):  # the first includes compilation
-                t = time.perf_counter()
-                res = decode(TransformerLM(cfg), params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(eos,), **hp)
-                times.append(time.perf_counter() - t)
-    finally:
-        undo()
+    defaults = hyperparameters_for("degs_mcmc", mh_steps=args.mcmc_mh_steps)  # the default block sizes
+    chain_sizes = dict(block_len=defaults.block_len, num_blocks=defaults.num_blocks, mh_steps=defaults.mh_steps)
+    model = forced_eos_model(cfg, np.full(len(prompts), args.mcmc_length), [len(p) for p in prompts], eos)
+    with jax.set_mesh(mesh):
+        times = []
+        for _ in range(2):  # the first includes compilation
+            t = time.perf_counter()
+            res = decode(model, params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(eos,), **chain_sizes)
+            times.append(time.perf_counter() - t)
     acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
     emit({"bench": "tensor_parallel_mcmc", "method": "degs_mcmc", "shape": args.tp_shape,
-          "mesh": list(mesh.devices.shape), "problems": args.mcmc_problems, **hp,
-          "buffer_new_slots": mc.max_new_tokens,
+          "mesh": list(mesh.devices.shape), "problems": args.mcmc_problems, **chain_sizes,
+          "buffer_new_slots": defaults.max_new_tokens,
           "seconds": times[1], "seconds_with_compile": times[0],
           "seconds_per_problem": times[1] / args.mcmc_problems,
           "generated_tokens_per_s": res.counters["generated_tokens"] / times[1],
@@ -120,9 +116,11 @@ def main():
     ap.add_argument("--mcmc-problems", type=int, default=16)
     ap.add_argument("--mcmc-length", type=int, default=128, help="completion tokens (EOS forced there)")
     ap.add_argument("--mcmc-mh-steps", type=int, default=2)
+    ap.add_argument("--copy-gib", type=float, default=4.0,
+                    help="size of the array of the bandwidth measurement (GiB; small for CPU smoke tests)")
     args = ap.parse_args()
     n = args.devices or jax.local_device_count()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(gib=args.copy_gib)
     emit({"bench": "environment", **environment(), "devices_used": n,
           "copy_bandwidth_GBps": bw / 1e9}, OUT)
     if "dp" in args.parts:

@@ -1,11 +1,16 @@
-"""Speed at the shapes users run (issue 17), in one command for one H100/H200:
+"""Speed at the shapes users run (issue 17), on one H100/H200, in calls of under ~9 minutes
+(times estimated from the H200 records in bench/results/, not measured with this script yet):
 
-    python bench/real_shape.py --all           # GPU: every part below, ~9 minutes
-    python bench/real_shape.py --all --tiny    # CPU smoke test: the same code at a tiny shape
+    python bench/real_shape.py --parts hf decode   # ~6-8 min (HF ~3-4, ours ~3-4); ratios from one call
+    python bench/real_shape.py --parts probe       # ~2-3 min
+    python bench/real_shape.py --parts mcmc        # ~5-7 min (--mcmc-cap 576 to cut it)
+    python bench/real_shape.py --all               # every part in one call: ~15 min, too long for one
+    python bench/real_shape.py --all --tiny        # CPU smoke test: the same code at a tiny shape
 
 JSON records go to stdout and to $OUT/real_shape.jsonl (the HF part also to $OUT/hf.jsonl).
 Every buffer is the library default: prompt + 3072 slots for the decoders
-(`decoders.DEFAULTS`), 16 blocks x 192 for MCMC (`mcmc.MCMCConfig`); random bf16 weights.
+(`hyperparameters_for("temperature").max_new_tokens`), 16 blocks x 192 for MCMC
+(`hyperparameters_for("power_mcmc")`, the library defaults); random bf16 weights.
 
 Parts (--parts, default with --all: all of them, in this order):
 
@@ -40,7 +45,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # 7B at batch 128 + caches
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -51,11 +55,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
-                    force_eos, shape_config, target_lengths)
+from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, default_mcmc, emit,
+                    environment, forced_eos_model, shape_config, target_lengths)
 from degs_jax.decoders import decode
+from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.lens import LensConfig
-from degs_jax.mcmc import MCMCConfig, mcmc_block
+from degs_jax.mcmc import mcmc_block_donating
 from degs_jax.models import init_params, stack_layers
 from degs_jax.models.compilation import enable_compilation_cache
 
@@ -67,12 +72,13 @@ PLANS = {
                  decode=[("qwen2.5-0.5b", 64), ("qwen2.5-7b", 64), ("qwen2.5-7b", 1)],
                  stacked=[("qwen2.5-7b", 64), ("qwen2.5-7b", 1)],
                  probe=dict(shape="qwen2.5-7b", batches=[64, 128], prompt=1024, steps=64),
-                 mcmc=dict(shape="qwen2.5-7b", problems=64, median=600, sigma=0.7, config=MCMCConfig(beta=0.0))),  # its sizes only
+                 mcmc=dict(shape="qwen2.5-7b", problems=64, median=600, sigma=0.7,
+                           sizes=dict())),  # the library's default sizes (16 x 192, 10 MH steps, alpha 4)
     "tiny": dict(hf=["tiny:4"], prompt=16, new=24, buffer=BUFFER_NEW,
                  decode=[("tiny", 4), ("tiny", 1)], stacked=[("tiny", 4)],
                  probe=dict(shape="tiny", batches=[4], prompt=64, steps=8),
                  mcmc=dict(shape="tiny", problems=4, median=20, sigma=0.7,
-                           config=MCMCConfig(beta=0.0, block_len=8, num_blocks=6, mh_steps=3))),
+                           sizes=dict(block_len=8, num_blocks=6, mh_steps=3))),
 }
 
 
@@ -87,13 +93,13 @@ def run_hf(plan):
         emit({"bench": "hf_generate", "error": done.stderr[-2000:]}, OUT)
 
 
-def run_decode(plan, bw: float):
+def run_decode(plan, bw: float, kv_reads: list[str], stacked: bool):
+    runs = [(s, b, "list", r) for s, b in plan["decode"] for r in kv_reads]
+    runs += [(s, b, "stacked", "buckets") for s, b in plan["stacked"]] if stacked else []
     models = {}
-    for shape, batch in plan["decode"] + plan["stacked"]:
+    for shape, _, _, _ in runs:
         if shape not in models:
             models[shape] = init_params(shape_config(shape), jax.random.key(0), jnp.bfloat16)
-    runs = [(s, b, "list", r) for s, b in plan["decode"] for r in ("buckets", "all")]
-    runs += [(s, b, "stacked", "buckets") for s, b in plan["stacked"]]
     for shape, batch, layout, kv_read in runs:
         cfg = shape_config(shape, kv_read=kv_read)
         params = stack_layers(models[shape]) if layout == "stacked" else models[shape]
@@ -113,7 +119,7 @@ def run_probe(plan):
     probe = plan["probe"]
     cfg = shape_config(probe["shape"])
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    lens = LensConfig.default(cfg)
+    lens = LensConfig.default(cfg.num_layers)
     for batch in probe["batches"]:
         times = {}
         for label, with_lens in (("plain", None), ("probed", lens)):
@@ -133,47 +139,48 @@ def run_mcmc(plan, cap: int):
     rng = np.random.default_rng(0)
     lo, hi = (128, 321) if spec["shape"] != "tiny" else (4, 12)
     prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(lo, hi)).tolist() for _ in range(spec["problems"])]
-    targets = target_lengths(spec["problems"], spec["median"], spec["sigma"], min(cap, spec["config"].max_new_tokens))
+    base = hyperparameters_for("power_mcmc", **spec["sizes"])
+    sizes = dict(block_len=base.block_len, num_blocks=base.num_blocks, mh_steps=base.mh_steps, alpha=base.alpha)
+    cap = min(cap, base.max_new_tokens)
+    targets = target_lengths(spec["problems"], spec["median"], spec["sigma"], cap)
     eos = cfg.vocab_size - 1  # never in a prompt
-    undo = force_eos(targets, np.array([len(p) for p in prompts]), eos)
-    base = spec["config"]
-    hp = dict(block_len=base.block_len, num_blocks=base.num_blocks, mh_steps=base.mh_steps, alpha=base.alpha)
-    try:
-        for method, beta in (("power_mcmc", 0.0), ("degs_mcmc", 5.0)):
-            compile_s = compile_mcmc_block(cfg, params, prompts, method, beta, hp, eos)
-            t = time.perf_counter()
-            res = decode(params, cfg, prompts, method, jax.random.key(0), eos_ids=(eos,), beta=beta, **hp)
-            sec = time.perf_counter() - t
-            lengths = np.array([len(o.chosen.tokens) for o in res.outputs])
-            acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
-            emit({"bench": "mcmc_realistic", "method": method, "shape": spec["shape"], "problems": len(prompts),
-                  **hp, "buffer_slots": max(len(p) for p in prompts) + base.max_new_tokens,
-                  "target_lengths": dict(distribution=f"lognormal(median {spec['median']}, sigma {spec['sigma']})",
-                                         cap=int(targets.max()), median=float(np.median(targets)),
-                                         mean=float(targets.mean()), max=int(targets.max())),
-                  "lengths_match_targets": bool((lengths == targets).all()),
-                  "seconds": sec, "compile_seconds": compile_s, "seconds_per_problem": sec / len(prompts),
-                  "generated_tokens": res.counters["generated_tokens"],
-                  "generated_tokens_per_s": res.counters["generated_tokens"] / sec,
-                  "forward_equivalents": res.forward_equivalents(cfg.num_layers),
-                  "mean_acceptance": float(np.mean(acc)) if acc else None}, OUT)
-    finally:
-        undo()
+    model = forced_eos_model(cfg, targets, [len(p) for p in prompts], eos)
+    for method, beta in (("power_mcmc", 0.0), ("degs_mcmc", 5.0)):
+        compile_s = compile_mcmc_block(model, params, prompts, method, beta, sizes, eos)
+        t = time.perf_counter()
+        res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), beta=beta, **sizes)
+        sec = time.perf_counter() - t
+        lengths = np.array([len(o.chosen.tokens) for o in res.outputs])
+        acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
+        emit({"bench": "mcmc_realistic", "method": method, "shape": spec["shape"], "problems": len(prompts),
+              **sizes, "buffer_slots": max(len(p) for p in prompts) + base.max_new_tokens,
+              "target_lengths": dict(distribution=f"lognormal(median {spec['median']}, sigma {spec['sigma']})",
+                                     cap=cap, median=float(np.median(targets)),
+                                     mean=float(targets.mean()), max=int(targets.max())),
+              "lengths_match_targets": bool((lengths == targets).all()),
+              "seconds": sec, "compile_seconds": compile_s, "seconds_per_problem": sec / len(prompts),
+              "generated_tokens": res.counters["generated_tokens"],
+              "generated_tokens_per_s": res.counters["generated_tokens"] / sec,
+              "forward_equivalents": res.forward_equivalents(cfg.num_layers),
+              "mean_acceptance": float(np.mean(acc)) if acc else None}, OUT)
 
 
-def compile_mcmc_block(cfg, params, prompts, method, beta, hp, eos) -> float:
-    """Seconds to compile the block program ahead of time (it lands in the persistent
-    compilation cache, from which the timed run then loads it)."""
+def compile_mcmc_block(model, params, prompts, method, beta, sizes, eos) -> float:
+    """Seconds to compile the prefill and the block program ahead of time, as `decode`
+    calls them (they land in the persistent compilation cache, from which the timed run
+    then loads them)."""
     from degs_jax.generation import pad_prompts, prefill, repeat_rows
 
-    mc = MCMCConfig(beta=beta, lens=LensConfig.default(cfg) if beta > 0 else None, eos_ids=(eos,), **hp)
+    mcmc_config = default_mcmc(method, model.num_layers, (eos,), beta=beta, **sizes)
     tokens, lengths = pad_prompts(prompts)
-    state = jax.eval_shape(lambda p: repeat_rows(prefill(p, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                         tokens.shape[1] + mc.max_new_tokens, jnp.bfloat16), 1),
-                           params)
+    prefill_args = (model, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                    tokens.shape[1] + mcmc_config.max_new_tokens, jnp.bfloat16)
+    state = jax.eval_shape(lambda p: repeat_rows(prefill(*prefill_args[:1], p, *prefill_args[2:]), 1), params)
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), len(prompts)))
     t = time.perf_counter()
-    mcmc_block.lower(params, cfg, state, keys, jax.ShapeDtypeStruct((), jnp.int32), mc).compile()
+    prefill.lower(*prefill_args).compile()
+    block = jax.ShapeDtypeStruct((), jnp.int32)
+    mcmc_block_donating.lower(model, params, state, keys, block, mcmc_config).compile()
     return time.perf_counter() - t
 
 
@@ -184,6 +191,11 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--mcmc-cap", type=int, default=768,
                     help="longest completion of the MCMC workload (tokens; 3072 = the full tail)")
+    ap.add_argument("--kv-reads", nargs="+", default=["buckets", "all"], choices=["buckets", "all"],
+                    help="decode part: attention reads of the list-layout runs (drop `all`, the "
+                         "cost before issue 17, to save about a third of the part)")
+    ap.add_argument("--no-stacked", action="store_true",
+                    help="decode part: skip the stacked-layer (lax.scan) runs")
     args = ap.parse_args()
     parts = ["hf", "decode", "probe", "mcmc"] if args.all else args.parts
     if not parts:
@@ -196,7 +208,7 @@ def main():
     emit({"bench": "environment", **environment(), "copy_bandwidth_GBps": bw / 1e9, "parts": parts,
           "plan": "tiny" if args.tiny else "full", "compilation_cache": str(cache_dir)}, OUT)
     if "decode" in parts:
-        run_decode(plan, bw)
+        run_decode(plan, bw, args.kv_reads, not args.no_stacked)
     if "probe" in parts:
         run_probe(plan)
     if "mcmc" in parts:

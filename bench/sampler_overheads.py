@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from common import SHAPES, emit, environment, random_model
+from common import SHAPES, default_mcmc, emit, environment, random_model
 
 from degs_jax import decoders, generation
 from degs_jax.generation import SamplerSpec, generate, prefill
@@ -132,19 +132,19 @@ def bench_topk(args, cfg, params):
 
 
 def peak_memory(args, cfg, params, donate: bool):
-    from degs_jax.mcmc import MCMCConfig, mcmc_block, mcmc_block_donating
+    from degs_jax.mcmc import mcmc_block, mcmc_block_donating
 
     model = TransformerLM(cfg)
     tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
-    mc = MCMCConfig(alpha=4.0, beta=0.0, block_len=args.new // 2, num_blocks=2, mh_steps=2)
-    state = prefill(model, params, tokens, lengths, args.prompt + mc.max_new_tokens)
+    mcmc_config = default_mcmc("power_mcmc", cfg.num_layers, block_len=args.new // 2, num_blocks=2, mh_steps=2)
+    state = prefill(model, params, tokens, lengths, args.prompt + mcmc_config.max_new_tokens)
     block = mcmc_block_donating if donate else mcmc_block
-    for b in range(mc.num_blocks):
-        state, _, _ = block(model, params, state, keys, jnp.int32(b), mc)
+    for b in range(mcmc_config.num_blocks):
+        state, _, _ = block(model, params, state, keys, jnp.int32(b), mcmc_config)
     jax.block_until_ready(state.length)
     stats = jax.devices()[0].memory_stats() or {}
     emit({"bench": "mcmc_peak_memory", "shape": args.shape, "batch": args.batch,
-          "prompt": args.prompt, "block_len": mc.block_len, "donated": donate,
+          "prompt": args.prompt, "block_len": mcmc_config.block_len, "donated": donate,
           "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
           "cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache))},
          "sampler_overheads.jsonl")
