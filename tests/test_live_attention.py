@@ -14,6 +14,7 @@ import pytest
 
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import KVCache, forward, init_cache, init_params, stack_layers
 from hf_reference import tiny_config
 
@@ -118,9 +119,10 @@ def test_decode_loop_updates_the_cache_in_place(read, stacked):
     p = init_params(cfg, jax.random.key(0), jnp.float32)
     p = stack_layers(p) if stacked else p
     B, max_len = 4, 256
-    state = prefill(p, cfg, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32), max_len, jnp.float32)
+    model = TransformerLM(cfg)
+    state = prefill(model, p, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32), max_len, jnp.float32)
     spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=LensConfig(lsub=(1, 2)))
-    hlo = generate.lower(p, cfg, state, jnp.full((B,), 200, jnp.int32), jax.random.split(jax.random.key(0), B),
+    hlo = generate.lower(model, p, state, jnp.full((B,), 200, jnp.int32), jax.random.split(jax.random.key(0), B),
                          spec).compile().as_text()
     copies = _cache_sized_copies(hlo, cfg.num_layers * B * cfg.num_kv_heads * max_len * cfg.head_dim)
     assert sorted(copies) == ["copy[2,4,2,16,256]", "copy[2,4,2,256,16]"], copies
