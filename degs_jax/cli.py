@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 METHOD_HELP = """decoders: greedy, temperature, best_of_n, best_of_n_entropy, degs_rerank,
-power_mcmc, degs_mcmc (DESIGN §4). Hyperparameters a method does not take are rejected."""
+power_mcmc, degs_mcmc, power_smc, degs_smc, scalable_power (DESIGN §4). Hyperparameters a
+method does not take are rejected."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -56,16 +57,30 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
     g.add_argument("--tau", type=float, help="collapse threshold in nats (0.25)")
     g.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")),
                    help="probed layers, comma-separated (default grid of DESIGN §3)")
-    g.add_argument("--block-len", type=int, help="MCMC block length (192)")
+    g.add_argument("--block-len", type=int, help="MCMC / scalable_power block length (192)")
     g.add_argument("--num-blocks", type=int, help="MCMC blocks (16)")
     g.add_argument("--mh-steps", type=int, help="MH steps per block (10)")
     g.add_argument("--n-chains", type=int, help="independent MCMC chains per prompt (1)")
     g.add_argument("--reference-quirks", action="store_true", default=None,
                    help="reproduce the public power-sampling code's deviations (off)")
+    g.add_argument("--n-particles", type=int, help="SMC particles per prompt (16)")
+    g.add_argument("--ramp-tokens", type=int, help="SMC exponent ramp length in tokens (400; 0 = none)")
+    g.add_argument("--ess-threshold", type=float, help="SMC resamples when ESS < this x N (0.5)")
+    g.add_argument("--resample-every", type=int, help="SMC checks the ESS every this many tokens (64)")
+    g.add_argument("--candidate-pool", type=int, help="scalable_power: candidate blocks sampled, L (32)")
+    g.add_argument("--candidates-kept", type=int, help="scalable_power: most likely candidates kept, K (8)")
+    g.add_argument("--rollouts", type=int, help="scalable_power: rollouts per kept candidate, M (8)")
+    g.add_argument("--rollout-horizon", type=int, help="scalable_power: rollout length cap, H (192)")
+    g.add_argument("--jackknife", action=argparse.BooleanOptionalAction, default=None,
+                   help="scalable_power: jackknife-corrected block probabilities (on)")
+    g.add_argument("--candidate-temperature", type=float,
+                   help="scalable_power: temperature of the candidate blocks (1/alpha)")
 
 
 _HP_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "n", "alpha", "beta", "tau", "lsub",
-             "block_len", "num_blocks", "mh_steps", "n_chains", "reference_quirks")
+             "block_len", "num_blocks", "mh_steps", "n_chains", "reference_quirks", "n_particles",
+             "ramp_tokens", "ess_threshold", "resample_every", "candidate_pool", "candidates_kept",
+             "rollouts", "rollout_horizon", "jackknife", "candidate_temperature")
 
 
 def _hyperparameters(args) -> dict:
@@ -116,6 +131,7 @@ def cmd_sample(args) -> int:
         "method": result.method, "seed": args.seed, "completion": c.text,
         "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
         "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
+        "weight": c.weight, "diagnostics": out.diagnostics,
         "counters": result.counters, "forward_equivalents": fe,
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
         "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},
@@ -131,6 +147,10 @@ def cmd_sample(args) -> int:
           file=sys.stderr)
     if c.acceptance is not None:
         print("acceptance per block: " + " ".join(f"{a:.2f}" for a in c.acceptance), file=sys.stderr)
+    if c.weight is not None:
+        d = out.diagnostics
+        print(f"particle weight {c.weight:.3f} of {len(out.candidates)}  log Z-hat {d['log_evidence']:.3f}  "
+              f"resamplings {d['resamples']} ({d['copied_rows']} rows copied)", file=sys.stderr)
     s = result.seconds
     print(f"time: prefill {s['prefill']:.2f}s  decode {s['decode']:.2f}s  total {s['total']:.2f}s "
           f"(first call includes compilation)  |  generated {result.counters['generated_tokens']} tokens, "

@@ -10,6 +10,9 @@
 | degs_rerank         | the same pool; argmax alpha·log p(x) + beta·D(x) (alpha=0: depth only) |
 | power_mcmc          | MH chain for p^alpha (beta = 0, no probing)                   |
 | degs_mcmc           | MH chain for p^alpha·exp(beta·D)                              |
+| power_smc           | Power-SMC: N particles for p^alpha, drawn by weight (smc.py)  |
+| degs_smc            | the same particles for p^alpha·exp(beta·D)                    |
+| scalable_power      | Scalable Power Sampling, block form (sps.py)                  |
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from .generation import (GenState, SamplerSpec, generate_chunk, initial_active, 
 from .lens import LensConfig, default_lsub, mean_final_entropy, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating
 from .model_api import CausalLM, TransformerLM, params_dtype
+from .smc import SMCConfig, final_weights, run_smc
+from .sps import SPSConfig, run_sps
 
 RERANK_METHODS = ("best_of_n", "best_of_n_entropy", "degs_rerank")
 MCMC_METHODS = ("power_mcmc", "degs_mcmc")
-METHODS = ("greedy", "temperature") + RERANK_METHODS + MCMC_METHODS
+SMC_METHODS = ("power_smc", "degs_smc")
+METHODS = ("greedy", "temperature") + RERANK_METHODS + MCMC_METHODS + SMC_METHODS + ("scalable_power",)
 
 _COMMON = dict(tau=0.25, lsub=None, lens_chunk=None, top_k=0, top_p=1.0, cache_dtype=None)
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -44,6 +50,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                        n_chains=1, reference_quirks=False),
     "degs_mcmc": dict(alpha=4.0, beta=5.0, block_len=192, num_blocks=16, mh_steps=10,
                       n_chains=1, reference_quirks=False),
+    # Sources of the SMC and SPS values: SMCConfig's and SPSConfig's docstrings.
+    "power_smc": dict(alpha=4.0, beta=0.0, n_particles=16, max_new_tokens=3072, ramp_tokens=400,
+                      ess_threshold=0.5, resample_every=64),
+    "degs_smc": dict(alpha=4.0, beta=5.0, n_particles=16, max_new_tokens=3072, ramp_tokens=400,
+                     ess_threshold=0.5, resample_every=64),
+    "scalable_power": dict(alpha=4.0, max_new_tokens=3072, block_len=192, candidate_pool=32,
+                           candidates_kept=8, rollouts=8, rollout_horizon=192, jackknife=True,
+                           candidate_temperature=None),
 }
 
 
@@ -58,6 +72,7 @@ class Candidate:
     ended: bool  # False: stopped by the token budget without EOS
     acceptance: Optional[list[float]] = None  # MCMC: per-block acceptance rate
     text: Optional[str] = None
+    weight: Optional[float] = None  # SMC: normalised final importance weight of the particle
 
 
 @dataclasses.dataclass
@@ -66,6 +81,9 @@ class Output:
 
     chosen: Candidate
     candidates: list[Candidate]
+    # SMC: log_evidence (log Z-hat), ess (per check), resamples, copied_rows;
+    # scalable_power: rollouts.
+    diagnostics: Optional[dict[str, Any]] = None
 
 
 @dataclasses.dataclass
@@ -73,7 +91,9 @@ class DecodeResult:
     method: str
     hyperparameters: dict[str, Any]
     outputs: list[Output]
-    counters: dict[str, int]  # generated_tokens, forward_tokens, probed_token_layers
+    # generated_tokens, forward_tokens, probed_token_layers; SMC also copied_rows (particle rows
+    # overwritten by resampling copies), scalable_power also rollouts (rollout rows run)
+    counters: dict[str, int]
     seconds: dict[str, float]  # prefill, decode, total (compilation included)
 
     def forward_equivalents(self, num_layers: int) -> float:
@@ -92,6 +112,10 @@ def resolve_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str,
     hp.update(overrides)
     if method == "power_mcmc" and hp["beta"] != 0:
         raise ValueError("power_mcmc is the beta = 0 chain; use degs_mcmc for beta > 0")
+    if method == "power_smc" and hp["beta"] != 0:
+        raise ValueError("power_smc is the beta = 0 sampler; use degs_smc for beta > 0")
+    if method == "scalable_power" and (hp["top_k"], hp["top_p"]) != (_COMMON["top_k"], _COMMON["top_p"]):
+        raise ValueError("scalable_power does not truncate; its candidates are drawn at candidate_temperature")
     for name in ("n", "n_chains", "max_new_tokens"):
         if name in hp and (not isinstance(hp[name], int) or isinstance(hp[name], bool) or hp[name] < 1):
             raise ValueError(f"{name} must be a positive integer, got {hp[name]!r}")
@@ -195,6 +219,22 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], metho
                         top_k=hp["top_k"], top_p=hp["top_p"],
                         reference_quirks=bool(hp["reference_quirks"]))
         n, max_new = hp["n_chains"], mc.max_new_tokens
+    elif method in SMC_METHODS:
+        smc = SMCConfig(alpha=float(hp["alpha"]), beta=float(hp["beta"]), n_particles=hp["n_particles"],
+                        max_new_tokens=hp["max_new_tokens"], ramp_tokens=hp["ramp_tokens"],
+                        ess_threshold=float(hp["ess_threshold"]), resample_every=hp["resample_every"],
+                        lens=lens if hp["beta"] > 0 else None, eos_ids=eos_ids, top_k=hp["top_k"],
+                        top_p=hp["top_p"])
+        n, max_new = smc.n_particles, smc.max_new_tokens
+    elif method == "scalable_power":
+        temperature = hp["candidate_temperature"]
+        sps = SPSConfig(alpha=float(hp["alpha"]), max_new_tokens=hp["max_new_tokens"], block_len=hp["block_len"],
+                        candidate_pool=hp["candidate_pool"], candidates_kept=hp["candidates_kept"],
+                        rollouts=hp["rollouts"], rollout_horizon=hp["rollout_horizon"],
+                        jackknife=bool(hp["jackknife"]),
+                        candidate_temperature=None if temperature is None else float(temperature),
+                        eos_ids=eos_ids)
+        n, max_new = 1, sps.max_new_tokens
     else:
         temperature = 0.0 if method == "greedy" else float(hp["temperature"])
         spec = SamplerSpec(temperature=temperature, top_k=hp["top_k"], top_p=hp["top_p"],
@@ -223,6 +263,8 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], metho
             raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
         keys = jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
     acceptance = None
+    diagnostics = [None] * len(prompts)
+    extra_counters: dict[str, int] = {}
     if method in MCMC_METHODS:
         acceptance = [[] for _ in range(rows)]
         bar = tqdm(range(mc.num_blocks), desc=method, unit="block", disable=not progress)
@@ -235,6 +277,26 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], metho
             if bool(jax.device_get(state.ended).all()):
                 break
         probed = mc.beta > 0
+    elif method in SMC_METHODS:
+        bar = tqdm(total=max_new + 1, desc=method, unit="step", disable=not progress)
+        particles = run_smc(model, params, state, keys, smc, progress=lambda steps: bar.update(steps - bar.n))
+        bar.close()
+        weights, log_z, picked = jax.device_get(final_weights(particles, keys, n))
+        ess, resamples, copied = jax.device_get((particles.ess, particles.resamples, particles.copied_rows))
+        state = particles.gen
+        diagnostics = [dict(log_evidence=float(log_z[i]), ess=[float(e) for e in ess[i] if np.isfinite(e)],
+                            resamples=int(resamples[i]), copied_rows=int(copied[i]))
+                       for i in range(len(prompts))]
+        extra_counters = dict(copied_rows=int(copied.sum()))
+        probed = smc.beta > 0
+    elif method == "scalable_power":
+        bar = tqdm(total=sps.num_blocks, desc=method, unit="block", disable=not progress)
+        state, rollouts = run_sps(model, params, state, keys, sps, progress=lambda blocks: bar.update(blocks - bar.n))
+        bar.close()
+        rollouts = jax.device_get(rollouts)
+        diagnostics = [dict(rollouts=int(r)) for r in rollouts]
+        extra_counters = dict(rollouts=int(rollouts.sum()))
+        probed = False
     else:
         limit = state.prompt_len + max_new
         bar = tqdm(total=max_new + 1, desc=method, unit="step", disable=not progress)
@@ -245,10 +307,16 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], metho
     t2 = time.perf_counter()
 
     pool = _candidates(state, model.num_layers, probed, acceptance)
-    outputs = [Output(chosen=_choose(method, pool[i * n:(i + 1) * n], hp),
-                      candidates=pool[i * n:(i + 1) * n]) for i in range(len(prompts))]
+    if method in SMC_METHODS:
+        for cand, w in zip(pool, weights.reshape(-1)):
+            cand.weight = float(w)
+        chosen = [pool[i * n + int(picked[i])] for i in range(len(prompts))]
+    else:
+        chosen = [_choose(method, pool[i * n:(i + 1) * n], hp) for i in range(len(prompts))]
+    outputs = [Output(chosen=chosen[i], candidates=pool[i * n:(i + 1) * n], diagnostics=diagnostics[i])
+               for i in range(len(prompts))]
     return DecodeResult(method=method, hyperparameters=hp, outputs=outputs,
-                        counters=_counters(state),
+                        counters={**_counters(state), **extra_counters},
                         seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))
 
 
