@@ -23,6 +23,9 @@ SHAPES = {
                        num_kv_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
                         num_kv_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    # For checking the benchmark scripts on CPU.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                 vocab_size=512, tie_word_embeddings=False),
 }
 
 
