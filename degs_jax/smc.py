@@ -84,7 +84,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import GenState, SamplerSpec, decode_step
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
 from .lens import LensConfig, sequence_depth
 from .model_api import CausalLM
 
@@ -102,39 +102,44 @@ CHOICE_STREAM = 2  # first row key: the final draw of the returned particle
 @dataclasses.dataclass(frozen=True)
 class SMCConfig:
     """Hyperparameters of Power-SMC / DEGS-SMC (static: part of the compiled program).
+    The decoders' defaults (`decoders.DEFAULTS`) and where they come from are given per
+    field; the Power-SMC paper's text was not reachable from here, so its public code
+    (ArminAzizi98/Power-SMC: `SMCSamplingConfig`, the MATH500 script `power_samp_math.py`,
+    the README) and the DEGS paper stand in for it.
 
     alpha: power of p (proposal temperature 1/alpha). Default 4: the DEGS paper's setting
-      for every power-sampling method (Power-SMC's own default config uses 2.0; its MATH500
-      script sets alpha = 1/temperature = 4).
+      for every power-sampling baseline; Power-SMC's MATH500 script sets alpha = 1/0.25
+      (its config default is 2).
     beta: weight of D(x); 0 is Power-SMC (no probing), > 0 DEGS-SMC (needs `lens`).
-    n_particles: N per prompt. Default 16: the DEGS paper's Power-SMC budget (its Table 1,
-      "N=16") and the issue's matched budget (the Power-SMC code's defaults are 32/64).
-    max_new_tokens: the budget T. Default 3072: the Power-SMC code's default and the
-      MCMC schedule's 16 × 192.
-    ramp_tokens: R of the exponent ramp r_t = min(t, R)/R (0: no ramp). Default 400: the
-      Power-SMC code's `alpha_ramp_tokens` (config default, used by its MATH500 script).
-    ess_threshold: resample when ESS < ess_threshold · N. Default 0.5 (Power-SMC paper,
-      code and the issue).
-    resample_every: check the ESS every this many tokens. Default 64: the Power-SMC
-      MATH500 script's `block_size` (its config default is 128).
+      Default 5 for degs_smc (DEGS-MCMC's beta, DESIGN §4).
+    n_particles: N per prompt. Default 16: the DEGS paper's Power-SMC budget (its Table 1
+      "N=16") and the issue's matched budget (the Power-SMC code uses 32 / 64).
+    max_new_tokens: the budget T. Default 3072: Power-SMC's config and MATH500 script,
+      and the MCMC schedule's 16 × 192.
+    ramp_tokens: R of the exponent ramp r_t = min(t, R)/R (0: no ramp). Default 400:
+      Power-SMC's `alpha_ramp_tokens` (config default, not overridden by its scripts).
+    ess_threshold: resample when ESS < ess_threshold · N. Default 0.5 (Power-SMC's
+      config, README and scripts; the issue).
+    resample_every: check the ESS every this many tokens. Default 64: Power-SMC's
+      `block_size` in its MATH500 script and README example (config default 128).
     lens: LensConfig for D(x) (required when beta > 0).
     eos_ids: tokens that end a completion.
     top_k / top_p: optional truncation of q (log q is then the truncated density, so the
       weights stay exact for p^alpha restricted to q's support). Default off; the
-      Power-SMC code truncates at top_p = 0.9 by default.
+      Power-SMC code truncates at top_p = 0.9 by default, its MATH500 script too.
     """
 
-    alpha: float = 4.0
-    beta: float = 0.0
-    n_particles: int = 16
-    max_new_tokens: int = 3072
-    ramp_tokens: int = 400
-    ess_threshold: float = 0.5
-    resample_every: int = 64
+    alpha: float
+    beta: float
+    n_particles: int
+    max_new_tokens: int
+    ramp_tokens: int
+    ess_threshold: float
+    resample_every: int
     lens: Optional[LensConfig] = None
     eos_ids: tuple[int, ...] = ()
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int = NO_TOP_K
+    top_p: float = NO_TOP_P
 
     def __post_init__(self):
         if not self.alpha >= 1.0:

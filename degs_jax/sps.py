@@ -69,32 +69,35 @@ CHOICE_STREAM = 2  # the draw of the block
 class SPSConfig:
     """Hyperparameters of Scalable Power Sampling (static: part of the compiled program).
 
-    Defaults: the issue's values "as the SPS paper", matching the defaults of the public
-    port jeffhernandez1995/reasoning-with-sampling (`power_samp_math_approx.py`: top_k 8,
+    The decoders' defaults (`decoders.DEFAULTS`): alpha 4 (the paper's T = 1/alpha = 0.25,
+    the DEGS paper's Table 1), T = 3072, B = 192, L = 32, K = 8, M = 8, H = 192, jackknife
+    on: the issue's values "as the SPS paper", equal to the defaults of the public port
+    jeffhernandez1995/reasoning-with-sampling (`power_samp_math_approx.py`: top_k 8,
     candidate_pool_size 32, rollouts_per_candidate 8, lookahead_tokens 192, block_size 192,
-    jackknife on); felix-cfzhou/Reasoning-with-Sampling uses the same K, M, H and block
-    length with 64 candidates. The paper's own text was not reachable from here.
+    use_jackknife); felix-cfzhou/Reasoning-with-Sampling (`tmc.py`, "Alg. 2") uses the same
+    K, M, H and B with 64 candidates. The paper's own text was not reachable from here.
 
-    alpha: power of p (the paper's T = 1/alpha = 0.25).
-    max_new_tokens: the token budget T (3072, as every other decoder).
-    block_len: B, tokens per block; 1 is the token form (K most likely next tokens).
+    alpha: power of p.
+    max_new_tokens: the token budget T.
+    block_len: B, tokens per block; 1 is the token form (the K most likely next tokens).
     candidate_pool: L candidate blocks sampled per block (block form).
     candidates_kept: K distinct candidates kept (the most likely under p).
     rollouts: M rollouts per kept candidate.
     rollout_horizon: H, the rollouts' length cap (they also stop at EOS and the budget).
     jackknife: use the jackknife-corrected probabilities (else the plain ratio p_hat).
-    candidate_temperature: temperature of the candidate blocks; None is 1/alpha.
+    candidate_temperature: temperature of the candidate blocks; None is 1/alpha (both
+      public ports; the issue says "from p", i.e. 1: choose it here).
     eos_ids: tokens that end a completion.
     """
 
-    alpha: float = 4.0
-    max_new_tokens: int = 3072
-    block_len: int = 192
-    candidate_pool: int = 32
-    candidates_kept: int = 8
-    rollouts: int = 8
-    rollout_horizon: int = 192
-    jackknife: bool = True
+    alpha: float
+    max_new_tokens: int
+    block_len: int
+    candidate_pool: int
+    candidates_kept: int
+    rollouts: int
+    rollout_horizon: int
+    jackknife: bool
     candidate_temperature: Optional[float] = None
     eos_ids: tuple[int, ...] = ()
 

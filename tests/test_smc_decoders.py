@@ -153,7 +153,8 @@ def test_prompt_alone_equals_batch(eos_model, method):
     (dict(beta=1.0), "beta > 0 needs a LensConfig"),
 ])
 def test_smc_config_validation(kwargs, match):
-    base = dict(alpha=4.0, n_particles=4, max_new_tokens=8, ramp_tokens=4, ess_threshold=0.5, resample_every=2)
+    base = dict(alpha=4.0, beta=0.0, n_particles=4, max_new_tokens=8, ramp_tokens=4, ess_threshold=0.5,
+                resample_every=2)
     with pytest.raises(ValueError, match=match):
         SMCConfig(**{**base, **kwargs})
 
@@ -164,8 +165,10 @@ def test_smc_config_validation(kwargs, match):
     (dict(candidate_temperature=0.0), "candidate_temperature must be > 0"),
 ])
 def test_sps_config_validation(kwargs, match):
+    base = dict(alpha=4.0, max_new_tokens=64, block_len=16, candidate_pool=32, candidates_kept=8, rollouts=8,
+                rollout_horizon=16, jackknife=True)
     with pytest.raises(ValueError, match=match):
-        SPSConfig(**kwargs)
+        SPSConfig(**{**base, **kwargs})
 
 
 @pytest.mark.parametrize("method,kwargs,match", [

@@ -94,8 +94,8 @@ def sps_config(block_len, **kw):
     # cover all 13 two-token blocks (checked), K = 16 keeps them all.
     kept = 4 if block_len == 1 else 16
     return SPSConfig(alpha=ALPHA, max_new_tokens=BUDGET, block_len=block_len, candidate_pool=128,
-                     candidates_kept=kept, rollouts=256, rollout_horizon=BUDGET, candidate_temperature=3.0,
-                     eos_ids=(EOS,), **kw)
+                     candidates_kept=kept, rollouts=256, rollout_horizon=BUDGET, jackknife=True,
+                     candidate_temperature=3.0, eos_ids=(EOS,), **kw)
 
 
 def tv_to_marginal(model, power_target, sps):
