@@ -108,9 +108,10 @@ def test_resampled_particles_keep_the_models_statistics(model, monkeypatch, cach
 
 @pytest.mark.parametrize("method", NEW_METHODS)
 def test_same_key_bitwise_different_key_differs(eos_model, method):
-    first = run(eos_model, method, key=jax.random.key(0))
-    again = run(eos_model, method, key=jax.random.key(0))
-    other = run(eos_model, method, key=jax.random.key(1))
+    # PROMPTS6: the shapes of test_prompt_alone_equals_batch's batch (one compilation).
+    first = run(eos_model, method, PROMPTS6, key=jax.random.key(0))
+    again = run(eos_model, method, PROMPTS6, key=jax.random.key(0))
+    other = run(eos_model, method, PROMPTS6, key=jax.random.key(1))
     assert summary(first) == summary(again), "same key, different output"
     assert first.counters == again.counters
     assert summary(first) != summary(other), "different keys, identical output"
