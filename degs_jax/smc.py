@@ -331,21 +331,23 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
 
     state = jax.lax.while_loop(lambda s: jnp.any(s.live) & (s.step < stop), body, state)
 
-    def check(s: SMCState) -> SMCState:
-        ess = effective_sample_size(s.log_weight, n)
-        any_live = jnp.any(s.live.reshape(-1, n), axis=1)
-        c = s.step // smc.resample_every - 1
-        s = dataclasses.replace(s, ess=s.ess.at[:, c].set(jnp.where(any_live, ess, jnp.nan)))
-        need = any_live & (ess < smc.ess_threshold * n)
-        first_keys = keys.reshape(-1, n)[:, 0]
-        uniform = jax.vmap(jax.random.uniform)(_stream(first_keys, RESAMPLE_STREAM, c))
-        ancestors = systematic_ancestors(s.log_weight.reshape(-1, n), uniform)
-        mean_w = _prompt_logsumexp(s.log_weight, n) - jnp.log(n)
-        s = dataclasses.replace(s, log_evidence=s.log_evidence + jnp.where(need, mean_w, 0.0))
-        return jax.lax.cond(jnp.any(need), lambda: resample(s, need, ancestors, n), lambda: s)
-
+    # The ESS check, as masked arithmetic rather than a lax.cond: a conditional whose
+    # branches return the whole state could make XLA copy the KV cache; here nothing is
+    # copied unless rows are resampled (the copy loop then runs over those rows only).
     at_check = (state.step == stop) & (state.step // smc.resample_every <= smc.num_checks)
-    return jax.lax.cond(at_check, check, lambda s: s, state)
+    ess = effective_sample_size(state.log_weight, n)
+    any_live = jnp.any(state.live.reshape(-1, n), axis=1)
+    c = jnp.clip(state.step // smc.resample_every - 1, 0, max(smc.num_checks - 1, 0))
+    record = jnp.where(any_live, ess, jnp.nan)
+    if smc.num_checks:
+        state = dataclasses.replace(state, ess=state.ess.at[:, c].set(jnp.where(at_check, record, state.ess[:, c])))
+    need = at_check & any_live & (ess < smc.ess_threshold * n)
+    first_keys = keys.reshape(-1, n)[:, 0]
+    uniform = jax.vmap(jax.random.uniform)(_stream(first_keys, RESAMPLE_STREAM, c))
+    ancestors = systematic_ancestors(state.log_weight.reshape(-1, n), uniform)
+    mean_w = _prompt_logsumexp(state.log_weight, n) - jnp.log(n)
+    state = dataclasses.replace(state, log_evidence=state.log_evidence + jnp.where(need, mean_w, 0.0))
+    return resample(state, need, ancestors, n)
 
 
 def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCConfig,

@@ -5,8 +5,8 @@ bad hyperparameters are one clear error. Well-formedness and counters of the dec
 outputs (scores re-derived by teacher-forced scoring) are in test_decoders.py; exactness
 in test_smc_exactness.py and test_sps.py.
 
-Tolerances: per-token log p / log q / H_L from the cached decode step and from an
-uncached full forward differ by fp32 summation order only (a few ulps of values ~1-10),
+Tolerances: per-token log p / log q / H_L from the cached decode step and from the
+teacher-forced pass differ by fp32 summation order only (a few ulps of values ~1-10),
 hence 1e-4; d_t are integers and must agree exactly.
 """
 
@@ -21,12 +21,12 @@ from degs_jax import smc as smc_mod
 from degs_jax.cli import _hyperparameters, build_parser
 from degs_jax.decoders import decode, resolve_hyperparameters
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
-from degs_jax.lens import collapse_depth
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward
+from degs_jax.scoring import token_stats
 from degs_jax.smc import SMCConfig, run_smc
 from degs_jax.sps import SPSConfig
-from test_decoders import HP, LENS, LSUB, PROMPTS, PROMPTS6, eos_model, model  # noqa: F401
+from test_decoders import HP, LENS, PROMPTS, PROMPTS6, eos_model, model  # noqa: F401
 
 NEW_METHODS = ("power_smc", "degs_smc", "scalable_power")
 
@@ -44,21 +44,18 @@ def summary(result):
 # ------------------------------------------------------------------ stored statistics after resampling
 
 
-def teacher_forced(model, tokens, length, prompt_len, alpha):
-    """Per-slot log p, log q (untruncated proposal at temperature 1/alpha), d_t and H_L of
-    one sequence from an uncached forward; slot t holds the value for token t (log p, log q)
-    or for the residual at t (d_t, H_L)."""
+def teacher_forced(model, tokens, length, alpha):
+    """Per-slot log p, d_t and H_L of one sequence from the package's teacher-forced pass
+    (`scoring.token_stats`), and log q (untruncated proposal at temperature 1/alpha) from an
+    uncached forward; slot t holds the value of token t (log p, log q) or of the residual
+    at t (d_t, H_L)."""
     cfg, params = model
     toks = jnp.asarray(tokens[None, :length])
-    out = forward(params, cfg, toks, jnp.arange(length)[None], lens_layers=LSUB)
-    lp_all = jax.nn.log_softmax(out.logits[0], -1)  # row t predicts token t + 1
-    lq_all = jax.nn.log_softmax(alpha * lp_all, -1)
-    nxt = toks[0, 1:]
-    logp = np.concatenate([[0.0], np.asarray(jnp.take_along_axis(lp_all[:-1], nxt[:, None], 1)[:, 0])])
-    logq = np.concatenate([[0.0], np.asarray(jnp.take_along_axis(lq_all[:-1], nxt[:, None], 1)[:, 0])])
-    depth = np.asarray(collapse_depth(out.lens.entropy[:, 0], LSUB, cfg.num_layers, LENS.tau))
-    h_final = np.asarray(-jnp.sum(jnp.exp(lp_all) * lp_all, -1))
-    return logp, logq, depth, h_final
+    stats = jax.device_get(token_stats(TransformerLM(cfg), params, toks, LENS))
+    lp_all = jax.nn.log_softmax(forward(params, cfg, toks, jnp.arange(length)[None]).logits[0], -1)
+    lq_next = jnp.take_along_axis(jax.nn.log_softmax(alpha * lp_all[:-1], -1), toks[0, 1:, None], 1)[:, 0]
+    logq = np.concatenate([[0.0], np.asarray(lq_next)])
+    return stats.logp[0], logq, stats.depth[0], stats.final_entropy[0]
 
 
 def _cache_not_copied(cache, source, copy, axis):
@@ -92,7 +89,7 @@ def test_resampled_particles_keep_the_models_statistics(model, monkeypatch, cach
     for r in range(g.tokens.shape[0]):
         P, n = int(g.prompt_len[r]), int(g.length[r])
         assert n == P + 8
-        logp, logq, depth, h_final = teacher_forced(model, g.tokens[r], n, P, smc.alpha)
+        logp, logq, depth, h_final = teacher_forced(model, g.tokens[r], n, smc.alpha)
         span = slice(P, n)
         worst = max(worst, np.abs(g.logp[r, span] - logp[span]).max(), np.abs(g.logq[r, span] - logq[span]).max(),
                     np.abs(g.final_entropy[r, span] - h_final[span]).max(),
