@@ -24,7 +24,7 @@ in a subprocess (before JAX takes the GPU), one untimed warm-up problem of 8 tok
 problems until `--reference-problems` or `--reference-seconds`; its seconds per problem
 are the mean over those problems (an extrapolation to the whole set, stated as such).
 
-    python bench/smc_workload.py --reference /path/to/smc_samp_utils.py
+    python bench/smc_workload.py --reference .reference/smc_samp_utils.py
 
 Prints JSON records (and appends them to $OUT/smc.jsonl when $OUT is set).
 """
