@@ -161,37 +161,24 @@ def run_reference_subprocess(args) -> dict | None:
 
 
 def method_configs(method: str, args, num_layers: int):
-    """The decoder's config for this workload: the decoders' defaults with the budget,
-    EOS suppressed (as `decode` builds it)."""
-    from degs_jax.decoders import resolve_hyperparameters
-    from degs_jax.lens import LensConfig, default_lsub
-    from degs_jax.mcmc import MCMCConfig
-    from degs_jax.smc import SMCConfig
-    from degs_jax.sps import SPSConfig
+    """The decoder's hyperparameters for this workload (its defaults with the budget) and
+    its kernel config, EOS suppressed (no eos_ids), as `decode` builds it."""
+    from degs_jax.hyperparameters import hyperparameters_for
 
-    lens = LensConfig(lsub=default_lsub(num_layers))
     if method in ("power_smc", "degs_smc", "power_smc_resample_every_check"):
         always = method == "power_smc_resample_every_check"
-        hp = resolve_hyperparameters("power_smc" if always else method, dict(
-            max_new_tokens=args.new_tokens, n_particles=args.particles, alpha=args.alpha,
-            ramp_tokens=args.ramp_tokens, resample_every=args.resample_every,
-            **(dict(ess_threshold=1.0) if always else {})))
-        return hp, SMCConfig(alpha=hp["alpha"], beta=hp["beta"], n_particles=hp["n_particles"],
-                             max_new_tokens=hp["max_new_tokens"], ramp_tokens=hp["ramp_tokens"],
-                             ess_threshold=hp["ess_threshold"], resample_every=hp["resample_every"],
-                             lens=lens if hp["beta"] > 0 else None)
+        config = hyperparameters_for(
+            "power_smc" if always else method, max_new_tokens=args.new_tokens, n_particles=args.particles,
+            alpha=args.alpha, ramp_tokens=args.ramp_tokens, resample_every=args.resample_every,
+            **(dict(ess_threshold=1.0) if always else {}))
+        return config.to_dict(), config.smc_config(num_layers, ())
     if method == "scalable_power":
-        hp = resolve_hyperparameters(method, dict(max_new_tokens=args.new_tokens, alpha=args.alpha,
-                                                  block_len=args.block_len, rollout_horizon=args.block_len))
-        return hp, SPSConfig(alpha=hp["alpha"], max_new_tokens=hp["max_new_tokens"], block_len=hp["block_len"],
-                             candidate_pool=hp["candidate_pool"], candidates_kept=hp["candidates_kept"],
-                             rollouts=hp["rollouts"], rollout_horizon=hp["rollout_horizon"],
-                             jackknife=hp["jackknife"])
+        config = hyperparameters_for(method, max_new_tokens=args.new_tokens, alpha=args.alpha,
+                                     block_len=args.block_len, rollout_horizon=args.block_len)
+        return config.to_dict(), config.sps_config(())
     blocks = -(-args.new_tokens // args.block_len)
-    hp = resolve_hyperparameters(method, dict(block_len=args.block_len, num_blocks=blocks, alpha=args.alpha))
-    return hp, MCMCConfig(alpha=hp["alpha"], beta=hp["beta"], block_len=hp["block_len"],
-                          num_blocks=hp["num_blocks"], mh_steps=hp["mh_steps"],
-                          lens=lens if hp["beta"] > 0 else None)
+    config = hyperparameters_for(method, block_len=args.block_len, num_blocks=blocks, alpha=args.alpha)
+    return config.to_dict(), config.mcmc_config(num_layers, ())
 
 
 def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: int) -> dict:

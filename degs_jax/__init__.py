@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
-from .decoders import METHODS, DecodeResult, decode, sample  # noqa: E402
+from .decoders import DecodeResult, decode  # noqa: E402
+from .hyperparameters import METHODS  # noqa: E402
+from .text import sample  # noqa: E402
 
 __all__ = ["METHODS", "DecodeResult", "decode", "sample", "__version__"]

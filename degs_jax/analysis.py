@@ -18,7 +18,9 @@ Statistics over a pool of graded candidates, each with a score ``D(x)`` and a ve
 and writes ``analysis.json`` and ``analysis.png``; ``lsub_sweep`` re-scores the kept
 candidates with :func:`degs_jax.scoring.score_sequences` for each probe set ``L_sub`` and
 reports the predictive statistics and DEGS-rerank accuracy per set (the paper's L_sub
-table). Nothing here imports JAX except ``lsub_sweep`` (lazily).
+table). Nothing here imports JAX except ``lsub_sweep``, nor the evaluation harness
+(``degs_jax.eval``) at load time: the functions that read run directories or re-score
+import it lazily; ``degs_jax.eval`` never imports this module (the CLI does).
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats as _stats
-
-from degs_jax.eval.results import wilson_interval, write_json
 
 __all__ = [
     "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
@@ -164,6 +164,8 @@ class BucketStat:
 def bucket_accuracy(scores: Sequence[float], labels: Sequence[bool],
                     n_buckets: int = 4) -> list[BucketStat]:
     """Accuracy by score quantile bucket (quartiles by default); see the module docstring."""
+    from degs_jax.eval.results import wilson_interval
+
     if n_buckets < 1:
         raise ValueError(f"n_buckets must be positive, got {n_buckets}")
     scores = np.asarray(scores, np.float64)
@@ -277,14 +279,14 @@ def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     """(run.json, result records) of a ``degs eval`` directory."""
+    from degs_jax.eval.results import read_json, read_records
+
     run_dir = Path(run_dir)
     run_file, results = run_dir / "run.json", run_dir / "results.jsonl"
     if not run_file.exists() or not results.exists():
         raise FileNotFoundError(f"{run_dir} is not a `degs eval` directory (needs run.json and "
                                 "results.jsonl)")
-    run = json.loads(run_file.read_text())
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    return run, records
+    return read_json(run_file), read_records(results)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -381,6 +383,8 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
                 n_buckets: int = 4, quiet: bool = False) -> dict[str, Any]:
     """Predictive validity of D(x) on a ``degs eval`` run: prints the report and writes
     ``analysis.json`` and ``analysis.png`` into ``out_dir`` (default ``run_dir``)."""
+    from degs_jax.eval.results import write_json
+
     run, records = load_run(run_dir)
     pool = pool_from_records(records)
     stats = predictive_validity(pool, n_buckets=n_buckets)
@@ -443,20 +447,27 @@ def decode_tokens(candidate: Mapping[str, Any]) -> list[int]:
 def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[int]], *,
                alpha: Optional[float] = None, beta: Optional[float] = None,
                batch_size: int = 8, out_dir: str | os.PathLike | None = None,
-               data_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict[str, Any]:
+               data_dir: str | os.PathLike | None = None, quiet: bool = False,
+               lenses: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Re-score every kept candidate of a run with each probe set and report, per set, the
     predictive statistics of D(x) and the accuracy of DEGS reranking
     (argmax ``alpha·log p + beta·D``, log p as recorded at generation).
 
-    alpha/beta default to the run's own (degs_rerank runs) or 4 and 5. Also reports the
+    lenses: name -> lens to read the layers with (None: the logit lens; a
+    ``train.tuned_lens.TunedLens``); every probe set is scored under each, one row per
+    (lens, set). Default: the logit lens only.
+
+    alpha/beta default to the run's own (degs_rerank runs), else degs_rerank's defaults. Also reports the
     likelihood-only (Best-of-N) and depth-only choices and the oracle (any candidate
     correct) for reference. Writes ``lsub_sweep.json`` into ``out_dir`` (default the run).
     """
-    from degs_jax.decoders import eos_ids_of
+    from degs_jax.text import eos_ids_of
     from degs_jax.eval import load_benchmark
+    from degs_jax.eval.results import write_json
     from degs_jax.eval.runner import problem_prompt_ids
+    from degs_jax.hyperparameters import DegsRerank
     from degs_jax.lens import LensConfig
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.model_api import TransformerLM, with_tuned_lens
     from degs_jax.scoring import score_sequences
 
     run, records = load_run(run_dir)
@@ -467,11 +478,12 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     if cfg_run["model"]["name"] != model.name or cfg_run["model"]["num_layers"] != model.cfg.num_layers:
         raise ValueError(f"the run used model {cfg_run['model']['name']!r}; --model gave {model.name!r}")
     hp = cfg_run["hyperparameters"]
-    alpha = float(hp.get("alpha", 4.0) if alpha is None and cfg_run["method"] == "degs_rerank"
-                  else 4.0 if alpha is None else alpha)
-    beta = float(hp.get("beta", 5.0) if beta is None and cfg_run["method"] == "degs_rerank"
-                 else 5.0 if beta is None else beta)
-    tau = float(hp.get("tau", 0.25))
+    rerank = DegsRerank()  # the defaults
+    alpha = float(hp.get("alpha", rerank.alpha) if alpha is None and cfg_run["method"] == "degs_rerank"
+                  else rerank.alpha if alpha is None else alpha)
+    beta = float(hp.get("beta", rerank.beta) if beta is None and cfg_run["method"] == "degs_rerank"
+                 else rerank.beta if beta is None else beta)
+    tau = float(hp.get("tau", rerank.tau))
     problems = {p.id: p for p in load_benchmark(cfg_run["benchmark"], data_dir=data_dir)}
     prompts, completions, owner = [], [], []
     for r in records:
@@ -490,20 +502,21 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
         "mean_candidate": float(base.correct.mean()),
     }
     rows = []
-    for lsub in lsub_sets:
+    lenses = {"logit": None} if lenses is None else dict(lenses)
+    for (lens_name, tuned), lsub in ((item, lsub) for item in lenses.items() for lsub in lsub_sets):
         lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.cfg.num_layers)
         # Compile outside the timing (first batch once); the timed pass is warm.
-        lm = TransformerLM(model.cfg)
-        score_sequences(lm, model.params, prompts[:batch_size], completions[:batch_size],
+        lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned)
+        score_sequences(lm, params, prompts[:batch_size], completions[:batch_size],
                         lens, eos, batch_size=batch_size)
         t0 = time.perf_counter()
-        scored = score_sequences(lm, model.params, prompts, completions, lens, eos,
+        scored = score_sequences(lm, params, prompts, completions, lens, eos,
                                  batch_size=batch_size)
         seconds = time.perf_counter() - t0
         d = np.array([s["depth"] for s in scored])
         stats = predictive_validity(base, scores=d)
         rows.append({
-            "lsub": list(lsub), "K": len(lsub),
+            "lens": lens_name, "lsub": list(lsub), "K": len(lsub),
             "probe_forward_equivalents_per_token": len(lsub) / model.cfg.num_layers,
             "seconds": seconds,
             "auc": stats["auc"], "spearman_rho": stats["spearman_rho"], "gap": stats["gap"],
@@ -532,7 +545,7 @@ def format_lsub_table(result: Mapping[str, Any]) -> str:
         f"DEGS rerank = argmax {result['alpha']:g}·log p + {result['beta']:g}·D, tau {result['tau']:g}",
         f"reference: Best-of-N (log p) {_fmt(ref['best_of_n'])}, oracle {_fmt(ref['oracle'])}, "
         f"mean candidate {_fmt(ref['mean_candidate'])}",
-        f"{'L_sub':<28} {'K':>3} {'K/L':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
+        f"{'lens':<6} {'L_sub':<28} {'K':>3} {'K/L':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
         f"{'DEGS rerank':>11} {'depth-only':>10} {'mean D':>7} {'seconds':>8}",
     ]
     for r in result["rows"]:
@@ -540,7 +553,7 @@ def format_lsub_table(result: Mapping[str, Any]) -> str:
         if len(lsub) > 28:
             lsub = "{" + f"{r['lsub'][0]},...,{r['lsub'][-1]}" + "}"
         lines.append(
-            f"{lsub:<28} {r['K']:>3} {r['probe_forward_equivalents_per_token']:>6.3f} "
+            f"{r.get('lens', 'logit'):<6} {lsub:<28} {r['K']:>3} {r['probe_forward_equivalents_per_token']:>6.3f} "
             f"{_fmt(r['auc']):>6} {_fmt(r['pairwise_accuracy']):>8} {_fmt(r['spearman_rho']):>7} "
             f"{_fmt(r['degs_rerank_accuracy']):>11} {_fmt(r['depth_only_accuracy']):>10} "
             f"{r['mean_D']:>7.4f} {r['seconds']:>8.1f}")

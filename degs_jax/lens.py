@@ -107,9 +107,12 @@ class LensConfig:
         object.__setattr__(self, "tau", validate_tau(self.tau))
 
     @classmethod
-    def default(cls, num_layers: int, tau: float = DEFAULT_TAU) -> "LensConfig":
-        """The default L_sub of a model with `num_layers` blocks, with the given tau."""
-        return cls(lsub=default_lsub(num_layers), tau=tau)
+    def default(cls, num_layers: int, tau: float = DEFAULT_TAU,
+                lsub: Optional[Sequence[int]] = None) -> "LensConfig":
+        """The LensConfig of a model with `num_layers` blocks: `lsub` (None: the default
+        grid `default_lsub(num_layers)`) checked against the model, and `tau`."""
+        lsub = default_lsub(num_layers) if lsub is None else lsub
+        return cls(lsub=lsub, tau=tau).validate_for(num_layers)
 
     def validate_for(self, num_layers: int) -> "LensConfig":
         """Raise ValueError unless every probed layer is in 1..num_layers; returns self."""

@@ -325,3 +325,40 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
 # state it passed, nor pass arrays that belong to it as other arguments).
 mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", "mc"),
                               donate_argnames=("state",))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["state", "block", "accepted", "ran"], meta_fields=[])
+@dataclasses.dataclass
+class ChainRun:
+    """The carry of `run_chains`' loop over blocks, and its result."""
+
+    state: GenState
+    block: Array  # int32 scalar: blocks run so far
+    accepted: Array  # [B, num_blocks] int32: accepted MH steps per row and block
+    ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "mc"))
+def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
+               mc: MCMCConfig) -> ChainRun:
+    """Every block of the chain in one jitted `lax.while_loop` over blocks (stopping when
+    every row has ended): the traceable counterpart of a host loop over `mcmc_block`,
+    with the same draws. Jit- and vmap-able (under vmap the loop runs until every
+    instance is done; finished ones are left unchanged). `state` is not donated."""
+    B = state.length.shape[0]
+
+    def keep_going(run: ChainRun):
+        return (run.block < mc.num_blocks) & jnp.any(~run.state.ended)
+
+    def body(run: ChainRun) -> ChainRun:
+        with jax.named_scope("block"):
+            state, accepted, active = mcmc_block(model, params, run.state, keys, run.block, mc)
+        return ChainRun(state=state, block=run.block + 1,
+                        accepted=run.accepted.at[:, run.block].set(accepted),
+                        ran=run.ran.at[:, run.block].set(active))
+
+    start = ChainRun(state=state, block=jnp.int32(0),
+                     accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
+                     ran=jnp.zeros((B, mc.num_blocks), bool))
+    return jax.lax.while_loop(keep_going, body, start)

@@ -128,13 +128,53 @@ class TransformerLM(CausalLM):
 
     def step(self, params: Params, tokens: Array, positions: Array, cache: Any,
              lens_layers: tuple[int, ...] = ()) -> StepOutput:
-        out = forward(params, self.cfg, tokens, positions, cache, lens_layers=tuple(lens_layers),
-                      lens_chunk=self.lens_chunk)
+        return self._forward(params, tokens, positions, cache, tuple(lens_layers), None)
+
+    def _forward(self, params: Params, tokens: Array, positions: Array, cache: Any,
+                 lens_layers: tuple[int, ...], translators) -> StepOutput:
+        out = forward(params, self.cfg, tokens, positions, cache, lens_layers=lens_layers,
+                      lens_chunk=self.lens_chunk, lens_translators=translators)
         return StepOutput(logits=out.logits, cache=out.cache,
                           layer_entropy=None if out.lens is None else out.lens.entropy)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
         return init_cache(self.cfg, batch, max_len, dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["model", "lens"], meta_fields=[])
+@dataclasses.dataclass
+class TunedLensParams:
+    """The parameters of a `TunedTransformerLM`: the model's, and a tuned lens (any
+    pytree with `translators_for(lens_layers)` returning `LensTranslators`, e.g.
+    `degs_jax.train.tuned_lens.TunedLens`)."""
+
+    model: Params
+    lens: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedTransformerLM(TransformerLM):
+    """`TransformerLM` whose lens reads the residuals through a tuned lens (Belrose et
+    al. 2023): the step translates the residual of every probed layer l to
+    h + h·W_l + b_l before the final norm and unembedding (layers without a translator,
+    layer L by default, stay the logit lens). The output logits are never translated,
+    so sampling, log p and log q are the plain model's; only d_t (and D(x)) change.
+    Parameters: `TunedLensParams`; build both with `with_tuned_lens`."""
+
+    def step(self, params: TunedLensParams, tokens: Array, positions: Array, cache: Any,
+             lens_layers: tuple[int, ...] = ()) -> StepOutput:
+        lens_layers = tuple(lens_layers)
+        translators = params.lens.translators_for(lens_layers) if lens_layers else None
+        return self._forward(params.model, tokens, positions, cache, lens_layers, translators)
+
+
+def with_tuned_lens(model: TransformerLM, params: Params,
+                    tuned_lens: Optional[Any]) -> tuple[TransformerLM, Any]:
+    """(model, params) that probe through `tuned_lens`; unchanged when it is None."""
+    if tuned_lens is None:
+        return model, params
+    return (TunedTransformerLM(cfg=model.cfg, lens_chunk=model.lens_chunk),
+            TunedLensParams(model=params, lens=tuned_lens))
 
 
 def params_dtype(params: Any):

@@ -102,7 +102,7 @@ CHOICE_STREAM = 2  # first row key: the final draw of the returned particle
 @dataclasses.dataclass(frozen=True)
 class SMCConfig:
     """Hyperparameters of Power-SMC / DEGS-SMC (static: part of the compiled program).
-    The decoders' defaults (`decoders.DEFAULTS`) and where they come from are given per
+    The decoders' defaults (`hyperparameters.SMCHyperparameters`) and their sources are given per
     field; the Power-SMC paper's text was not reachable from here, so its public code
     (ArminAzizi98/Power-SMC: `SMCSamplingConfig`, the MATH500 script `power_samp_math.py`,
     the README) and the DEGS paper stand in for it.

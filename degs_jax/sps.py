@@ -69,7 +69,7 @@ CHOICE_STREAM = 2  # the draw of the block
 class SPSConfig:
     """Hyperparameters of Scalable Power Sampling (static: part of the compiled program).
 
-    The decoders' defaults (`decoders.DEFAULTS`): alpha 4 (the paper's T = 1/alpha = 0.25,
+    The decoders' defaults (`hyperparameters.ScalablePower`): alpha 4 (the paper's T = 1/alpha = 0.25,
     the DEGS paper's Table 1), T = 3072, B = 192, L = 32, K = 8, M = 8, H = 192, jackknife
     on: the issue's values "as the SPS paper", equal to the defaults of the public port
     jeffhernandez1995/reasoning-with-sampling (`power_samp_math_approx.py`: top_k 8,

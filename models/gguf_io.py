@@ -12,6 +12,13 @@ files are written without that permutation. The result feeds
 Shapes: GGUF lists dimensions fastest-first (`ne` order, what `ReaderTensor.shape`
 shows); the numpy arrays the reader and `dequantize` return are row-major, i.e.
 already in HF order ([out, in] for linear weights).
+
+The tokenizer (`tokenizer_from_gguf`) is rebuilt from the file's own metadata with
+`tokenizers` alone (transformers' GGUF tokenizer path imports torch): a byte-level BPE
+over `tokenizer.ggml.tokens` / `merges`, split first by the regular expressions that
+llama.cpp's `llama-vocab.cpp` uses for the file's `tokenizer.ggml.pre` type, control
+tokens added as special tokens and user-defined ones as plain added tokens, the chat
+template from `tokenizer.chat_template`.
 """
 
 from __future__ import annotations
@@ -47,6 +54,25 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+# Pre-tokenizer splits per `tokenizer.ggml.pre`, applied in order (each to the pieces of
+# the previous one), as llama.cpp's `llama_vocab` does; each piece is then byte-level BPE
+# encoded. GPT-2's expression ends in `|\s+`, which llama.cpp leaves out because it keeps
+# unmatched text as pieces anyway; "isolated" splitting in `tokenizers` does the same.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "gpt2": (_GPT2_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one, as SmolLM2's own tokenizer
+    "qwen2": (_QWEN2_SPLIT,),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "llama3": (_LLAMA3_SPLIT,),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 class GGUFError(CheckpointError):
@@ -122,6 +148,57 @@ def config_from_gguf(reader) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+
+
+def tokenizer_from_gguf(reader):
+    """A `transformers.PreTrainedTokenizerFast` built from the GGUF's tokenizer metadata
+    (module docstring), without torch. GGUFError for tokenizer types it does not know
+    (name the file's `tokenizer.ggml.model` / `pre`)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    where = reader.data.filename
+    kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "gpt2")
+    if kind != "gpt2":
+        raise GGUFError(f"{where}: tokenizer model {kind!r} is not supported (only byte-level BPE, "
+                        "'gpt2'); load the model from its Hugging Face directory instead")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise GGUFError(f"{where}: pre-tokenizer {pre!r} is not supported (supported: "
+                        f"{', '.join(GGUF_PRE_TOKENIZERS)}); load the model from its Hugging Face "
+                        "directory instead")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise GGUFError(f"{where}: GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                     merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    special = {name: tokens[i] for name, i in (
+        (name, _field(reader, f"tokenizer.ggml.{key}_token_id"))
+        for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                          ("pad_token", "padding"))) if i is not None}
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and "bos_token" in special:
+        bos = special["bos_token"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control tokens (<|im_start|>...) are matched whole before BPE and skipped by
+    # decode(skip_special_tokens=True); user-defined ones (<tool_call>) are matched whole.
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t, k in zip(tokens, types) if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
+                          for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        wrapped.chat_template = template
+    return wrapped
 
 
 def hf_name(gguf_name: str) -> str:

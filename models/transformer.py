@@ -91,6 +91,27 @@ class LensStats:
 
 
 @_pytree_dataclass
+class LensTranslators:
+    """Affine maps applied to lensed residuals before the final norm (a tuned lens,
+    Belrose et al. 2023): row k maps the residual h of `lens_layers[k]` to
+    `h + h·weight[k] + bias[k]` (all zeros: the logit lens). Computed in fp32 and cast
+    back to the residual's dtype; the output logits are never translated."""
+
+    weight: Array  # [K, D, D] fp32
+    bias: Array  # [K, D] fp32
+
+
+def translate_residuals(h: Array, translators: LensTranslators) -> Array:
+    """`h + h·W_k + b_k` for every lensed row k. h: [K, ..., D]; returns h's dtype."""
+    h32 = h.astype(jnp.float32)
+    flat = h32.reshape(h.shape[0], -1, h.shape[-1])
+    moved = jnp.einsum("knd,kde->kne", flat, translators.weight,
+                       preferred_element_type=jnp.float32).reshape(h.shape)
+    bias = translators.bias.reshape((h.shape[0],) + (1,) * (h.ndim - 2) + (h.shape[-1],))
+    return (h32 + moved + bias).astype(h.dtype)
+
+
+@_pytree_dataclass
 class ForwardOutput:
     logits: Array  # [B, T, V] fp32 (or [B, 1, V] with logits_at)
     cache: Optional[KVCache]
@@ -312,11 +333,13 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     return logits, entropy, top, 1.0 / s, m + jnp.log(s)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk"))
+@functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk", "remat"))
 def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
             cache: Optional[KVCache] = None, capture: tuple[int, ...] = (),
             lens_layers: tuple[int, ...] = (), lens_chunk: Optional[int] = None,
-            logits_at: Optional[Array] = None) -> ForwardOutput:
+            logits_at: Optional[Array] = None,
+            lens_translators: Optional[LensTranslators] = None,
+            remat: bool = False) -> ForwardOutput:
     """Run the transformer on `tokens`.
 
     tokens, positions: [B, T] int32 (see the module docstring for padding).
@@ -330,6 +353,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
       (decode-sized) probes and 8192-token chunks otherwise (see streamed_head).
     logits_at: optional [B] int32 index into T; returns logits [B, 1, V] at those
       entries only (e.g. the last real prompt token of each row).
+    lens_translators: optional LensTranslators with one row per `lens_layers` entry,
+      applied to those residuals before the final norm (a tuned lens); None is the
+      logit lens. Captured residuals and the output logits are never translated.
+    remat: recompute each block in the backward pass (`jax.checkpoint`) instead of
+      keeping its activations: training memory grows with the number of blocks, not
+      with everything inside them.
     """
     L = cfg.num_layers
     for name, layers in (("capture", capture), ("lens_layers", lens_layers)):
@@ -340,8 +369,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     x = constrain(params.embed[tokens], HIDDEN)
     wanted = set(capture) | set(lens_layers)
     saved = {0: x} if 0 in wanted else {}
+    block = jax.checkpoint(_block, static_argnums=(1, 5)) if remat else _block
     for l, layer in enumerate(params.layers):
-        x, cache = _block(layer, cfg, x, positions, cache, l)
+        x, cache = block(layer, cfg, x, positions, cache, l)
         if l + 1 in wanted:
             saved[l + 1] = x
 
@@ -349,8 +379,14 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
     w_u = params.unembedding()
     lens = None
+    if lens_translators is not None and lens_translators.bias.shape[0] != len(lens_layers):
+        raise ValueError(f"lens_translators has {lens_translators.bias.shape[0]} rows for "
+                         f"{len(lens_layers)} lens_layers {lens_layers}")
     if lens_layers:
-        lensed = jnp.stack([rms_norm(saved[l], params.final_norm, cfg.rms_norm_eps) for l in lens_layers])
+        rows = [saved[l] for l in lens_layers]
+        if lens_translators is not None:
+            rows = list(translate_residuals(jnp.stack(rows), lens_translators))
+        lensed = jnp.stack([rms_norm(r, params.final_norm, cfg.rms_norm_eps) for r in rows])
         K = len(lens_layers)
         flat_logits, ent, top, ptop, lse = streamed_head(
             w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)

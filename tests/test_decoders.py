@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.decoders import (DEFAULTS, METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, decode,
-                               resolve_hyperparameters)
+from degs_jax.decoders import decode
+from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC,
+                                      PowerMCMC, resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, log_acceptance_ratio, mcmc_block, mh_steps
@@ -271,9 +273,8 @@ def mcmc_by_hand(params, cfg, prompts, keys, mc):
         for r in np.flatnonzero(active):
             acc[r].append(int(accepted[r]))
         # A chain that ended in an earlier block is left exactly as it was.
-        for a, b in zip(jax.tree.leaves(dataclasses.replace(state, cache=None)),
-                        jax.tree.leaves(dataclasses.replace(before, cache=None))):
-            np.testing.assert_array_equal(np.asarray(a)[~active], np.asarray(b)[~active])
+        idle = lambda s: jax.tree.map(lambda a: np.asarray(a)[~active], dataclasses.replace(s, cache=None))
+        chex.assert_trees_all_equal(idle(state), idle(before))
         if bool(np.asarray(state.ended).all()):
             break
     logp = [float(state.logp[b, int(state.prompt_len[b]):int(state.length[b])].sum()) for b in range(len(prompts))]
@@ -378,9 +379,8 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
         comp = completions(after)[b]
         assert eos not in comp[:-1] and bool(after.ended[b]) == (comp[-1] == eos)
         assert bool(after.ended[b]) or int(after.length[b]) == int(limit[b])
-    for a, b in zip(jax.tree.leaves(dataclasses.replace(after, cache=None)),
-                    jax.tree.leaves(dataclasses.replace(state, cache=None))):
-        np.testing.assert_array_equal(np.asarray(a)[B - 2:], np.asarray(b)[B - 2:])
+    sat_out = lambda s: jax.tree.map(lambda a: np.asarray(a)[B - 2:], dataclasses.replace(s, cache=None))
+    chex.assert_trees_all_equal(sat_out(after), sat_out(state))
     start_len, end_len = np.asarray(state.length), np.asarray(after.length)
     started_early = np.asarray(state.ended) & (start_len < np.asarray(limit)) & np.asarray(active)
     assert started_early.any(), "no chain ended early: pick another seed"
@@ -546,7 +546,7 @@ def test_defaults_match_design():
         hp = resolve_hyperparameters(m, {})
         assert (hp["alpha"], hp["block_len"], hp["num_blocks"], hp["mh_steps"]) == (4.0, 192, 16, 10)
         assert hp["reference_quirks"] is False and hp["tau"] == 0.25 and hp["top_k"] == 0
-    assert DEFAULTS["degs_mcmc"]["beta"] == 5.0 and DEFAULTS["power_mcmc"]["beta"] == 0.0
+    assert DegsMCMC().beta == 5.0 and PowerMCMC().beta == 0.0
     assert resolve_hyperparameters("temperature", {})["temperature"] == 0.25
     for m in RERANK_METHODS:
         hp = resolve_hyperparameters(m, {})
@@ -569,3 +569,22 @@ def test_per_prompt_keys_make_samples_independent_of_batching():
         decode(TransformerLM(cfg), params, prompts, "greedy", jax.random.key(0), keys=keys, eos_ids=(), max_new_tokens=4)
     with pytest.raises(ValueError, match="one key per prompt"):
         decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)
+
+
+def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses():
+    """`degs eval` stores the resolved hyperparameters in run.json and refuses to resume a
+    directory whose configuration differs: the records of the default configurations
+    must stay what the string-keyed defaults produced (names and values), so that runs
+    started before the typed hyperparameters resume."""
+    common = dict(tau=0.25, lsub=None, lens_chunk=None, top_k=0, top_p=1.0, cache_dtype=None)
+    sampling = dict(max_new_tokens=3072, probe=True)
+    pool = dict(sampling, n=16, temperature=1.0)
+    chain = dict(alpha=4.0, block_len=192, num_blocks=16, mh_steps=10, n_chains=1,
+                 reference_quirks=False)
+    recorded = {
+        "greedy": sampling, "temperature": dict(sampling, temperature=0.25),
+        "best_of_n": pool, "best_of_n_entropy": pool, "degs_rerank": dict(pool, alpha=4.0, beta=5.0),
+        "power_mcmc": dict(chain, beta=0.0), "degs_mcmc": dict(chain, beta=5.0),
+    }
+    for method, values in recorded.items():
+        assert resolve_hyperparameters(method, {}) == {**common, **values}, method

@@ -258,3 +258,82 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert len(json.loads((killed / "run.json").read_text())["invocations"]) == 2
     assert json.loads((killed / "summary.json").read_text())["accuracy"] == \
         json.loads((reference / "summary.json").read_text())["accuracy"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_second_run_into_a_directory_in_use_is_one_line_and_leaves_run_json_alone(degs, tmp_path):
+    from degs_jax.eval.results import ResultStore
+
+    out = tmp_path / "run"
+    args = ["eval", "--benchmark", "gsm8k", "--method", "greedy", "--limit", 0, "--out", out, *TINY]
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    before = (out / "run.json").read_bytes()
+    with ResultStore(out / "results.jsonl"):  # another run holds the directory
+        rc, _, err = degs(*args)
+    assert rc == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("degs")]
+    assert line.startswith("degs: error: ") and "being written by another run" in line
+    assert (out / "run.json").read_bytes() == before  # no phantom invocation
+
+
+def test_damaged_run_files_are_named(degs, tmp_path):
+    out = tmp_path / "run"
+    args = ["eval", "--benchmark", "deepmind500", "--method", "greedy", "--limit", 1, "--out", out,
+            *TINY]
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    results = out / "results.jsonl"
+    good = results.read_bytes()
+    # A torn last line (an interrupted write): the store and `degs analyze` both accept it.
+    results.write_bytes(good + b'{"id": "deepmind500/1", "corr')
+    rc, stdout, err = degs("analyze", out)
+    assert rc == 0, err
+    assert json.loads((out / "analysis.json").read_text())["predictive_validity"]["n"] == 1
+    rc, _, err = degs(*args)
+    assert rc == 0, err
+    assert results.read_bytes() == good  # the store cut the torn line off
+    # A bad line before the last one is corruption: named with its file and line.
+    results.write_bytes(b"{oops\n" + good)
+    for argv in (args, ("analyze", out)):
+        rc, _, err = degs(*argv)
+        assert rc == 2 and f"degs: error: {results}: line 1 is not valid JSON" in err, err
+    results.write_bytes(good)
+    (out / "run.json").write_text('{"config": ')
+    for argv in (args, ("analyze", out)):
+        rc, _, err = degs(*argv)
+        assert rc == 2 and f"degs: error: {out / 'run.json'} is not valid JSON" in err, err
+        assert "Traceback" not in err
+
+
+def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path):
+    """--batch-size auto (the default) sizes the batch from free memory and records the
+    choice and the peak memory in run.json; an explicit size overrides it."""
+    runs = {}
+    for name, extra in (("auto", []), ("one", ["--batch-size", 1])):
+        out = tmp_path / name
+        rc, _, err = degs("eval", "--benchmark", "gsm8k", "--method", "temperature",
+                          "--temperature", 1.0, "--limit", 3,
+                          "--out", out, *TINY, *extra)
+        assert rc == 0, err
+        runs[name] = (json.loads((out / "run.json").read_text())["invocations"][-1], _records(out))
+    auto, one = runs["auto"][0], runs["one"][0]
+    choice = auto["batch_choice"]
+    assert choice["requested"] == "auto" and auto["batch_size"] == choice["batch_size"]
+    assert 1 <= choice["batch_size"] <= 3 and choice["largest"] == 3
+    assert choice["bytes_per_row"] > 0 and choice["free_bytes"] > 0 and choice["memory_source"]
+    assert one["batch_choice"] == {"batch_size": 1, "requested": 1} and one["batch_size"] == 1
+    for inv in (auto, one):
+        assert set(inv["peak_memory"]) == {"peak_bytes", "note"}
+        if inv["device"].startswith("TFRT_CPU") or "cpu" in inv["device"].lower():
+            assert inv["peak_memory"]["peak_bytes"] is None
+    assert choice["batch_size"] > 1  # a CPU host has room for 3 tiny rows
+    # Same problems and keys; the completions themselves are compared in fp32 by
+    # test_cli's many-prompt test: in bf16 a batch padded to another prompt length runs
+    # other kernels, and rounding differences flip a sample after a few tokens.
+    assert [r["id"] for r in runs["auto"][1]] == [r["id"] for r in runs["one"][1]]
+    with pytest.raises(SystemExit) as bad:  # argparse's usage error
+        degs("eval", "--benchmark", "gsm8k", "--out", tmp_path / "bad", "--batch-size", "0")
+    assert bad.value.code == 2

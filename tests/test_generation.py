@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.generation import (GenState, SamplerSpec, completions, generate, pad_prompts,
-                                 prefill, proposal_log_density)
+from degs_jax.generation import (GenState, SamplerSpec, completions, generate, kth_largest,
+                                 pad_prompts, prefill, proposal_log_density)
 from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params
@@ -452,8 +453,7 @@ def test_ended_rows_untouched_by_later_generate(model, eos_run):
     state, spec, eos, paths = eos_run
     # Same limit: nothing to do, nothing changes (counters included).
     same = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW, keys_for(9), spec)
-    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(same, state)
     # Larger limit: ended rows 0 and 1 stay bit for bit (cache rows too); row 2 continues.
     more = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW + 4, keys_for(9), spec)
     for f in dataclasses.fields(GenState):
@@ -501,3 +501,25 @@ def eos_biased(params, eos: int, strength: float):
     embed = params.embed.at[:, 0].add(3.0)
     head = params.lm_head.at[eos].set(0.0).at[eos, 0].set(strength)
     return dataclasses.replace(params, embed=embed, lm_head=head)
+
+
+@pytest.mark.parametrize("k", [1, 7, 50, 96, 97])
+def test_kth_largest_is_lax_top_k_bit_for_bit(k):
+    """The threshold search of top-k truncation (no partial sort) finds exactly the k-th
+    largest value, ties counted with multiplicity: rows with ties, -inf (masked) entries,
+    signed zeros, tiny and huge spreads."""
+    rng = np.random.default_rng(k)
+    V = 97
+    rows = [rng.normal(0, 1, V), rng.normal(0, 1e-3, V), rng.normal(0, 1e3, V),
+            np.round(rng.normal(0, 1, V), 1),  # many ties
+            np.where(np.arange(V) < 40, -np.inf, rng.normal(0, 3, V)),
+            np.where(np.arange(V) % 2 == 0, 0.0, -0.0), np.full(V, -5.5),
+            -np.abs(rng.normal(0, 2, V))]
+    z = jnp.asarray(np.stack(rows).astype(np.float32))
+    got = np.asarray(jax.jit(kth_largest, static_argnums=1)(z, k))
+    want = np.asarray(jax.lax.top_k(z, k)[0][:, -1:])
+    np.testing.assert_array_equal(got, want)
+    # The truncated density is the one of a top-k by partial sort (what it replaced).
+    spec = SamplerSpec(temperature=0.7, top_k=k)
+    old = jax.nn.log_softmax(jnp.where(z / 0.7 >= jax.lax.top_k(z / 0.7, k)[0][:, -1:], z / 0.7, -jnp.inf), -1)
+    np.testing.assert_array_equal(np.asarray(proposal_log_density(z, spec)), np.asarray(old))

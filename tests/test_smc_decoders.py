@@ -19,8 +19,9 @@ import pytest
 
 from degs_jax import smc as smc_mod
 from degs_jax.cli import _hyperparameters, build_parser
-from degs_jax.decoders import decode, resolve_hyperparameters
+from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, resolve_hyperparameters
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward
 from degs_jax.scoring import token_stats
@@ -173,6 +174,9 @@ def test_sps_config_validation(kwargs, match):
     ("power_smc", dict(beta=1.0), "power_smc is the beta = 0 sampler"),
     ("scalable_power", dict(top_k=5), "scalable_power does not truncate"),
     ("degs_smc", dict(n=3), "degs_smc does not take n;"),
+    ("degs_smc", dict(n_particles=0), "n_particles must be a positive integer"),
+    ("degs_smc", dict(beta=-1.0), "beta must be >= 0"),
+    ("scalable_power", dict(rollouts=0), "rollouts must be a positive integer"),
 ])
 def test_decode_rejects_bad_hyperparameters(method, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -191,3 +195,32 @@ def test_cli_passes_the_new_hyperparameters():
     hp = resolve_hyperparameters(args.method, _hyperparameters(args))
     assert (hp["block_len"], hp["candidates_kept"], hp["rollouts"], hp["rollout_horizon"], hp["jackknife"],
             hp["candidate_temperature"], hp["candidate_pool"]) == (1, 4, 2, 32, False, 0.5, 9)
+
+
+def test_defaults_one_home():
+    """The SMC / SPS defaults (sources in SMCConfig's and SPSConfig's docstrings) live in
+    degs_jax.hyperparameters and reach the kernels unchanged."""
+    for cls, beta in ((PowerSMC, 0.0), (DegsSMC, 5.0)):
+        config = cls()
+        assert (config.alpha, config.beta, config.n_particles, config.max_new_tokens, config.ramp_tokens,
+                config.ess_threshold, config.resample_every) == (4.0, beta, 16, 3072, 400, 0.5, 64)
+        kernel = config.smc_config(24, (7,))
+        assert (kernel.n_particles, kernel.ramp_tokens, kernel.resample_every, kernel.eos_ids) == (16, 400, 64, (7,))
+        assert (kernel.lens is not None) == (beta > 0)
+    sps = ScalablePower().sps_config(())
+    assert (sps.alpha, sps.max_new_tokens, sps.block_len, sps.candidate_pool, sps.candidates_kept, sps.rollouts,
+            sps.rollout_horizon, sps.jackknife, sps.candidate_temperature) == (4.0, 3072, 192, 32, 8, 8, 192, True,
+                                                                               None)
+
+
+@pytest.mark.parametrize("method", NEW_METHODS)
+def test_decode_tokens_refuses_the_host_driven_methods(model, method):
+    cfg, params = model
+    tokens, lengths = pad_prompts(PROMPTS)
+    with pytest.raises(ValueError, match=f"decode_tokens does not run {method}.*use decode"):
+        decode_tokens(TransformerLM(cfg), params, jnp.asarray(tokens), jnp.asarray(lengths),
+                      jax.random.split(jax.random.key(0), len(PROMPTS)), resolve_config(method))
+
+
+def resolve_config(method):
+    return {"power_smc": PowerSMC, "degs_smc": DegsSMC, "scalable_power": ScalablePower}[method]()

@@ -35,7 +35,7 @@ from degs_jax.eval.graders import (
     extract_choice_letter,
     grade_gpqa,
     grade_humaneval,
-    humaneval_program,
+    humaneval_check,
     last_boxed,
     pass_at_k,
 )
@@ -51,13 +51,14 @@ from degs_jax.eval.results import (
     wilson_interval,
     write_summary,
 )
-from degs_jax.eval.sandbox import ExecutionResult, run_program, run_programs
+from degs_jax.eval.sandbox import ExecutionResult, HumanEvalCheck, run_check, run_checks
 
 __all__ = [
     "BENCHMARKS", "ChecksumError", "Problem", "default_data_dir", "gpqa_permutation",
     "load_benchmark", "Grader", "GradeResult", "MathGrader", "extract_choice_letter",
-    "grade_gpqa", "grade_humaneval", "humaneval_program", "last_boxed", "pass_at_k",
+    "grade_gpqa", "grade_humaneval", "humaneval_check", "last_boxed", "pass_at_k",
     "build_prompt", "template_hash", "uses_chat_template", "Accuracy", "ResultStore",
     "accuracy", "numeric_means", "package_versions", "summarize", "transcript_fields",
-    "wilson_interval", "write_summary", "ExecutionResult", "run_program", "run_programs",
+    "wilson_interval", "write_summary", "ExecutionResult", "HumanEvalCheck", "run_check",
+    "run_checks",
 ]

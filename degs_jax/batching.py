@@ -1,0 +1,153 @@
+"""The batch size from the device's memory (`--batch-size auto` of `degs eval` and
+`degs sample`), and the peak memory a run used.
+
+What one prompt row costs (an estimate, computed before anything is compiled):
+
+- `pool_size` sequences (Best-of-N candidates or MCMC chains), each holding
+  * the model's cache for `max_len` = padded prompt + `max_new_tokens` slots; its bytes
+    come from `jax.eval_shape(model.init_cache(1, max_len, dtype))`, so any `CausalLM`
+    is sized by its own cache pytree, without allocating it;
+  * GenState's per-slot records: token and depth (int32), log p, log q and final
+    entropy (fp32), `STATE_BYTES_PER_SLOT` = 20 bytes a slot;
+  and an MCMC chain holds two such sequences (the chain x and its running proposal x'),
+  a scalable_power prompt `ScalablePower.sequences_per_prompt` (candidates and rollouts);
+- the step's working set over the vocabulary: `WORKING_VOCAB_COPIES` fp32 vectors of V
+  per sequence (logits, log-softmax, probabilities, noise, the lens's streamed logits).
+
+`pick_batch_size` then takes `floor(fraction · free / bytes_per_row)` rows, at least 1
+and at most `MAX_AUTO_BATCH` and the number of prompts. The fraction (default
+`DEFAULT_MEMORY_FRACTION`) leaves the rest of the free memory for what the estimate
+leaves out: the prefill's activations (prompt length × hidden size per row) and XLA's
+temporaries. Free memory is read after the parameters are loaded: `bytes_limit -
+bytes_in_use` of `device.memory_stats()`. Backends that report no statistics (CPU) fall
+back to the host's free physical memory, and say so in the record. Rows split over a
+mesh of `devices` devices multiply the capacity (each holds 1/devices of the rows or of
+the heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+DEFAULT_MEMORY_FRACTION = 0.7
+MAX_AUTO_BATCH = 256
+STATE_BYTES_PER_SLOT = 20
+WORKING_VOCAB_COPIES = 8
+AUTO = "auto"
+
+
+def pick_batch_size(bytes_per_row: int, free_bytes: int,
+                    fraction: float = DEFAULT_MEMORY_FRACTION, most: int = MAX_AUTO_BATCH) -> int:
+    """Rows that fit: floor(fraction · free_bytes / bytes_per_row), clipped to [1, most]."""
+    if bytes_per_row <= 0:
+        raise ValueError(f"bytes_per_row must be positive, got {bytes_per_row}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the memory fraction must be in (0, 1], got {fraction}")
+    if most < 1:
+        raise ValueError(f"the largest batch must be >= 1, got {most}")
+    fits = int(max(free_bytes, 0) * fraction) // int(bytes_per_row)
+    return max(1, min(most, fits))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCost:
+    """Estimated bytes of one prompt row (module docstring)."""
+
+    max_len: int  # cache slots per sequence
+    sequences: int  # pool_size, twice that for MCMC (chain + proposal); SPS: candidates and rollouts
+    cache_bytes: int  # per sequence
+    state_bytes: int  # per sequence
+    working_bytes: int  # per sequence
+
+    @property
+    def total(self) -> int:
+        return self.sequences * (self.cache_bytes + self.state_bytes + self.working_bytes)
+
+
+def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> RowCost:
+    """The bytes one prompt row of `decode(model, ..., config)` needs (module docstring).
+
+    model: a `CausalLM`; config: the method's `Hyperparameters`; longest_prompt: tokens of
+    the longest prompt of the batch (padded as `pad_prompts` pads it).
+    """
+    from .generation import PROMPT_BUCKET
+    from .hyperparameters import MCMCHyperparameters, ScalablePower
+
+    padded = -(-int(longest_prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
+    max_len = padded + config.max_new_tokens
+    shapes = jax.eval_shape(lambda: model.init_cache(1, max_len, cache_dtype))
+    cache_bytes = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                      for leaf in jax.tree.leaves(shapes))
+    chains = 2 if isinstance(config, MCMCHyperparameters) else 1
+    sequences = config.sequences_per_prompt if isinstance(config, ScalablePower) else config.pool_size * chains
+    return RowCost(max_len=max_len, sequences=sequences, cache_bytes=cache_bytes,
+                   state_bytes=STATE_BYTES_PER_SLOT * max_len,
+                   working_bytes=WORKING_VOCAB_COPIES * model.vocab_size * 4)
+
+
+def free_memory(device: Optional[Any] = None) -> tuple[int, str]:
+    """(free bytes, where they were read) for `device` (default: the first local one)."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), \
+            f"{device.platform} device memory_stats: bytes_limit - bytes_in_use"
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free), (f"host free physical memory ({device.platform} backend reports no "
+                       "device memory statistics)")
+
+
+def peak_memory(device: Optional[Any] = None) -> dict[str, Any]:
+    """{"peak_bytes": the device's peak bytes in use so far or None, "note": ...}."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return {"peak_bytes": int(stats["peak_bytes_in_use"]),
+                "note": f"{device.platform} memory_stats peak_bytes_in_use since process start"}
+    return {"peak_bytes": None,
+            "note": f"the {device.platform} backend reports no device memory statistics"}
+
+
+def choose_batch_size(requested: int | str, model: Any, config: Any, longest_prompt: int,
+                      n_prompts: int, cache_dtype: Any, devices: Optional[int] = None,
+                      fraction: float = DEFAULT_MEMORY_FRACTION) -> dict[str, Any]:
+    """The batch size and the record of how it was chosen.
+
+    requested: a positive integer (kept as given) or "auto" (sized from free memory).
+    devices: devices the rows and heads spread over (default: the size of the mesh set
+    with `jax.set_mesh`, else 1).
+    Returns {"batch_size": int, "requested": ..., and for auto the estimate's terms}.
+    """
+    if requested != AUTO:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"batch size must be a positive integer or 'auto', got {requested!r}")
+        return {"batch_size": requested, "requested": requested}
+    if devices is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = 1 if mesh.empty else mesh.size
+    cost = row_cost(model, config, longest_prompt, cache_dtype)
+    free, source = free_memory()
+    most = max(1, min(MAX_AUTO_BATCH, n_prompts))
+    chosen = pick_batch_size(cost.total, free * devices, fraction, most)
+    return {"batch_size": chosen, "requested": AUTO, "bytes_per_row": cost.total,
+            "row_cost": dataclasses.asdict(cost), "free_bytes": free, "devices": devices,
+            "memory_source": source, "fraction": fraction, "largest": most,
+            "rule": "min(largest, max(1, floor(fraction * free_bytes * devices / bytes_per_row)))"}
+
+
+def parse_batch_size(text: str) -> int | str:
+    """The --batch-size argument: 'auto' or a positive integer."""
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--batch-size takes a positive integer or 'auto', got {text!r}")
+    return value

@@ -1,0 +1,809 @@
+"""The study's report, computed from its files alone (no model, no benchmark data).
+
+Reads a `degs reproduce` directory (:mod:`degs_jax.reproduce.study`) and writes
+
+- ``tables/*.json``: ``status`` (what ran, per job: target and finished problems, per
+  invocation: device, time, why it stopped), ``table1`` (accuracy with a 95% Wilson
+  interval per row and benchmark), ``paired`` (paired comparisons on the problems both
+  rows answered: accuracy difference with a 95% paired-bootstrap interval, McNemar's
+  test; the sign test over benchmarks of beta = 5 vs beta = 0), ``predictive_validity``,
+  ``lsub`` (the L_sub ablation on the pool), ``trajectories`` (mean lens entropy per
+  layer of correct and incorrect pool candidates), ``compute`` (tokens,
+  forward-equivalents, wall-clock and acceptance per problem; probe overhead) and
+  ``claims`` (the paper's four checkable claims next to what this study measured);
+- ``figures/*.png``: Table 1 with intervals, the paired differences, predictive validity
+  and layer-entropy trajectories per pool benchmark;
+- ``report.md``: every table, the figures, and the paper's numbers for reference.
+
+The reranking rows Best-of-N-Entropy, DEGS reranking and depth-only are selected here
+from the Best-of-N run's kept candidates with the decoders' own rules (first candidate
+on ties): argmin of the mean final-layer entropy; argmax of ``alpha·log p + beta·D``
+(depth-only: alpha = 0), with the weights the study recorded.
+
+Everything except timings is a function of the stored records, so an interrupted and
+resumed study gives the same tables as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from degs_jax.eval.results import wilson_interval, write_json
+from degs_jax.reproduce import paper
+from degs_jax.reproduce.study import (
+    LAYERS_FILE,
+    LAYERS_META,
+    SELECTED_FROM_POOL,
+    STUDY_FILE,
+    TABLE1_ORDER,
+    read_jsonl,
+    read_records,
+)
+from degs_jax.stats import compare_paired, sign_test
+
+# (treatment, baseline, question): paired comparisons reported when both rows exist.
+PAIRS = (
+    ("degs_mcmc", "power_mcmc", "depth term in MCMC (beta = 5 vs beta = 0)"),
+    ("degs_smc", "power_smc", "depth term in SMC (beta = 5 vs beta = 0)"),
+    ("degs_rerank", "best_of_n", "depth term in reranking"),
+    ("best_of_n_entropy", "best_of_n", "final-layer entropy vs likelihood reranking"),
+    ("degs_rerank", "depth_only", "likelihood term in reranking"),
+    ("degs_mcmc", "degs_rerank", "compounding over the chain vs one selection"),
+    ("power_mcmc", "greedy", "power sampling vs greedy"),
+    ("degs_mcmc", "greedy", "DEGS-MCMC vs greedy"),
+)
+BETA_PAIRS = (("degs_mcmc", "power_mcmc"), ("degs_smc", "power_smc"))
+N_BUCKETS = 4
+TIMING_FIELDS = ("decode_s_per_problem", "grade_s_per_problem", "wall_clock_s_per_problem",
+                 "decode_s_per_1k_generated_tokens", "layer_pass_s_per_candidate",
+                 "wall_clock_overhead_per_generated_token")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Study:
+    """The files of a study directory: study.json (`meta`), the runs and the pools."""
+
+    directory: Path
+    meta: dict  # study.json
+    runs: dict[tuple[str, str], dict] = field(default_factory=dict)  # (benchmark, method)
+    pools: dict[str, dict] = field(default_factory=dict)  # benchmark
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.meta["model"]["num_layers"])
+
+    def latest(self, key: str) -> dict:
+        """``key`` (a per-directory or per-benchmark mapping) merged over the invocations,
+        later ones winning."""
+        merged: dict = {}
+        for inv in self.meta["invocations"]:
+            merged.update(inv.get(key, {}))
+        return merged
+
+
+def _run(directory: Path) -> Optional[dict]:
+    if not (directory / "run.json").exists():
+        return None
+    return {"run": json.loads((directory / "run.json").read_text()),
+            "records": sorted(read_records(directory), key=lambda r: r["index"])}
+
+
+def load_study(directory) -> Study:
+    """Read a `degs reproduce` directory (or an exported copy)."""
+    directory = Path(directory)
+    if not (directory / STUDY_FILE).exists():
+        raise FileNotFoundError(f"{directory} is not a `degs reproduce` directory (no {STUDY_FILE})")
+    study = Study(directory, json.loads((directory / STUDY_FILE).read_text()))
+    for run_dir in sorted((directory / "runs").glob("*/*")):
+        data = _run(run_dir)
+        if data is not None:
+            study.runs[(run_dir.parent.name, run_dir.name)] = data
+    for pool_dir in sorted((directory / "pool").glob("*")):
+        data = _run(pool_dir)
+        if data is None:
+            continue
+        if (pool_dir / LAYERS_META).exists():
+            data["layers_meta"] = json.loads((pool_dir / LAYERS_META).read_text())
+            data["layers"] = {r["id"]: r for r in read_jsonl(pool_dir / LAYERS_FILE)}
+        study.pools[pool_dir.name] = data
+    return study
+
+
+def _ordered(methods) -> list[str]:
+    methods = list(dict.fromkeys(methods))
+    known = [m for m in TABLE1_ORDER if m in methods]
+    return known + sorted(m for m in methods if m not in known)
+
+
+def _benchmarks(study: Study) -> list[str]:
+    from degs_jax.eval.benchmarks import BENCHMARKS
+
+    present = {b for b, _ in study.runs}
+    return [b for b in BENCHMARKS if b in present]
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def select_candidate(method: str, candidates: Sequence[Mapping[str, Any]],
+                     weights: Mapping[str, float]) -> int:
+    """Index of the candidate a pool selection picks (first on ties, as the decoders)."""
+    if method == "best_of_n_entropy":
+        return int(np.argmin([c["final_entropy"] for c in candidates]))
+    if any(c.get("D") is None for c in candidates):
+        raise ValueError(f"{method} needs D(x) of every candidate; the Best-of-N pool was not probed")
+    scores = [weights["alpha"] * c["log_p"] + weights["beta"] * c["D"] for c in candidates]
+    return int(np.argmax(scores))
+
+
+def verdicts(study: Study) -> dict[tuple[str, str], dict[int, bool]]:
+    """Per (benchmark, row): problem index -> correct, for decoder runs and the pool
+    selections the study recorded."""
+    out: dict[tuple[str, str], dict[int, bool]] = {}
+    for (b, m), data in study.runs.items():
+        out[(b, m)] = {r["index"]: bool(r["correct"]) for r in data["records"]}
+    selections = study.latest("selections")
+    for b, sel in selections.items():
+        pool = study.runs.get((b, "best_of_n"))
+        if pool is None:
+            continue
+        for method, weights in sel["rows"].items():
+            out[(b, method)] = {
+                r["index"]: bool(r["candidates"][select_candidate(method, r["candidates"],
+                                                                  weights)]["correct"])
+                for r in pool["records"] if r.get("candidates")}
+    return out
+
+
+def _accuracy_cell(v: Mapping[int, bool]) -> dict[str, Any]:
+    n, k = len(v), int(sum(v.values()))
+    low, high = wilson_interval(k, n)
+    return {"n": n, "correct": k, "accuracy": k / n if n else math.nan, "ci_low": low,
+            "ci_high": high}
+
+
+def table1(study: Study, verdict: Mapping[tuple[str, str], Mapping[int, bool]]) -> dict:
+    benchmarks = _benchmarks(study)
+    rows = []
+    for m in _ordered(m for _, m in verdict):
+        cells = {b: _accuracy_cell(verdict[(b, m)]) for b in benchmarks if (b, m) in verdict}
+        source = ("selected from the best_of_n run's candidates" if m in SELECTED_FROM_POOL
+                  else "decoder run")
+        rows.append({"method": m, "label": paper.METHOD_LABELS.get(m, m), "source": source,
+                     "cells": cells})
+    return {"benchmarks": benchmarks, "rows": rows}
+
+
+def paired_table(study: Study, verdict) -> dict:
+    comparisons = []
+    for treat, base, question in PAIRS:
+        for b in _benchmarks(study):
+            if (b, treat) not in verdict or (b, base) not in verdict:
+                continue
+            common = sorted(set(verdict[(b, treat)]) & set(verdict[(b, base)]))
+            if not common:
+                continue
+            c = compare_paired([verdict[(b, base)][i] for i in common],
+                               [verdict[(b, treat)][i] for i in common])
+            comparisons.append({"treatment": treat, "baseline": base, "question": question,
+                                "benchmark": b, **asdict(c)})
+    beta = []
+    for treat, base in BETA_PAIRS:
+        diffs = {c["benchmark"]: c["difference"] for c in comparisons
+                 if c["treatment"] == treat and c["baseline"] == base}
+        if diffs:
+            beta.append({"treatment": treat, "baseline": base, "differences": diffs,
+                         **sign_test(list(diffs.values()), alternative="greater")})
+    return {"comparisons": comparisons, "beta_sign_tests": beta,
+            "note": "difference = accuracy(treatment) - accuracy(baseline) on the problems both "
+                    "answered; interval: 95% paired bootstrap (10,000 resamples, seed 0); p: "
+                    "McNemar, two-sided"}
+
+
+# --------------------------------------------------------------------------- pool analyses
+
+
+def _pool_items(pool: Mapping[str, Any]) -> list[tuple[dict, dict]]:
+    """(pool record, its layer record) for the problems the layer pass has done."""
+    layers = pool.get("layers", {})
+    return [(r, layers[r["id"]]) for r in pool["records"] if r["id"] in layers]
+
+
+def predictive_validity_table(study: Study) -> dict:
+    from degs_jax.analysis import pool_from_records, predictive_validity
+
+    out = {}
+    for b, pool in study.pools.items():
+        if pool["records"]:
+            out[b] = predictive_validity(pool_from_records(pool["records"]), n_buckets=N_BUCKETS)
+    return out
+
+
+def _default_set(pool: Mapping[str, Any]) -> Optional[int]:
+    lsub = pool["run"]["config"]["hyperparameters"].get("lsub")
+    sets = pool["layers_meta"]["lsub_sets"]
+    return sets.index(lsub) if lsub in sets else None
+
+
+def lsub_table(study: Study) -> dict:
+    from degs_jax.analysis import pool_from_records, predictive_validity, rerank_accuracy
+
+    weights = {b: sel["pool_rerank"] for b, sel in study.latest("selections").items()}
+    out = {}
+    for b, pool in study.pools.items():
+        items = _pool_items(pool)
+        if not items:
+            continue
+        base = pool_from_records([r for r, _ in items])
+        groups = base.groups()
+        w = weights.get(b, {"alpha": 4.0, "beta": 5.0})
+        L = pool["layers_meta"]["num_layers"]
+        rows = []
+        for k, lsub in enumerate(pool["layers_meta"]["lsub_sets"]):
+            d = np.array([c["D"][k] for _, lay in items for c in lay["candidates"]])
+            s = predictive_validity(base, scores=d, n_buckets=N_BUCKETS)
+            rows.append({
+                "lsub": lsub, "K": len(lsub), "probe_cost_per_token": len(lsub) / L,
+                "auc": s["auc"], "spearman_rho": s["spearman_rho"], "gap": s["gap"],
+                "pairwise_accuracy": s["pairwise"]["accuracy"],
+                "degs_rerank_accuracy": rerank_accuracy(base.groups(d), w["alpha"], w["beta"]),
+                "depth_only_accuracy": rerank_accuracy(base.groups(d), 0.0, 1.0),
+                "mean_D": float(d.mean())})
+        consistency = None
+        k = _default_set(pool)
+        if k is not None:
+            rescored = np.array([c["D"][k] for _, lay in items for c in lay["candidates"]])
+            delta = np.abs(rescored - base.D)
+            consistency = {"lsub": pool["layers_meta"]["lsub_sets"][k],
+                           "mean_abs_difference": float(delta.mean()),
+                           "max_abs_difference": float(delta.max())}
+        seconds = [lay["seconds"] for _, lay in items]
+        out[b] = {
+            "weights": w, "n_problems": len(items), "n_candidates": int(len(base.D)),
+            "reference": {"best_of_n": rerank_accuracy(groups, 1.0, 0.0),
+                          "oracle": float(np.mean([bool(np.any(g["correct"])) for g in groups])),
+                          "mean_candidate": float(base.correct.mean())},
+            "rows": rows,
+            "recorded_vs_rescored_D": consistency,
+            "layer_pass_s_per_candidate": float(sum(seconds) / len(base.D)) if len(base.D) else None,
+        }
+    return out
+
+
+def trajectory_table(study: Study) -> dict:
+    out = {}
+    for b, pool in study.pools.items():
+        items = _pool_items(pool)
+        if not items:
+            continue
+        k = _default_set(pool)
+        L = pool["layers_meta"]["num_layers"]
+        groups = {}
+        for name, want in (("correct", True), ("incorrect", False)):
+            ent, n_tok, depth = [], [], []
+            for r, lay in items:
+                for c, s in zip(r["candidates"], lay["candidates"]):
+                    if bool(c["correct"]) == want and s["n_scored"] > 0:
+                        ent.append(s["entropy"])
+                        n_tok.append(s["n_scored"])
+                        depth.append(s["D"][k] if k is not None else math.nan)
+            if not ent:
+                continue
+            ent, n_tok, depth = np.array(ent, float), np.array(n_tok, float), np.array(depth)
+            groups[name] = {
+                "candidates": int(len(n_tok)), "tokens": int(n_tok.sum()),
+                # token-weighted: every scored token of the group counts once
+                "mean_entropy": list(map(float, (ent * n_tok[:, None]).sum(0) / n_tok.sum())),
+                "mean_collapse_layer": (float((depth * L * n_tok).sum() / n_tok.sum())
+                                        if k is not None else None)}
+        out[b] = {"layers": pool["layers_meta"]["layers"], "tau": pool["layers_meta"]["tau"],
+                  "num_layers": L, "groups": groups}
+    return out
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def compute_table(study: Study) -> dict:
+    L = study.num_layers
+    rows = []
+    for (b, m), data in sorted(study.runs.items(), key=lambda kv: (
+            kv[0][0], _ordered([x for _, x in study.runs]).index(kv[0][1]))):
+        recs = data["records"]
+        if not recs:
+            continue
+        gen = sum(r["generated_tokens"] for r in recs)
+        rows.append({
+            "benchmark": b, "method": m, "n": len(recs),
+            "completion_tokens": _mean(r["n_tokens"] for r in recs),
+            "ended_with_eos": _mean(float(r["ended"]) for r in recs),
+            # a final answer could be read (boxed span / letter); HumanEval has none to read
+            "answer_extracted": (None if b == "humaneval" else
+                                 _mean(float(r.get("extracted") is not None) for r in recs)),
+            "generated_tokens": _mean(r["generated_tokens"] for r in recs),
+            "forward_tokens": _mean(r["forward_tokens"] for r in recs),
+            "probe_charge": _mean(r["probed_token_layers"] / L for r in recs),
+            "forward_equivalents": _mean(r["forward_equivalents"] for r in recs),
+            "mean_acceptance": _mean(r.get("mean_acceptance") for r in recs),
+            "decode_s_per_problem": _mean(r["decode_s"] for r in recs),
+            "grade_s_per_problem": _mean(r["grade_s"] for r in recs),
+            "wall_clock_s_per_problem": _mean(r["wall_clock_s"] for r in recs),
+            "decode_s_per_1k_generated_tokens": (1000 * sum(r["decode_s"] for r in recs) / gen
+                                                 if gen else None),
+        })
+    greedy = {r["benchmark"]: r["forward_equivalents"] for r in rows if r["method"] == "greedy"}
+    for r in rows:
+        g = greedy.get(r["benchmark"])
+        r["forward_equivalents_vs_greedy"] = r["forward_equivalents"] / g if g else None
+    overhead = []
+    by = {(r["benchmark"], r["method"]): r for r in rows}
+    for treat, base in BETA_PAIRS:
+        for b in sorted({r["benchmark"] for r in rows}):
+            if (b, treat) in by and (b, base) in by:
+                t, s = by[(b, treat)], by[(b, base)]
+                per_tok = [x["decode_s_per_1k_generated_tokens"] for x in (t, s)]
+                overhead.append({
+                    "benchmark": b, "treatment": treat, "baseline": base,
+                    "forward_equivalents_per_generated_token": (
+                        (t["forward_equivalents"] / t["generated_tokens"])
+                        / (s["forward_equivalents"] / s["generated_tokens"]) - 1),
+                    "wall_clock_overhead_per_generated_token": (
+                        per_tok[0] / per_tok[1] - 1 if all(per_tok) else None)})
+    return {"rows": rows, "probe_overhead": overhead,
+            "note": "per problem means; a batch's decoding time is shared equally by its problems "
+                    "and includes compiling each new batch shape; forward-equivalents charge "
+                    f"probing K/L of a forward per probed token (L = {L})"}
+
+
+# --------------------------------------------------------------------------- status, claims
+
+
+def status_table(study: Study) -> dict:
+    jobs = study.latest("jobs")
+    rows = []
+    for directory, job in sorted(jobs.items()):
+        if job["kind"] == "pool":
+            data = study.pools.get(job["benchmark"])
+        else:
+            data = study.runs.get((job["benchmark"], job["method"]))
+        done = len(data["records"]) if data else 0
+        row = {"directory": directory, "kind": job["kind"], "benchmark": job["benchmark"],
+               "method": job["method"], "target": job["target"], "done": done,
+               "deviations": job["deviations"]}
+        if job["kind"] == "pool" and data is not None:
+            row["layer_pass_done"] = len(data.get("layers", {}))
+        rows.append(row)
+    invocations = [{k: inv.get(k) for k in ("started", "finished", "status", "device", "seconds",
+                                            "argv", "skipped")}
+                   for inv in study.meta["invocations"]]
+    complete = all(r["done"] >= r["target"] and r.get("layer_pass_done", r["done"]) >= r["done"]
+                   for r in rows)
+    selection_deviations = {b: s["deviations"] for b, s in study.latest("selections").items()
+                            if s.get("deviations")}
+    return {"model": study.meta["model"], "complete": complete, "jobs": rows,
+            "selection_deviations": selection_deviations, "invocations": invocations}
+
+
+def claims_table(paired: Mapping, validity: Mapping, compute: Mapping) -> list[dict]:
+    """The paper's four checkable claims next to what this study measured."""
+    out = []
+    beta = [c for c in paired["comparisons"]
+            if (c["treatment"], c["baseline"]) == ("degs_mcmc", "power_mcmc")]
+    if beta:
+        pos = sum(c["difference"] > 0 for c in beta)
+        neg = sum(c["difference"] < 0 for c in beta)
+        sig = [c["benchmark"] for c in beta if c["p_value"] < 0.05]
+        verdict = ("same direction" if pos and not neg else
+                   "opposite direction" if neg and not pos else "mixed or no difference")
+        out.append({
+            "claim": "beta = 5 improves on beta = 0 (DEGS-MCMC vs power sampling) in every cell",
+            "paper": "12 of 12 cells positive, median +4 points; sign test p = 2^-12",
+            "measured": "; ".join(f"{c['benchmark']}: {c['difference']:+.3f} [{c['ci_low']:+.3f}, "
+                                  f"{c['ci_high']:+.3f}], n = {c['n']}, p = {c['p_value']:.3g}"
+                                  for c in beta),
+            "verdict": f"{verdict} ({pos} positive, {neg} negative of {len(beta)}; "
+                       f"significant at 5%: {', '.join(sig) or 'none'})"})
+    else:
+        out.append({"claim": "beta = 5 improves on beta = 0", "paper": "12 of 12 cells positive",
+                    "measured": "not run", "verdict": "not measured"})
+    if validity:
+        parts, ok = [], []
+        for b, s in validity.items():
+            buckets = s["buckets"]
+            parts.append(f"{b}: AUC {_f(s['auc'])}, rho {_f(s['spearman_rho'])}, gap "
+                         f"{_f(s['gap'], 4)} (p {_f(s['mann_whitney_p'], 3, 'g')}), pairwise "
+                         f"{_f(s['pairwise']['accuracy'])}, bucket accuracy "
+                         f"{_f(buckets[0]['accuracy'])} -> {_f(buckets[-1]['accuracy'])}, "
+                         f"{s['n']} candidates")
+            ok.append(not math.isnan(s["auc"]) and s["auc"] > 0.5 and s["gap"] > 0)
+        out.append({"claim": "D(x) predicts correctness weakly but positively",
+                    "paper": "AUC ≈ 0.6, Spearman ≈ 0.15, gap > 0 with p < 0.001, bucket "
+                             "accuracy 0.17 -> 0.41 (Qwen2.5-Math-7B / MATH500, 8000 candidates)",
+                    "measured": "; ".join(parts),
+                    "verdict": f"AUC > 0.5 and gap > 0 in {sum(ok)} of {len(ok)} pools"})
+    else:
+        out.append({"claim": "D(x) predicts correctness", "paper": "AUC ≈ 0.6",
+                    "measured": "not run", "verdict": "not measured"})
+    acc = [r for r in compute["rows"] if r["method"] == "degs_mcmc" and r["mean_acceptance"] is not None]
+    out.append({
+        "claim": "MH acceptance rate 57-78% at alpha 4, beta 5",
+        "paper": "57% (Qwen2.5-Math-7B / MATH500), 78% (DeepSeek-Math-7B / DeepMind500)",
+        "measured": "; ".join(f"{r['benchmark']}: {r['mean_acceptance']:.2f}" for r in acc) or "not run",
+        "verdict": ("not measured" if not acc else
+                    f"{sum(0.57 <= r['mean_acceptance'] <= 0.78 for r in acc)} of {len(acc)} "
+                    "benchmarks inside 0.57-0.78")})
+    ov = [o for o in compute["probe_overhead"] if o["treatment"] == "degs_mcmc"]
+    out.append({
+        "claim": "probing adds ≈ 8.8% wall-clock to DEGS-MCMC over power sampling",
+        "paper": "+8.8% per problem (Qwen2.5-Math-7B / MATH500, RTX 3090)",
+        "measured": "; ".join(
+            f"{o['benchmark']}: {_pct(o['wall_clock_overhead_per_generated_token'])} wall-clock per "
+            f"generated token, {_pct(o['forward_equivalents_per_generated_token'])} "
+            "forward-equivalents per generated token" for o in ov) or "not run",
+        "verdict": "see measured (per generated token: the two chains generate different lengths)"
+                   if ov else "not measured"})
+    return out
+
+
+def _f(x, digits: int = 3, kind: str = "f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}{kind}}"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=130)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_table1(t1: Mapping, path: Path, title: str) -> Optional[str]:
+    rows = [r for r in t1["rows"] if r["cells"]]
+    if not rows:
+        return None
+    benchmarks = t1["benchmarks"]
+    fig = _figure(max(6.0, 1.6 * len(benchmarks) + 2), 4.2)
+    ax = fig.add_subplot()
+    width = 0.8 / len(rows)
+    for k, r in enumerate(rows):
+        xs, ys, lo, hi = [], [], [], []
+        for j, b in enumerate(benchmarks):
+            c = r["cells"].get(b)
+            if c and c["n"]:
+                xs.append(j + (k - (len(rows) - 1) / 2) * width)
+                ys.append(c["accuracy"])
+                lo.append(max(0.0, c["accuracy"] - c["ci_low"]))
+                hi.append(max(0.0, c["ci_high"] - c["accuracy"]))
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=r["label"])
+    ax.set_xticks(range(len(benchmarks)),
+                  [paper.BENCHMARK_LABELS.get(b, b) for b in benchmarks], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy (95% Wilson interval)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, frameon=False, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return str(path)
+
+
+def plot_paired(paired: Mapping, path: Path, title: str) -> Optional[str]:
+    comps = paired["comparisons"]
+    if not comps:
+        return None
+    fig = _figure(7.0, 0.35 * len(comps) + 1.4)
+    ax = fig.add_subplot()
+    ys = np.arange(len(comps))[::-1]
+    for y, c in zip(ys, comps):
+        ax.errorbar(c["difference"], y, xerr=[[c["difference"] - c["ci_low"]],
+                                              [c["ci_high"] - c["difference"]]],
+                    fmt="o", color="tab:blue" if c["p_value"] >= 0.05 else "tab:red", capsize=3)
+    ax.axvline(0.0, color="grey", linewidth=1)
+    ax.set_yticks(ys, [f"{c['treatment']} − {c['baseline']} · {c['benchmark']} (n={c['n']})"
+                       for c in comps], fontsize=7)
+    ax.set_xlabel("accuracy difference, 95% paired bootstrap CI\n(red: McNemar p < 0.05)",
+                  fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return str(path)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def build_tables(study: Study) -> dict[str, Any]:
+    """Every table of the report as JSON-able dicts (see the module docstring)."""
+    verdict = verdicts(study)
+    t1 = table1(study, verdict)
+    paired = paired_table(study, verdict)
+    validity = predictive_validity_table(study)
+    compute = compute_table(study)
+    return {"status": status_table(study), "table1": t1, "paired": paired,
+            "predictive_validity": validity, "lsub": lsub_table(study),
+            "trajectories": trajectory_table(study), "compute": compute,
+            "claims": claims_table(paired, validity, compute)}
+
+
+def write_report(study_dir, out_dir=None) -> dict[str, Any]:
+    """Write ``tables/``, ``figures/`` and ``report.md`` for the study in ``study_dir``
+    (into ``out_dir``, default the study directory). Returns the tables and, under
+    ``"figures"``, the PNG paths and, under ``"report"``, the path of report.md."""
+    from degs_jax.analysis import plot_predictive_validity, pool_from_records
+    from degs_jax.plots import plot_entropy_trajectories
+
+    study = load_study(study_dir)
+    out = Path(out_dir) if out_dir is not None else study.directory
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    tables = build_tables(study)
+    for name, table in tables.items():
+        write_json(out / "tables" / f"{name}.json", table)
+    model = study.meta["model"]["name"]
+    figures = {}
+    f = plot_table1(tables["table1"], out / "figures" / "table1.png", f"{model}: accuracy")
+    if f:
+        figures["table1"] = f
+    f = plot_paired(tables["paired"], out / "figures" / "paired.png",
+                    f"{model}: paired differences")
+    if f:
+        figures["paired"] = f
+    for b, stats in tables["predictive_validity"].items():
+        pool = pool_from_records(study.pools[b]["records"])
+        figures[f"predictive_validity_{b}"] = plot_predictive_validity(
+            pool, stats, out / "figures" / f"predictive_validity_{b}.png",
+            title=f"{model} · {b} · pool of N = {_pool_n(study, b)} at T = 0.8, top-p 0.9")
+    for b, traj in tables["trajectories"].items():
+        curves = {f"{name} ({g['candidates']} candidates)": (traj["layers"], g["mean_entropy"])
+                  for name, g in traj["groups"].items()}
+        if curves:
+            figures[f"trajectory_{b}"] = plot_entropy_trajectories(
+                curves, out / "figures" / f"trajectory_{b}.png",
+                title=f"{model} · {b}: layer entropy of pool candidates", tau=traj["tau"])
+    text = render_markdown(tables, {k: os.path.relpath(v, out) for k, v in figures.items()})
+    (out / "report.md").write_text(text)
+    return {**tables, "figures": figures, "report": str(out / "report.md")}
+
+
+def _pool_n(study: Study, b: str) -> Any:
+    return study.pools[b]["run"]["config"]["hyperparameters"].get("n")
+
+
+def _cell(c: Optional[Mapping]) -> str:
+    if not c or not c["n"]:
+        return "not run"
+    return f"{c['accuracy']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}] ({c['correct']}/{c['n']})"
+
+
+def _md_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> str:
+    """report.md from the tables (figure paths relative to the report)."""
+    st = tables["status"]
+    model = st["model"]["name"]
+    md = [f"# Reproduction study: {model}", ""]
+    last = st["invocations"][-1]
+    md += [f"Model `{model}` ({st['model']['num_layers']} layers). "
+           f"{len(st['invocations'])} invocation(s); the last on {last['device']}, started "
+           f"{last['started']}, status: **{last['status']}**."]
+    if not st["complete"]:
+        md += ["", "**Partial results**: not every job reached its target (see *What ran*); "
+                   "every number below is over the problems that finished, and paired "
+                   "comparisons use the problems both methods finished."]
+    md += ["", "## What ran", ""]
+    md.append(_md_table(
+        ["job", "target", "done", "hyperparameters that differ from the paper's"],
+        [[r["directory"], r["target"],
+          f"{r['done']}" + (f" (layer pass {r['layer_pass_done']})" if "layer_pass_done" in r else ""),
+          ", ".join(f"{k} {v['used']} (paper {v['paper']})" for k, v in r["deviations"].items())
+          or "none"] for r in st["jobs"]]))
+    for b, dev in st["selection_deviations"].items():
+        md.append(f"\nSelection weights on {b} that differ from the paper's: "
+                  + "; ".join(f"{m}: {v['used']} (paper {v['paper']})" for m, v in dev.items()))
+    skipped = last.get("skipped") or []
+    if skipped:
+        md.append("\nLeft for a later invocation (time budget): " + "; ".join(skipped))
+
+    t1 = tables["table1"]
+    md += ["", "## Table 1: accuracy", "",
+           "Accuracy [95% Wilson interval] (correct/n). Best-of-N-Entropy, DEGS reranking and "
+           "depth-only are selections from the Best-of-N run's candidates (same pool)."]
+    md.append("")
+    md.append(_md_table(["method"] + [paper.BENCHMARK_LABELS.get(b, b) for b in t1["benchmarks"]],
+                        [[r["label"]] + [_cell(r["cells"].get(b)) for b in t1["benchmarks"]]
+                         for r in t1["rows"]]))
+    if "table1" in figures:
+        md += ["", f"![Table 1]({figures['table1']})"]
+    md += ["", "The paper's Table 1 (7B models; no GSM8K column) for reference:", ""]
+    bs = ("math500", "deepmind500", "humaneval", "gpqa_diamond")
+    rows = []
+    for model_name, table in paper.TABLE1.items():
+        for m, cells in table.items():
+            rows.append([model_name, paper.METHOD_LABELS[m]] + [f"{cells[b]:.3f}" for b in bs])
+    md.append(_md_table(["model", "method"] + [paper.BENCHMARK_LABELS[b] for b in bs], rows))
+
+    p = tables["paired"]
+    md += ["", "## Paired comparisons", "", p["note"] + ".", ""]
+    if p["comparisons"]:
+        md.append(_md_table(
+            ["treatment − baseline", "benchmark", "n", "baseline", "treatment",
+             "difference [95% CI]", "only baseline / only treatment", "McNemar p (test)"],
+            [[f"{c['treatment']} − {c['baseline']}", c["benchmark"], c["n"],
+              f"{c['accuracy_a']:.3f}", f"{c['accuracy_b']:.3f}",
+              f"{c['difference']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
+              f"{c['only_a']} / {c['only_b']}", f"{c['p_value']:.3g} ({c['test']})"]
+             for c in p["comparisons"]]))
+        for s in p["beta_sign_tests"]:
+            md.append(f"\nSign test over benchmarks, {s['treatment']} − {s['baseline']} > 0: "
+                      f"{s['positive']} positive, {s['negative']} negative, {s['zero']} zero; "
+                      f"one-sided p = {_f(s['p_value'], 3, 'g')} (paper: 12 of 12 cells, p = 2^-12).")
+        if "paired" in figures:
+            md += ["", f"![paired differences]({figures['paired']})"]
+    else:
+        md.append("No pair of methods ran on common problems.")
+
+    md += ["", "## Predictive validity of D(x) (pool: N candidates at T = 0.8, top-p 0.9)", ""]
+    pv = tables["predictive_validity"]
+    if pv:
+        md.append(_md_table(
+            ["benchmark", "candidates (problems)", "candidate accuracy", "AUC", "Spearman rho",
+             "mean gap (Mann-Whitney p)", "pairwise acc. (pairs)", "accuracy by D quartile"],
+            [[b, f"{s['n']} ({s['n_problems']})", _f(s["accuracy"]), _f(s["auc"]),
+              _f(s["spearman_rho"]), f"{_f(s['gap'], 4)} ({_f(s['mann_whitney_p'], 3, 'g')})",
+              f"{_f(s['pairwise']['accuracy'])} ({s['pairwise']['pairs']})",
+              " / ".join(f"{_f(x['accuracy'], 2)}" for x in s["buckets"])]
+             for b, s in pv.items()]))
+        for b in pv:
+            if f"predictive_validity_{b}" in figures:
+                md += ["", f"![predictive validity {b}]({figures[f'predictive_validity_{b}']})"]
+    else:
+        md.append("Not run.")
+    v = paper.PREDICTIVE_VALIDITY
+    md += ["", f"Paper ({v['model']} / MATH500, {v['candidates']} candidates): AUC {v['auc']}, "
+               f"Spearman {v['spearman_rho']}, pairwise {v['pairwise']}, {v['gap']}; {v['buckets']}."]
+
+    md += ["", "## L_sub ablation (on the pool)", ""]
+    ls = tables["lsub"]
+    if ls:
+        for b, t in ls.items():
+            ref = t["reference"]
+            md += [f"**{b}**: {t['n_candidates']} candidates of {t['n_problems']} problems; DEGS "
+                   f"rerank = argmax {t['weights']['alpha']:g}·log p + {t['weights']['beta']:g}·D. "
+                   f"Reference on this pool: Best-of-N (log p) {_f(ref['best_of_n'])}, oracle "
+                   f"{_f(ref['oracle'])}, mean candidate {_f(ref['mean_candidate'])}.", ""]
+            md.append(_md_table(
+                ["L_sub", "K", "probe cost K/L", "AUC", "Spearman", "pairwise", "DEGS rerank acc.",
+                 "depth-only acc.", "mean D"],
+                [["{" + ",".join(map(str, r["lsub"])) + "}", r["K"], f"{r['probe_cost_per_token']:.3f}",
+                  _f(r["auc"]), _f(r["spearman_rho"]), _f(r["pairwise_accuracy"]),
+                  _f(r["degs_rerank_accuracy"]), _f(r["depth_only_accuracy"]), _f(r["mean_D"], 4)]
+                 for r in t["rows"]]))
+            c = t["recorded_vs_rescored_D"]
+            if c:
+                md.append(f"\nD(x) of the default set re-computed teacher-forced vs recorded during "
+                          f"generation: mean |difference| {c['mean_abs_difference']:.2e}, max "
+                          f"{c['max_abs_difference']:.2e} (collapse depths flip where an entropy "
+                          "sits within rounding of tau).")
+            md.append("")
+    else:
+        md.append("Not run.")
+    md += ["The paper's table (Qwen2.5-Math-7B MATH500 / GPQA, DeepSeek-Math-7B DeepMind500; "
+           "accuracy of DEGS with each L_sub, overhead = measured wall-clock):", ""]
+    md.append(_md_table(["L_sub", "K", "overhead", "MATH500", "GPQA", "DeepMind500"],
+                        [[r["lsub"] if r["lsub"] == "all" else "{" + ",".join(map(str, r["lsub"])) + "}",
+                          r["K"], f"{r['overhead']:.2f}×", r["math500"], r["gpqa_diamond"],
+                          r["deepmind500"]] for r in paper.LSUB_TABLE]))
+
+    md += ["", "## Layer-entropy trajectories (Figure 1 style)", ""]
+    tr = tables["trajectories"]
+    if tr:
+        for b, t in tr.items():
+            md.append(f"**{b}** (tau = {t['tau']:g}): " + "; ".join(
+                f"{name}: {g['candidates']} candidates, {g['tokens']} tokens, mean collapse layer "
+                f"{_f(g['mean_collapse_layer'], 2)} of {t['num_layers']}"
+                for name, g in t["groups"].items()))
+            if f"trajectory_{b}" in figures:
+                md += ["", f"![trajectory {b}]({figures[f'trajectory_{b}']})", ""]
+    else:
+        md.append("Not run.")
+
+    md += ["", "## Compute accounting", "", tables["compute"]["note"] + ".", ""]
+    rows = tables["compute"]["rows"]
+    if rows:
+        md.append(_md_table(
+            ["benchmark", "method", "n", "completion tok", "EOS", "answer read", "generated tok",
+             "forward tok",
+             "probe charge", "fwd-eq", "× greedy", "acceptance", "decode s", "grade s",
+             "s / 1k gen. tok"],
+            [[r["benchmark"], r["method"], r["n"], _f(r["completion_tokens"], 1),
+              _f(r["ended_with_eos"], 2), _f(r["answer_extracted"], 2),
+              _f(r["generated_tokens"], 0), _f(r["forward_tokens"], 0),
+              _f(r["probe_charge"], 0), _f(r["forward_equivalents"], 0),
+              _f(r["forward_equivalents_vs_greedy"], 1), _f(r["mean_acceptance"], 3),
+              _f(r["decode_s_per_problem"], 2), _f(r["grade_s_per_problem"], 2),
+              _f(r["decode_s_per_1k_generated_tokens"], 3)] for r in rows]))
+    for o in tables["compute"]["probe_overhead"]:
+        md.append(f"\nProbe overhead {o['treatment']} over {o['baseline']} on {o['benchmark']}: "
+                  f"{_pct(o['wall_clock_overhead_per_generated_token'])} decoding time per generated "
+                  f"token, {_pct(o['forward_equivalents_per_generated_token'])} forward-equivalents "
+                  "per generated token.")
+    w = paper.WALL_CLOCK_S
+    md += ["", f"Paper ({w['model']} / MATH500, {w['device']}), seconds per problem: "
+               + ", ".join(f"{paper.METHOD_LABELS[m]} {s}" for m, s in w["seconds"].items())
+               + f"; probe overhead +{100 * paper.PROBE_OVERHEAD['degs_mcmc_vs_power_mcmc']:.1f}% "
+                 f"(DEGS-MCMC), +{100 * paper.PROBE_OVERHEAD['degs_rerank_vs_best_of_n']:.1f}% "
+                 "(DEGS reranking); acceptance "
+               + ", ".join(f"{k} {100 * v:.0f}%" for k, v in paper.ACCEPTANCE.items()) + "."]
+
+    md += ["", "## The paper's claims at this scale", ""]
+    md.append(_md_table(["claim", "paper", "measured here", "verdict"],
+                        [[c["claim"], c["paper"], c["measured"], c["verdict"]]
+                         for c in tables["claims"]]))
+    md.append("")
+    return "\n".join(md)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_study(study_dir, dest) -> dict[str, Any]:
+    """A compact copy of a study for committing, and its report.
+
+    Keeps study.json, every run.json / summary.json, the per-problem records (chosen
+    completions as stored: GPQA only as hashes) with each kept candidate's scores and
+    verdict but without its tokens, and the layer-pass files; then writes the report
+    into ``dest``. The copy renders the same tables (they never read tokens).
+    """
+    src, dest = Path(study_dir), Path(dest)
+    load_study(src)  # refuse a directory that is not a study
+    if dest.exists() and any(dest.iterdir()):
+        if not (dest / STUDY_FILE).exists():
+            raise ValueError(f"{dest} exists and is not an exported study; refusing to overwrite it")
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / STUDY_FILE, dest / STUDY_FILE)
+    for run_dir in sorted(list((src / "runs").glob("*/*")) + list((src / "pool").glob("*"))):
+        if not (run_dir / "run.json").exists():
+            continue
+        target = dest / run_dir.relative_to(src)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("run.json", "summary.json", LAYERS_META, LAYERS_FILE):
+            if (run_dir / name).exists():
+                shutil.copy2(run_dir / name, target / name)
+        with open(target / "results.jsonl", "w", encoding="utf-8") as f:
+            for r in read_records(run_dir):
+                if "candidates" in r:
+                    r = {**r, "candidates": [{k: v for k, v in c.items()
+                                              if k not in ("tokens", "tokens_packed")}
+                                             for c in r["candidates"]]}
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return write_report(dest)

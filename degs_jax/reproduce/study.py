@@ -1,0 +1,768 @@
+"""`degs reproduce`: the paper's study for one model, resumable, into one directory.
+
+What runs (DESIGN §5; the paper's Table 1, predictive-validity section, L_sub table,
+compute accounting and Figure 1):
+
+- **Table 1**: each decoder on each benchmark is a ``degs eval`` run
+  (:func:`~degs_jax.eval.runner.run_eval`) in ``runs/<benchmark>/<method>/``. Best-of-N
+  keeps and grades its whole pool; Best-of-N-Entropy, DEGS reranking and depth-only
+  reranking are *selections from that same pool*: the three decoders draw identical
+  pools for the same seed and pool hyperparameters (same per-problem keys, same
+  sampler) and differ only in the argmax, so they cost no generation of their own
+  (``tests/test_reproduce.py`` checks the selections against the decoders).
+- **Predictive-validity pool** (``pool/<benchmark>/``): best_of_n with N = 16, T = 0.8,
+  top-p 0.9, every candidate graded (the paper's higher-entropy regime for this
+  analysis).
+- **Layer pass** (``pool/<benchmark>/layers.jsonl``): one teacher-forced forward per
+  pool candidate with the lens at every layer 0..L. Per candidate it stores the mean
+  entropy of each layer over its scored tokens (Figure 1, correct vs incorrect) and
+  D(x) under every probe set of the L_sub ablation (collapse depths are read off the
+  same entropies, so one pass serves every set).
+- The **report** (``report.md``, ``tables/*.json``, ``figures/*.png``;
+  :mod:`degs_jax.reproduce.report`) is computed from these files alone, without the model.
+
+Resuming: every piece is stored per problem as soon as it is done (``run_eval``'s
+append-only stores; the layer pass likewise), so rerunning the command after an
+interruption continues where it stopped, and an invocation may ask for more problems,
+other methods or benchmarks than the one before. The configuration of each run is
+checked by ``run_eval`` (a different model or hyperparameters are refused).
+
+Order and time budget: work goes in *rounds* of ``round_size`` problems per benchmark
+(default: everything in one round). In each round every job (benchmarks in the given
+order; per benchmark the decoders in the given order, then the pool, then its layer
+pass) finishes its share before the next round starts, so a run that stops early leaves
+paired results for every method on the same problems. Each batch is ``batch_size``
+consecutive problems (``problems [k·b, (k+1)·b)``), the same partition in every
+invocation, so a resumed run decodes the same batches as an uninterrupted one. With a
+``time_budget`` a batch starts only if its estimated time fits in what is left (the
+estimate: seconds per problem measured on this job, else on the same method elsewhere,
+times the batch's problems; work never measured starts while 15% of the budget is left);
+the study then stops cleanly and the report says what ran.
+
+Randomness is ``run_eval``'s: problem ``i`` uses ``fold_in(key(seed), i)``, whatever
+the batch, round or invocation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+
+from degs_jax.eval.benchmarks import BENCHMARKS, canonical_name
+from degs_jax.eval.results import ResultStore, write_json
+
+STUDY_FILE = "study.json"
+LAYERS_FILE = "layers.jsonl"
+LAYERS_META = "layers.json"
+
+# Table 1's row order (the paper's, then our reranking rows); decoders that exist in
+# degs_jax.decoders.METHODS but not here are appended in METHODS order.
+TABLE1_ORDER = ("greedy", "temperature", "best_of_n", "power_mcmc", "scalable_power",
+                "power_smc", "best_of_n_entropy", "degs_rerank", "depth_only", "degs_mcmc",
+                "degs_smc")
+POOL_METHOD = "best_of_n"  # the decoder whose kept candidates every reranking row selects from
+SELECTED_FROM_POOL = ("best_of_n_entropy", "degs_rerank", "depth_only")
+POOL_SCOPE = "pool"  # name of the predictive-validity pool in --hp / --batch-size
+# The predictive-validity pool of the paper (N, T, top-p).
+POOL_SETTINGS = {"n": 16, "temperature": 0.8, "top_p": 0.9}
+# The paper decodes HumanEval at T = 0.5 (alpha = 1/T = 2) "to retain the diversity
+# program synthesis requires"; every other benchmark at the defaults (alpha 4, T 0.25).
+HUMANEVAL_ALPHA = 2.0
+HUMANEVAL_TEMPERATURE = 0.5
+DEFAULT_BATCH_SIZE = 16
+# Layer pass: lens rows (layers x positions) per forward, bounding the [rows, 8192] fp32
+# blocks of the streamed lens to 1 GiB; sequence lengths are padded to a multiple of
+# LENGTH_BUCKET (one compilation per bucket).
+LENS_ROW_BUDGET = 1 << 15
+LENGTH_BUCKET = 256
+LAYER_PASS_PROBLEMS = 8  # pool problems per stored layer-pass step
+# A batch of a kind never measured starts only while this fraction of the time budget is
+# left (its first batch includes compiling; 15% of an 8-minute budget is 72 s).
+UNMEASURED_RESERVE = 0.15
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def available_methods() -> tuple[str, ...]:
+    """Every row the study can produce, in Table 1 order: the decoders of
+    ``degs_jax.decoders.METHODS`` (discovered at run time) plus the pool selections."""
+    from degs_jax.hyperparameters import METHODS
+
+    known = set(METHODS) | {"depth_only"}
+    ordered = [m for m in TABLE1_ORDER if m in known]
+    return tuple(ordered + [m for m in METHODS if m not in ordered])
+
+
+def method_defaults(method: str) -> dict[str, Any]:
+    """The decoder's resolved default hyperparameters (the paper's, DESIGN §4)."""
+    from degs_jax.hyperparameters import resolve_hyperparameters
+
+    return dict(resolve_hyperparameters(method, {}))
+
+
+def worst_case_cost(method: str, hyperparameters: Mapping[str, Any]) -> Optional[tuple[int, int]]:
+    """(generated tokens per problem, sequential decode steps per batch) when nothing ends
+    early (no EOS): the cost ceiling; None for decoders this formula does not know.
+
+    Single samples: max_new_tokens of each; a pool of n: n · max_new_tokens tokens in
+    max_new_tokens steps (the candidates decode side by side). An MCMC chain of B blocks
+    of l tokens with T MH steps per block: B·l for the blocks plus, per block k = 1..B, T
+    regenerations of on average half of its k·l tokens, i.e. B·l + T·l·B(B+1)/4, and as
+    many steps (a chain's proposals are sequential; chains decode side by side). SMC: N
+    particles of max_new_tokens each, side by side (resampling copies rows, no tokens).
+    """
+    hp = {**method_defaults(method), **hyperparameters}
+    if "num_blocks" in hp and "block_len" in hp and "mh_steps" in hp:
+        b, l, t = hp["num_blocks"], hp["block_len"], hp["mh_steps"]
+        steps = int(b * l + t * l * b * (b + 1) / 4)
+        return hp.get("n_chains", 1) * steps, steps
+    if method in ("power_smc", "degs_smc"):
+        return int(hp["n_particles"] * hp["max_new_tokens"]), int(hp["max_new_tokens"])
+    if "max_new_tokens" in hp and method in ("greedy", "temperature", "best_of_n",
+                                             "best_of_n_entropy", "degs_rerank"):
+        return int(hp.get("n", 1) * hp["max_new_tokens"]), int(hp["max_new_tokens"])
+    return None
+
+
+# --------------------------------------------------------------------------- request
+
+
+@dataclass(frozen=True)
+class StudyRequest:
+    """What one invocation asks for.
+
+    benchmarks: benchmark -> problem limit (None: all), in priority order.
+    methods: rows of Table 1 to produce, in priority order (decoders or pool selections).
+    pool_benchmarks: benchmark -> limit for the predictive-validity pool (empty: none).
+    overrides: scope -> {hyperparameter: value}; scope ``"*"`` applies to every decoder
+      that takes the name (``beta`` is never applied to a beta = 0 baseline), a method
+      name to that decoder, ``"pool"`` to the predictive-validity pool.
+    batch_sizes: scope -> problems per decode call (``"*"``: the default).
+    round_size: problems per benchmark per round (None: one round).
+    lsub_sets: the probe sets of the L_sub ablation (None: the paper's, mapped to the
+      model's depth by :func:`paper_lsub_sets`).
+    layer_pass: run the layer pass on the pool (trajectories and the L_sub ablation).
+    """
+
+    benchmarks: Mapping[str, Optional[int]]
+    methods: tuple[str, ...]
+    pool_benchmarks: Mapping[str, Optional[int]] = field(default_factory=dict)
+    overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    batch_sizes: Mapping[str, int] = field(default_factory=dict)
+    seed: int = 0
+    round_size: Optional[int] = None
+    lsub_sets: Optional[tuple[tuple[int, ...], ...]] = None
+    layer_pass: bool = True
+    chat: bool = True
+
+    def __post_init__(self):
+        benchmarks = {canonical_name(b): n for b, n in self.benchmarks.items()}
+        pool = {canonical_name(b): n for b, n in self.pool_benchmarks.items()}
+        for b, n in list(benchmarks.items()) + list(pool.items()):
+            if n is not None and (not isinstance(n, int) or n < 0):
+                raise ValueError(f"the limit of {b} must be a non-negative integer, got {n!r}")
+        object.__setattr__(self, "benchmarks", benchmarks)
+        object.__setattr__(self, "pool_benchmarks", pool)
+        rows = available_methods()
+        unknown = [m for m in self.methods if m not in rows]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; the study has "
+                             f"{', '.join(rows)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods repeated in {', '.join(self.methods)}")
+        for scope, size in self.batch_sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"batch size of {scope} must be a positive integer, got {size!r}")
+        if self.round_size is not None and self.round_size < 1:
+            raise ValueError(f"round_size must be positive, got {self.round_size}")
+        scopes = set(rows) | {"*", POOL_SCOPE}
+        for scope in set(self.overrides) | set(self.batch_sizes):
+            if scope not in scopes:
+                raise ValueError(f"unknown scope {scope!r} in --hp/--batch-size: use a method "
+                                 f"({', '.join(rows)}), 'pool' or no prefix")
+        for method in self.methods:  # fail on bad names before any model is loaded
+            for benchmark in self.benchmarks or {"math500": None}:
+                job_hyperparameters(method, benchmark, self.overrides)
+        for benchmark in self.pool_benchmarks:
+            pool_hyperparameters(benchmark, self.overrides)
+
+    def batch_size(self, scope: str) -> int:
+        return self.batch_sizes.get(scope, self.batch_sizes.get("*", DEFAULT_BATCH_SIZE))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"benchmarks": dict(self.benchmarks), "methods": list(self.methods),
+                "pool_benchmarks": dict(self.pool_benchmarks),
+                "overrides": {k: dict(v) for k, v in self.overrides.items()},
+                "batch_sizes": dict(self.batch_sizes), "seed": self.seed,
+                "round_size": self.round_size,
+                "lsub_sets": None if self.lsub_sets is None else [list(s) for s in self.lsub_sets],
+                "layer_pass": self.layer_pass, "chat": self.chat}
+
+
+def _scoped(overrides: Mapping[str, Mapping[str, Any]], method: str, defaults: Mapping,
+            scope: Optional[str] = None) -> dict[str, Any]:
+    hp = {}
+    for name, value in overrides.get("*", {}).items():
+        if name in defaults and not (name == "beta" and defaults["beta"] == 0):
+            hp[name] = value
+    hp.update(overrides.get(scope or method, {}))
+    return hp
+
+
+def job_hyperparameters(method: str, benchmark: str,
+                        overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The hyperparameter overrides of ``method`` on ``benchmark`` (its defaults are the
+    paper's): the paper's HumanEval settings, then the request's ``*`` and per-method
+    overrides. For a pool selection: the selection's weights (``alpha``, ``beta`` of
+    degs_rerank; ``alpha = 0`` for depth-only). Errors name the bad hyperparameter."""
+    from degs_jax.hyperparameters import resolve_hyperparameters
+
+    decoder = "degs_rerank" if method == "depth_only" else method
+    defaults = method_defaults(decoder)
+    hp: dict[str, Any] = {}
+    if canonical_name(benchmark) == "humaneval":
+        if "alpha" in defaults:
+            hp["alpha"] = HUMANEVAL_ALPHA
+        if method == "temperature":
+            hp["temperature"] = HUMANEVAL_TEMPERATURE
+    hp.update(_scoped(overrides, decoder, defaults, scope=method))
+    if method == "depth_only":
+        if "alpha" in overrides.get("depth_only", {}):
+            raise ValueError("depth_only is alpha = 0 by definition; set degs_rerank's alpha instead")
+        hp["alpha"] = 0.0
+    resolved = resolve_hyperparameters(decoder, hp)  # ValueError on bad names or values
+    if method in SELECTED_FROM_POOL:
+        pool = {**method_defaults(POOL_METHOD),
+                **job_hyperparameters(POOL_METHOD, benchmark, overrides)}
+        shared = sorted(k for k in pool if k in resolved and pool[k] != resolved[k])
+        if shared:
+            raise ValueError(f"{method} selects from best_of_n's pool, so its {', '.join(shared)} "
+                             f"must equal best_of_n's; set them for best_of_n (or without a prefix)")
+        return selection_weights(method, resolved)
+    return hp
+
+
+def selection_weights(method: str, hyperparameters: Mapping[str, Any]) -> dict[str, float]:
+    """What a pool selection ranks by: DEGS reranking and depth-only ``alpha``, ``beta``
+    (argmax alpha·log p + beta·D); Best-of-N-Entropy nothing (argmin final-layer entropy)."""
+    if method == "best_of_n_entropy":
+        return {}
+    return {"alpha": float(hyperparameters["alpha"]), "beta": float(hyperparameters["beta"])}
+
+
+def pool_hyperparameters(benchmark: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict:
+    """The predictive-validity pool's best_of_n overrides: N = 16, T = 0.8, top-p 0.9,
+    the request's ``*`` overrides and ``pool.`` overrides."""
+    from degs_jax.hyperparameters import resolve_hyperparameters
+
+    defaults = method_defaults(POOL_METHOD)
+    hp = {**POOL_SETTINGS, **_scoped(overrides, POOL_METHOD, defaults, scope=POOL_SCOPE)}
+    resolve_hyperparameters(POOL_METHOD, hp)
+    return hp
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``run_eval`` run of the study: a decoder on a benchmark, or the pool."""
+
+    kind: str  # "decoder" or "pool"
+    benchmark: str
+    method: str  # the decoder that runs
+    hyperparameters: Mapping[str, Any]
+    limit: Optional[int]
+    batch_size: int
+    keep_candidates: bool
+    directory: str  # relative to the study directory
+
+    @property
+    def label(self) -> str:
+        return f"{self.benchmark} {'pool' if self.kind == 'pool' else self.method}"
+
+
+def run_directory(benchmark: str, method: str) -> str:
+    return f"runs/{benchmark}/{method}"
+
+
+def pool_directory(benchmark: str) -> str:
+    return f"pool/{benchmark}"
+
+
+def plan_jobs(request: StudyRequest) -> list[Job]:
+    """The ``run_eval`` runs of ``request``, in priority order (module docstring)."""
+    jobs = []
+    decoders = []
+    for m in request.methods:
+        d = POOL_METHOD if m in SELECTED_FROM_POOL else m
+        if d not in decoders:
+            decoders.append(d)
+    for benchmark, limit in request.benchmarks.items():
+        for method in decoders:
+            jobs.append(Job("decoder", benchmark, method,
+                            job_hyperparameters(method, benchmark, request.overrides), limit,
+                            request.batch_size(method), method == POOL_METHOD,
+                            run_directory(benchmark, method)))
+        if benchmark in request.pool_benchmarks:
+            jobs.append(_pool_job(request, benchmark))
+    for benchmark in request.pool_benchmarks:
+        if benchmark not in request.benchmarks:
+            jobs.append(_pool_job(request, benchmark))
+    return jobs
+
+
+def _pool_job(request: StudyRequest, benchmark: str) -> Job:
+    return Job("pool", benchmark, POOL_METHOD, pool_hyperparameters(benchmark, request.overrides),
+               request.pool_benchmarks[benchmark], request.batch_size(POOL_SCOPE), True,
+               pool_directory(benchmark))
+
+
+def paper_lsub_sets(num_layers: int) -> tuple[tuple[int, ...], ...]:
+    """The probe sets of the paper's L_sub table, for a model of ``num_layers`` blocks.
+
+    For 28 layers they are the paper's own: all layers, the default grid
+    {4,...,28} and its deepest 6, 5 and 4 layers, windows of four grid layers sliding
+    toward the input ({12..24}, {8..20}, {4..16}), {1,4,8,12} and {1,2,3,4}. For
+    another depth the same roles on that model's default grid (``lens.default_lsub``).
+    """
+    from degs_jax.lens import default_lsub
+
+    grid = default_lsub(num_layers)
+    sets = [tuple(range(1, num_layers + 1)), grid, grid[1:], grid[2:], grid[3:], grid[2:6],
+            grid[1:5], grid[0:4], tuple(sorted({1, *grid[0:3]})),
+            tuple(range(1, min(4, num_layers) + 1))]
+    unique = []
+    for s in sets:
+        if s and s not in unique:
+            unique.append(s)
+    return tuple(unique)
+
+
+# --------------------------------------------------------------------------- study file
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def open_study(out: Path, model_name: str, num_layers: int, request: StudyRequest,
+               argv: Optional[Sequence[str]]) -> dict:
+    """Create or extend ``study.json``; refuse a study of another model."""
+    import jax
+
+    from degs_jax.eval.results import package_versions
+
+    path = out / STUDY_FILE
+    if path.exists():
+        study = json.loads(path.read_text())
+        if study["model"]["name"] != model_name:
+            raise ValueError(f"{out} holds a study of model {study['model']['name']!r}, not "
+                             f"{model_name!r}; use another --out directory")
+    else:
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"{out} exists and is not a `degs reproduce` directory "
+                             f"(no {STUDY_FILE}); use an empty or new --out directory")
+        study = {"model": {"name": model_name, "num_layers": num_layers}, "invocations": []}
+    study["invocations"].append({
+        "started": _now(), "argv": list(argv) if argv is not None else None,
+        "request": request.as_json(), "device": str(jax.local_devices()[0]),
+        "versions": package_versions(), "status": "running", "steps": []})
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(path, study)
+    return study
+
+
+def _save_study(out: Path, study: dict) -> None:
+    write_json(out / STUDY_FILE, study)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL store (empty when it does not exist yet)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The records of a ``run_eval`` directory (empty when it has none yet)."""
+    return read_jsonl(Path(run_dir) / "results.jsonl")
+
+
+# --------------------------------------------------------------------------- budget
+
+
+class Budget:
+    """Wall-clock budget of one invocation, counted from its start."""
+
+    def __init__(self, seconds: Optional[float], start: Optional[float] = None):
+        if seconds is not None and seconds <= 0:
+            raise ValueError(f"time budget must be positive, got {seconds}")
+        self.seconds = seconds
+        self.start = time.monotonic() if start is None else start
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def fits(self, estimate: Optional[float]) -> bool:
+        """Whether work estimated at ``estimate`` seconds may start. Work never measured
+        (None) starts while at least UNMEASURED_RESERVE of the budget is left."""
+        if self.seconds is None:
+            return True
+        left = self.seconds - self.elapsed()
+        return left >= UNMEASURED_RESERVE * self.seconds if estimate is None else estimate <= left
+
+
+class _Rates:
+    """Measured seconds per unit of work, per job and per method, for estimates."""
+
+    def __init__(self):
+        self.by_key: dict[str, list[float]] = {}
+
+    def add(self, keys: Sequence[str], seconds: float, units: int) -> None:
+        for k in keys:
+            total = self.by_key.setdefault(k, [0.0, 0.0])
+            total[0] += seconds
+            total[1] += units
+
+    def per_unit(self, keys: Sequence[str]) -> Optional[float]:
+        for k in keys:  # the most specific measurement first
+            if k in self.by_key and self.by_key[k][1]:
+                return self.by_key[k][0] / self.by_key[k][1]
+        return None
+
+
+def _job_rate_keys(job: Job) -> tuple[str, str]:
+    return (f"job:{job.directory}", f"method:{job.kind}:{job.method}")
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _batches(job: Job, start: int, stop: int) -> Iterator[list[int]]:
+    """Problem indices in [start, stop), cut at multiples of the job's batch size."""
+    b = job.batch_size
+    first = (start // b) * b
+    for s in range(first, stop, b):
+        chunk = list(range(max(s, start), min(s + b, stop)))
+        if chunk:
+            yield chunk
+
+
+def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[float] = None,
+              progress: bool = True, data_dir=None, argv: Optional[Sequence[str]] = None,
+              grader=None, budget: Optional[Budget] = None, log=None) -> dict:
+    """Run (or continue) the study of ``request`` with a loaded model into ``out_dir``.
+
+    Returns ``study.json``'s content after this invocation. The report is not written
+    here (see :func:`degs_jax.reproduce.report.write_report`).
+    """
+    from degs_jax.eval import Grader, load_benchmark
+    from degs_jax.eval.runner import run_eval
+
+    out = Path(out_dir)
+    budget = budget or Budget(time_budget)
+    log = log or (lambda message: print(f"[{budget.elapsed():7.1f} s] {message}",
+                                        file=sys.stderr, flush=True))
+    lsub_sets = request.lsub_sets or paper_lsub_sets(model.cfg.num_layers)
+    study = open_study(out, model.name, model.cfg.num_layers, request, argv)
+    invocation = study["invocations"][-1]
+    jobs = plan_jobs(request)
+    problems = {b: load_benchmark(b, data_dir=data_dir)
+                for b in {j.benchmark for j in jobs}}
+    targets = {j.directory: len(problems[j.benchmark]) if j.limit is None
+               else min(j.limit, len(problems[j.benchmark])) for j in jobs}
+    invocation.update(describe(request, jobs, targets))
+    _save_study(out, study)
+    rates = _Rates()
+    for job in jobs:  # what earlier invocations measured
+        recs = read_records(out / job.directory)
+        if recs:
+            rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
+    skipped: list[str] = []
+    own_grader = grader is None
+    grader = grader or Grader()
+    try:
+        rounds = max(targets.values(), default=0)
+        size = request.round_size or max(rounds, 1)
+        for start in range(0, rounds, size):
+            for job in jobs:
+                stop = min(start + size, targets[job.directory])
+                for chunk in _batches(job, start, stop):
+                    done = {r["index"] for r in read_records(out / job.directory)}
+                    todo = [i for i in chunk if i not in done]
+                    if not todo:
+                        continue
+                    rate = rates.per_unit(_job_rate_keys(job))
+                    estimate = None if rate is None else rate * len(todo)
+                    if not budget.fits(estimate):
+                        skipped.append(f"{job.label} problems {todo[0]}-{todo[-1]}")
+                        continue
+                    t0 = time.monotonic()
+                    run_eval(model, out / job.directory, benchmark=job.benchmark,
+                             method=job.method, hyperparameters=dict(job.hyperparameters),
+                             seed=request.seed, indices=todo, batch_size=len(todo),
+                             keep_candidates=job.keep_candidates, chat=request.chat,
+                             progress=progress, data_dir=data_dir, grader=grader, argv=argv,
+                             print_table=False)
+                    seconds = time.monotonic() - t0
+                    rates.add(_job_rate_keys(job), seconds, len(todo))
+                    invocation["steps"].append({"job": job.directory, "problems": todo,
+                                                "seconds": round(seconds, 3)})
+                    _save_study(out, study)
+                    log(f"{job.label}: problems {todo[0]}-{todo[-1]} ({len(todo)}) in {seconds:.1f} s")
+                if job.kind == "pool" and request.layer_pass:
+                    _layer_pass(model, out / job.directory, problems[job.benchmark], lsub_sets,
+                                budget, rates, invocation, skipped, log)
+                    _save_study(out, study)
+        status = "stopped by the time budget" if skipped else "finished"
+    except BaseException as error:
+        status = ("interrupted" if isinstance(error, KeyboardInterrupt)
+                  else f"failed: {type(error).__name__}: {error}")
+        raise
+    finally:
+        if own_grader:
+            grader.close()
+        invocation["status"] = status
+        invocation["finished"] = _now()
+        invocation["seconds"] = round(budget.elapsed(), 1)
+        invocation["skipped"] = skipped
+        _save_study(out, study)
+    log(f"study {status} after {budget.elapsed():.1f} s" +
+        (f"; {len(skipped)} batches left for a later invocation" if skipped else ""))
+    return study
+
+
+def describe(request: StudyRequest, jobs: Sequence[Job], targets: Mapping[str, int]) -> dict:
+    """What an invocation records for the report (which then needs neither the model nor
+    the benchmark files): per job its target and hyperparameters where they differ from
+    the paper's; the selection weights of the reranking rows and of the pool's."""
+    described = {}
+    for job in jobs:
+        decoder_defaults = method_defaults(job.method)
+        paper = ({**decoder_defaults, **POOL_SETTINGS} if job.kind == "pool" else
+                 {**decoder_defaults, **job_hyperparameters(job.method, job.benchmark, {})})
+        used = {**decoder_defaults, **job.hyperparameters}
+        described[job.directory] = {
+            "kind": job.kind, "benchmark": job.benchmark, "method": job.method,
+            "target": targets[job.directory], "batch_size": job.batch_size,
+            "deviations": {k: {"paper": paper[k], "used": used[k]}
+                           for k in sorted(used) if paper.get(k) != used[k]}}
+    selections: dict[str, dict] = {}
+    for benchmark in dict(request.benchmarks) | dict(request.pool_benchmarks):
+        rows = {m: job_hyperparameters(m, benchmark, request.overrides)
+                for m in request.methods if m in SELECTED_FROM_POOL}
+        paper = {m: job_hyperparameters(m, benchmark, {}) for m in rows}
+        selections[benchmark] = {"rows": rows,
+                                 "pool_rerank": rerank_weights(benchmark, request.overrides),
+                                 "deviations": {m: {"paper": paper[m], "used": rows[m]}
+                                                for m in paper if paper[m] != rows[m]}}
+    return {"jobs": described, "selections": selections}
+
+
+def rerank_weights(benchmark: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """DEGS reranking's (alpha, beta) on ``benchmark``: the paper's (HumanEval alpha 2)
+    with the request's overrides of those two (used on the predictive-validity pool)."""
+    defaults = method_defaults("degs_rerank")
+    hp = {"alpha": HUMANEVAL_ALPHA} if canonical_name(benchmark) == "humaneval" else {}
+    hp.update({k: v for k, v in _scoped(overrides, "degs_rerank", defaults).items()
+               if k in ("alpha", "beta")})
+    return selection_weights("degs_rerank", {**defaults, **hp})
+
+
+# --------------------------------------------------------------------------- layer pass
+
+
+def _set_label(lsub: Sequence[int]) -> str:
+    return ",".join(map(str, lsub))
+
+
+def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rates: _Rates,
+                invocation: dict, skipped: list, log) -> None:
+    """Layer statistics of every graded pool problem not yet in ``layers.jsonl``."""
+    records = read_records(pool_dir)
+    if not records:
+        return
+    run = json.loads((pool_dir / "run.json").read_text())
+    tau = float(run["config"]["hyperparameters"]["tau"])
+    meta = {"layers": list(range(model.cfg.num_layers + 1)), "tau": tau,
+            "lsub_sets": [list(s) for s in lsub_sets], "model": model.name,
+            "num_layers": model.cfg.num_layers, "chat": run["config"]["chat"]}
+    meta_path = pool_dir / LAYERS_META
+    if meta_path.exists():
+        stored = json.loads(meta_path.read_text())
+        if stored != meta:
+            raise ValueError(f"{meta_path} was computed with other settings ("
+                             + "; ".join(f"{k}: {stored.get(k)!r} vs {v!r}" for k, v in meta.items()
+                                         if stored.get(k) != v)
+                             + f"); delete it and {LAYERS_FILE} to recompute")
+    else:
+        write_json(meta_path, meta)
+    by_id = {p.id: p for p in problems}
+    with ResultStore(pool_dir / LAYERS_FILE) as store:
+        todo = [r for r in records if not store.is_done(r["id"])]
+        keys = (f"layers:{pool_dir}", "layers")
+        for start in range(0, len(todo), LAYER_PASS_PROBLEMS):
+            group = todo[start:start + LAYER_PASS_PROBLEMS]
+            n_cand = sum(len(r["candidates"]) for r in group)
+            rate = rates.per_unit(keys)
+            if not budget.fits(None if rate is None else rate * n_cand):
+                skipped.append(f"{pool_dir.name} layer pass ({len(todo) - start} problems)")
+                return
+            t0 = time.monotonic()
+            stats = pool_layer_statistics(model, [(by_id[r["id"]], r) for r in group],
+                                          chat=meta["chat"], lsub_sets=lsub_sets, tau=tau)
+            seconds = time.monotonic() - t0
+            for r, s in zip(group, stats):
+                store.append({"id": r["id"], "index": r["index"], "seconds": seconds / len(group),
+                              "candidates": s})
+            rates.add(keys, seconds, n_cand)
+            invocation["steps"].append({"job": f"{pool_dir.parent.name}/{pool_dir.name}/layers",
+                                        "problems": [r["index"] for r in group],
+                                        "seconds": round(seconds, 3)})
+            log(f"{pool_dir.name} layer pass: {len(group)} problems ({n_cand} candidates) "
+                f"in {seconds:.1f} s")
+
+
+def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) -> list[list[dict]]:
+    """:func:`sequence_layer_statistics` of every candidate of each ``(problem, record)``
+    (prompt as the pool's run built it), grouped per record."""
+    from degs_jax.eval.runner import problem_prompt_ids, unpack_tokens
+
+    sequences, owners = [], []
+    for ri, (problem, record) in enumerate(items):
+        prompt = problem_prompt_ids(problem, model.tokenizer, chat)
+        for cand in record["candidates"]:
+            # as analysis.decode_tokens, without importing the analysis (scipy, matplotlib)
+            completion = cand["tokens"] if "tokens" in cand else unpack_tokens(cand["tokens_packed"])
+            sequences.append((prompt, completion, bool(cand["ended"])))
+            owners.append(ri)
+    stats = sequence_layer_statistics(model.params, model.cfg, sequences, lsub_sets=lsub_sets,
+                                      tau=tau)
+    out: list[list[dict]] = [[] for _ in items]
+    for ri, s in zip(owners, stats):
+        out[ri].append(s)
+    return out
+
+
+def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
+                              row_budget: Optional[int] = None,
+                              bucket: int = LENGTH_BUCKET) -> list[dict]:
+    """Per ``(prompt ids, completion ids, ended)``: the mean lens entropy at every layer
+    0..L over the completion's scored tokens and D(x) under each probe set of
+    ``lsub_sets`` with threshold ``tau``.
+
+    One teacher-forced forward per sequence (prompt + completion, right-padded to a
+    multiple of ``bucket``, as many per call as fit in ``row_budget`` lens rows, default
+    LENS_ROW_BUDGET) through :func:`degs_jax.scoring.layer_entropies`. Scored tokens are the
+    completion's, its final EOS excluded when ``ended``, each read at its own position
+    (DESIGN §3) — the tokens and positions :func:`degs_jax.scoring.score_sequences` and
+    generation score. Returns ``{"n_scored", "entropy": [L+1] (None if nothing is
+    scored), "D": [one per set]}`` per sequence, in order.
+    """
+    from degs_jax.lens import collapse_depth, sequence_depth
+    from degs_jax.model_api import TransformerLM
+    from degs_jax.scoring import layer_entropies
+
+    row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget
+    L = cfg.num_layers
+    layers = tuple(range(L + 1))
+    seqs = sorted(((i, np.asarray(list(p) + list(c), np.int32), len(p), len(c) - int(ended))
+                   for i, (p, c, ended) in enumerate(sequences)), key=lambda s: s[1].size)
+    out: list[Optional[dict]] = [None] * len(seqs)
+    k = 0
+    while k < len(seqs):
+        width = min(-(-seqs[k][1].size // bucket) * bucket, cfg.max_position_embeddings)
+        rows = max(1, row_budget // (len(layers) * width))
+        group = [s for s in seqs[k:k + rows] if s[1].size <= width]  # a prefix: sorted
+        k += len(group)
+        tokens = np.zeros((rows, width), np.int32)  # fixed rows per width: one compile
+        mask = np.zeros((rows, width), bool)
+        for r, (_, toks, first, n) in enumerate(group):
+            tokens[r, :toks.size] = toks
+            mask[r, first:first + n] = True
+        # [L+1, rows, width]; positions 0..width-1 (padding after the real tokens)
+        entropy = np.asarray(layer_entropies(TransformerLM(cfg), params, tokens, layers))
+        depths = [np.asarray(sequence_depth(collapse_depth(entropy[list(s)], s, L, tau), mask, L))
+                  for s in lsub_sets]
+        for r, (i, _, _, n) in enumerate(group):
+            mean = entropy[:, r, mask[r]].astype(np.float64).mean(axis=1) if n else None
+            out[i] = {"n_scored": int(n),
+                      "entropy": None if mean is None else [round(float(x), 5) for x in mean],
+                      "D": [round(float(d[r]), 6) for d in depths]}
+    return out  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
+    """Per job: target and finished problems, the worst-case generated tokens per problem
+    and the measured seconds per problem (this job, else the same method elsewhere in the
+    study) with the estimate for what is left. No model is loaded."""
+    from degs_jax.eval import load_benchmark
+
+    out = Path(out_dir)
+    jobs = plan_jobs(request)
+    sizes = {b: len(load_benchmark(b, data_dir=data_dir)) for b in {j.benchmark for j in jobs}}
+    rates = _Rates()
+    for job in jobs:
+        recs = read_records(out / job.directory)
+        if recs:
+            rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
+    rows = []
+    for job in jobs:
+        target = sizes[job.benchmark] if job.limit is None else min(job.limit, sizes[job.benchmark])
+        done = len({r["index"] for r in read_records(out / job.directory) if r["index"] < target})
+        rate = rates.per_unit(_job_rate_keys(job))
+        worst = worst_case_cost(job.method, job.hyperparameters)
+        rows.append({"job": job.label, "directory": job.directory, "target": target, "done": done,
+                     "batch_size": job.batch_size,
+                     "worst_case_tokens_per_problem": worst and worst[0],
+                     "worst_case_steps_per_batch": worst and worst[1],
+                     "seconds_per_problem": rate,
+                     "estimate_s": None if rate is None else rate * (target - done)})
+        if job.kind == "pool" and request.layer_pass:
+            stored = read_jsonl(out / job.directory / LAYERS_FILE)
+            rate = (sum(r["seconds"] for r in stored) / len(stored)) if stored else None
+            rows.append({"job": f"{job.benchmark} layer pass", "directory": job.directory,
+                         "target": target, "done": len(stored), "batch_size": LAYER_PASS_PROBLEMS,
+                         "worst_case_tokens_per_problem": None, "worst_case_steps_per_batch": None,
+                         "seconds_per_problem": rate,
+                         "estimate_s": None if rate is None else rate * (target - len(stored))})
+    return rows
+
+
+def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
+    head = (f"{'job':<28} {'target':>6} {'done':>5} {'batch':>5} {'worst tok/problem':>17} "
+            f"{'worst steps/batch':>17} {'s/problem':>9} {'estimate left':>13}")
+    lines = [head]
+    total, unknown = 0.0, 0
+    for r in rows:
+        rate = "?" if r["seconds_per_problem"] is None else f"{r['seconds_per_problem']:.2f}"
+        left = r["target"] - r["done"]
+        if r["estimate_s"] is None and left:
+            est, unknown = "?", unknown + 1
+        else:
+            est = f"{r['estimate_s'] or 0.0:.0f} s"
+            total += r["estimate_s"] or 0.0
+        wt, ws = r["worst_case_tokens_per_problem"], r["worst_case_steps_per_batch"]
+        lines.append(f"{r['job']:<28} {r['target']:>6} {r['done']:>5} {r['batch_size']:>5} "
+                     f"{'?' if wt is None else f'{wt:,}':>17} {'?' if ws is None else f'{ws:,}':>17} "
+                     f"{rate:>9} {est:>13}")
+    lines.append(f"measured estimate of what is left: {total:.0f} s"
+                 + (f" + {unknown} job(s) never measured (run a first batch: the estimate then "
+                    "uses its seconds per problem)" if unknown else ""))
+    lines.append("(worst case: no completion ends before its budget. Seconds per problem from "
+                 "stored records: decoding, including the compilation of each new batch shape, "
+                 "plus grading; for the layer pass its forward passes)")
+    return "\n".join(lines)

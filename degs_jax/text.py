@@ -1,0 +1,62 @@
+"""The text API: prompts in, decoded completions out, with a model from
+`degs_jax.models.loading.load` (its tokenizer and config). Everything below this
+module works on token ids (`degs_jax.decoders`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+
+from .decoders import DecodeResult, decode
+from .hyperparameters import Hyperparameters
+from .model_api import TransformerLM, with_tuned_lens
+from .models import ModelConfig
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of `prompt`, through the tokenizer's chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer.encode(prompt)
+
+
+def eos_ids_of(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the config and the tokenizer (chat models often end turns with a
+    different token than their base EOS)."""
+    ids = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = "degs_mcmc",
+           key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None, seed: int = 0,
+           chat: bool = True, progress: bool = False, tuned_lens=None,
+           **hyperparameters) -> DecodeResult:
+    """Decode text prompts with a loaded model (`degs_jax.models.loading.load`).
+
+    method / hyperparameters: as `decode` (a method name with keyword overrides, or a
+    hyperparameter dataclass). key: a PRNG key (default `jax.random.key(seed)`); or keys:
+    one key per prompt, so that each prompt's samples do not depend on the batch (as `decode`).
+    tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
+    them: D(x), DEGS reranking and acceptance) read the residuals through its
+    translators (`model_api.with_tuned_lens`) instead of the logit lens.
+    Returns a DecodeResult whose candidates carry decoded `text`.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    key = jax.random.key(seed) if key is None and keys is None else key
+    ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
+    eos = eos_ids_of(model.cfg, model.tokenizer)
+    lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned_lens)
+    result = decode(lm, params, ids, method, key, keys=keys, eos_ids=eos,
+                    progress=progress, **hyperparameters)
+    for out in result.outputs:
+        for cand in out.candidates:
+            cand.text = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)
+    return result

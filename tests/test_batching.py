@@ -1,0 +1,91 @@
+"""`--batch-size auto`: the batch size from free memory and the method's buffer
+(`degs_jax.batching`). The arithmetic is a pure function tested on exact integers; the
+row cost is checked against the bytes the model's cache actually allocates."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from degs_jax.batching import (MAX_AUTO_BATCH, STATE_BYTES_PER_SLOT, WORKING_VOCAB_COPIES,
+                               choose_batch_size, parse_batch_size, peak_memory, pick_batch_size,
+                               row_cost)
+from degs_jax.hyperparameters import hyperparameters_for
+from nnx_model import tiny_nnx_model
+
+LM, _ = tiny_nnx_model()
+
+
+@pytest.mark.parametrize("bytes_per_row, free, fraction, most, expected", [
+    (100, 1000, 0.5, 256, 5),  # floor(500 / 100)
+    (100, 1099, 1.0, 256, 10),  # floor, not round
+    (300, 1000, 0.7, 256, 2),  # floor(700 / 300)
+    (100, 10 ** 9, 0.7, 256, 256),  # capped at the largest batch
+    (100, 10 ** 9, 0.7, 3, 3),  # capped at the number of prompts
+    (10 ** 6, 1000, 0.7, 256, 1),  # nothing fits: still one row (the run says if it OOMs)
+    (100, -5, 0.7, 256, 1),  # over-committed device
+])
+def test_pick_batch_size_arithmetic(bytes_per_row, free, fraction, most, expected):
+    assert pick_batch_size(bytes_per_row, free, fraction, most) == expected
+
+
+@pytest.mark.parametrize("args, match", [((0, 1000), "bytes_per_row"),
+                                         ((100, 1000, 0.0), "fraction"),
+                                         ((100, 1000, 1.5), "fraction"),
+                                         ((100, 1000, 0.5, 0), "largest")])
+def test_pick_batch_size_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        pick_batch_size(*args)
+
+
+def _allocated_cache_bytes(max_len):
+    cache = LM.init_cache(1, max_len, jnp.float32)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
+
+
+def test_row_cost_counts_the_cache_the_model_allocates_and_the_pool():
+    config = hyperparameters_for("temperature", max_new_tokens=40)
+    cost = row_cost(LM, config, longest_prompt=17, cache_dtype=jnp.float32)
+    assert cost.max_len == 32 + 40  # the prompt padded to a multiple of 16
+    assert cost.cache_bytes == _allocated_cache_bytes(72) > 0
+    assert cost.state_bytes == STATE_BYTES_PER_SLOT * 72
+    assert cost.working_bytes == WORKING_VOCAB_COPIES * LM.vocab_size * 4
+    assert cost.sequences == 1
+    assert cost.total == cost.cache_bytes + cost.state_bytes + cost.working_bytes
+    pool = row_cost(LM, hyperparameters_for("best_of_n", n=4, max_new_tokens=40), 17, jnp.float32)
+    assert pool.total == 4 * cost.total
+    # An MCMC chain holds the chain and its proposal; its buffer is num_blocks * block_len.
+    chain = row_cost(LM, hyperparameters_for("power_mcmc", block_len=8, num_blocks=5, n_chains=3),
+                     17, jnp.float32)
+    assert chain.sequences == 6 and chain.max_len == 32 + 40
+    assert chain.total == 6 * cost.total
+
+
+def test_choose_batch_size_keeps_an_integer_and_records_an_auto_choice():
+    config = hyperparameters_for("temperature", max_new_tokens=40)
+    assert choose_batch_size(7, LM, config, 17, 100, jnp.float32) == {"batch_size": 7,
+                                                                      "requested": 7}
+    record = choose_batch_size("auto", LM, config, 17, 5, jnp.float32)
+    assert record["requested"] == "auto"
+    assert record["bytes_per_row"] == row_cost(LM, config, 17, jnp.float32).total
+    assert record["largest"] == 5
+    assert record["batch_size"] == pick_batch_size(record["bytes_per_row"], record["free_bytes"],
+                                                   record["fraction"], 5)
+    if jax.devices()[0].platform == "cpu":
+        assert "host free physical memory" in record["memory_source"]
+    with pytest.raises(ValueError, match="positive integer or 'auto'"):
+        choose_batch_size(0, LM, config, 17, 5, jnp.float32)
+    assert MAX_AUTO_BATCH >= 64
+
+
+def test_parse_batch_size_and_peak_memory_record():
+    assert parse_batch_size("auto") == "auto" and parse_batch_size("12") == 12
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(ValueError, match="--batch-size"):
+            parse_batch_size(bad)
+    peak = peak_memory()
+    if jax.devices()[0].platform == "cpu":
+        assert peak["peak_bytes"] is None and "no device memory statistics" in peak["note"]
+    else:
+        assert peak["peak_bytes"] > 0

