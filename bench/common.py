@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -13,31 +14,40 @@ from importlib import metadata
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
+import degs_jax.generation as generation
+from degs_jax.hyperparameters import Temperature
 from degs_jax.models import ModelConfig, init_params
 
-# Qwen2.5 shapes (config.json of the hub checkpoints), random weights.
+# The library's default buffer of the sampling decoders (prompt + this many slots); the MCMC
+# default is `hyperparameters.DegsMCMC()` (16 blocks x 192 = 3072 as well).
+BUFFER_NEW = Temperature().max_new_tokens
+
+# Model shapes (config.json of the hub checkpoints), for random weights.
+_QWEN2 = dict(architecture="Qwen2ForCausalLM", rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True)
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                         num_kv_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-                       num_kv_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
-                        num_kv_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    # For checking the benchmark scripts on CPU.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                 vocab_size=512, tie_word_embeddings=False),
+    "tiny": dict(_QWEN2, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                 head_dim=16, vocab_size=512, tie_word_embeddings=True),  # CPU smoke tests of the scripts
+    "smollm2-135m": dict(architecture="LlamaForCausalLM", hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=1e5, rms_norm_eps=1e-5, qkv_bias=False),
+    "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                         num_kv_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN2, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, head_dim=128, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(_QWEN2, hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
+                        num_kv_heads=8, head_dim=128, vocab_size=152064, tie_word_embeddings=False),
 }
 
 
-def shape_config(name: str, max_len: int = 32768) -> ModelConfig:
-    s = SHAPES[name]
-    return ModelConfig(architecture="Qwen2ForCausalLM", head_dim=s["hidden_size"] // s["num_heads"],
-                       rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=max_len,
-                       qkv_bias=True, **s)
+def shape_config(name: str, max_len: int = 32768, **runtime) -> ModelConfig:
+    """The ModelConfig of shape `name`; `runtime`: e.g. kv_read="all"."""
+    return ModelConfig(max_position_embeddings=max_len, **SHAPES[name], **runtime)
 
 
-def random_model(name: str, seed: int = 0):
-    cfg = shape_config(name)
+def random_model(name: str, seed: int = 0, **runtime):
+    cfg = shape_config(name, **runtime)
     return cfg, init_params(cfg, jax.random.key(seed), jnp.bfloat16)
 
 
@@ -73,21 +83,24 @@ def timed(fn, *args, repeats: int = 3):
 
 
 def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: float = 0.0,
-                   repeats: int = 3) -> tuple[float, float]:
+                   repeats: int = 3, buffer_new: int | None = None, lens=None) -> tuple[float, float]:
     """(median seconds of `generate` drawing `new` tokens for `batch` random prompts of
     `prompt` tokens, EOS suppressed; seconds of the first call, compilation included).
-    The prefill is run before each timed call and not timed."""
+    The cache holds prompt + `buffer_new` slots (default `new`: exactly what is drawn);
+    `lens`: a LensConfig to probe every step. The prefill is run before each timed call
+    and not timed."""
     from degs_jax.generation import SamplerSpec, generate, prefill
     from degs_jax.model_api import TransformerLM
 
     model = TransformerLM(cfg)
-    spec = SamplerSpec(temperature=temperature, eos_ids=())
+    spec = SamplerSpec(temperature=temperature, eos_ids=(), lens=lens)
     tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), prompt, jnp.int32)
     keys = jax.random.split(jax.random.key(1), batch)
+    max_len = prompt + (new if buffer_new is None else buffer_new)
 
     def once():
-        st = prefill(model, params, tokens, lengths, prompt + new, jnp.bfloat16)
+        st = prefill(model, params, tokens, lengths, max_len, jnp.bfloat16)
         jax.block_until_ready(st.length)
         t = time.perf_counter()
         st = generate(model, params, st, lengths + new, keys, spec)
@@ -124,3 +137,35 @@ def emit(record: dict, out_name: str) -> None:
     if out:
         with open(os.path.join(out, out_name), "a") as f:
             f.write(line + "\n")
+
+
+def target_lengths(problems: int, median: float, sigma: float, cap: int, seed: int = 0) -> np.ndarray:
+    """Per-problem completion lengths (EOS included): lognormal(log median, sigma), in 8..cap."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(median * np.exp(sigma * rng.standard_normal(problems))), 8, cap).astype(np.int32)
+
+
+def force_eos(targets: np.ndarray, prompt_lens: np.ndarray, eos: int):
+    """Patch the model call of the decode step so that row b samples EOS exactly when its
+    completion reaches targets[b] tokens, and never before (benchmark harness: a random
+    model never ends on its own). Returns the function that undoes the patch."""
+    original = generation.forward
+    targets, prompt_lens = jnp.asarray(targets), jnp.asarray(prompt_lens)
+
+    def forward(params, cfg, tokens, positions, cache=None, **kw):
+        out = original(params, cfg, tokens, positions, cache, **kw)
+        if tokens.shape[1] != 1:
+            return out
+        logits = out.logits[:, 0]
+        # The step at position p samples the token at p + 1: completion length p + 2 - prompt.
+        ends = positions[:, 0] + 2 - prompt_lens >= targets
+        eos_logit = jnp.where(ends, jnp.max(logits, axis=-1) + 30.0, -1e9)
+        return dataclasses.replace(out, logits=logits.at[:, eos].set(eos_logit)[:, None])
+
+    generation.forward = forward
+    jax.clear_caches()
+
+    def undo():
+        generation.forward = original
+        jax.clear_caches()
+    return undo

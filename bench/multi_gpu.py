@@ -4,12 +4,14 @@ smaller shape, and DEGS-MCMC on the sharded model (the unchanged sampler code).
 
     python bench/multi_gpu.py --parts tp dp mcmc           # every GPU of the machine
 
-tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens, EOS suppressed,
-      greedy, per batch size; roofline = (weights + KV cache read per step) / N per
-      device over one device's measured copy bandwidth.
+tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens in the library's
+      default buffer (prompt + 3072 slots), EOS suppressed, greedy, per batch size;
+      roofline = (weights + KV cache read per step) / N per device over one device's
+      measured copy bandwidth.
 dp:   the same decode on a smaller shape: one device at batch B against an N x 1 mesh
       at batch N·B (scaling efficiency = throughput ratio / N).
-mcmc: degs_mcmc on the tensor-parallel model, a few problems, short blocks.
+mcmc: degs_mcmc on the tensor-parallel model, a few problems, the default 16 x 192
+      buffer, 2 MH steps, every completion ending with EOS at --mcmc-length tokens.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
-                    param_bytes, shape_config)
+from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
+                    force_eos, param_bytes, shape_config)
 from degs_jax.decoders import decode
+from degs_jax.mcmc import MCMCConfig
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import init_params
 from degs_jax.models.sharding import make_mesh, param_shardings
@@ -44,7 +47,8 @@ def tensor_parallel(args, n: int, bw: float):
     cfg, mesh, params, init_s = sharded_model(args.tp_shape, 1, n)
     with jax.set_mesh(mesh):
         for batch in args.tp_batches:
-            sec, first = decode_seconds(cfg, params, batch, args.prompt, args.new, repeats=args.repeats)
+            sec, first = decode_seconds(cfg, params, batch, args.prompt, args.new, repeats=args.repeats,
+                                        buffer_new=BUFFER_NEW)
             step = sec / (args.new + 1)
             emit({"bench": "tensor_parallel_decode", "shape": args.tp_shape, "mesh": [1, n],
                   "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
@@ -59,11 +63,13 @@ def tensor_parallel(args, n: int, bw: float):
 
 def data_parallel(args, n: int):
     one_cfg, _, one, _ = sharded_model(args.dp_shape, 1, 1)
-    single, _ = decode_seconds(one_cfg, one, args.dp_batch, args.prompt, args.new, repeats=args.repeats)
+    single, _ = decode_seconds(one_cfg, one, args.dp_batch, args.prompt, args.new, repeats=args.repeats,
+                               buffer_new=BUFFER_NEW)
     del one
     cfg, mesh, params, _ = sharded_model(args.dp_shape, n, 1)
     with jax.set_mesh(mesh):
-        sec, _ = decode_seconds(cfg, params, n * args.dp_batch, args.prompt, args.new, repeats=args.repeats)
+        sec, _ = decode_seconds(cfg, params, n * args.dp_batch, args.prompt, args.new, repeats=args.repeats,
+                                buffer_new=BUFFER_NEW)
     one_tps = args.dp_batch * args.new / single
     all_tps = n * args.dp_batch * args.new / sec
     emit({"bench": "data_parallel_decode", "shape": args.dp_shape, "mesh": [n, 1],
@@ -74,18 +80,25 @@ def data_parallel(args, n: int):
 
 def mcmc(args, cfg, mesh, params):
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, rng.integers(128, 321)).tolist()
+    prompts = [rng.integers(0, cfg.vocab_size - 1, rng.integers(128, 321)).tolist()
                for _ in range(args.mcmc_problems)]
-    hp = dict(block_len=args.mcmc_block_len, num_blocks=args.mcmc_blocks, mh_steps=args.mcmc_mh_steps)
-    with jax.set_mesh(mesh):
-        times = []
-        for _ in range(2):  # the first includes compilation
-            t = time.perf_counter()
-            res = decode(TransformerLM(cfg), params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(), **hp)
-            times.append(time.perf_counter() - t)
+    eos = cfg.vocab_size - 1  # never in a prompt
+    mc = MCMCConfig(beta=0.0)  # the default sizes
+    hp = dict(block_len=mc.block_len, num_blocks=mc.num_blocks, mh_steps=args.mcmc_mh_steps)
+    undo = force_eos(np.full(len(prompts), args.mcmc_length), np.array([len(p) for p in prompts]), eos)
+    try:
+        with jax.set_mesh(mesh):
+            times = []
+            for _ in range(2):  # the first includes compilation
+                t = time.perf_counter()
+                res = decode(TransformerLM(cfg), params, prompts, "degs_mcmc", jax.random.key(0), eos_ids=(eos,), **hp)
+                times.append(time.perf_counter() - t)
+    finally:
+        undo()
     acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
     emit({"bench": "tensor_parallel_mcmc", "method": "degs_mcmc", "shape": args.tp_shape,
           "mesh": list(mesh.devices.shape), "problems": args.mcmc_problems, **hp,
+          "buffer_new_slots": mc.max_new_tokens,
           "seconds": times[1], "seconds_with_compile": times[0],
           "seconds_per_problem": times[1] / args.mcmc_problems,
           "generated_tokens_per_s": res.counters["generated_tokens"] / times[1],
@@ -105,8 +118,7 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mcmc-problems", type=int, default=16)
-    ap.add_argument("--mcmc-block-len", type=int, default=64)
-    ap.add_argument("--mcmc-blocks", type=int, default=2)
+    ap.add_argument("--mcmc-length", type=int, default=128, help="completion tokens (EOS forced there)")
     ap.add_argument("--mcmc-mh-steps", type=int, default=2)
     args = ap.parse_args()
     n = args.devices or jax.local_device_count()

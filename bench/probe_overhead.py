@@ -1,7 +1,8 @@
 """Cost of the fused logit-lens probe (K = 7 layers) inside the forward pass vs the
 plain forward, for a Qwen2.5-7B-shaped random model: prefill of 2048 tokens (batch 1)
 and decode steps at batch 1, 16, 64 inside the generation loop (prompt 2048, 64 steps,
-temperature 1), where the cache is carried in place as in real sampling.
+temperature 1, cache of the library's default prompt + 3072 slots), where the cache is
+carried in place as in real sampling.
 
     python bench/probe_overhead.py
 """
@@ -15,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from common import emit, environment, random_model, timed
+from common import BUFFER_NEW, emit, environment, random_model, timed
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig, default_lsub
 from degs_jax.model_api import TransformerLM
@@ -61,7 +62,7 @@ def main():
             spec = SamplerSpec(temperature=1.0, eos_ids=(), lens=l)
 
             def run():
-                st = prefill(model, params, toks, lengths, T + args.steps, jnp.bfloat16)
+                st = prefill(model, params, toks, lengths, T + BUFFER_NEW, jnp.bfloat16)
                 jax.block_until_ready(st.length)
                 t = time.perf_counter()
                 jax.block_until_ready(generate(model, params, st, lengths + args.steps, keys, spec).length)
@@ -70,6 +71,7 @@ def main():
             run()
             times[label] = sorted(run() for _ in range(3))[1] / (args.steps + 1)
         emit({"bench": "probe_decode", "shape": args.shape, "batch": B, "prompt": T, "chunk": args.chunk,
+              "buffer_slots": T + BUFFER_NEW,
               "steps": args.steps, "lsub": lsub, "plain_ms_per_step": 1e3 * times["plain"],
               "probed_ms_per_step": 1e3 * times["probed"],
               "ratio": times["probed"] / times["plain"]}, "probe.jsonl")

@@ -94,17 +94,8 @@ def _tuned_lens(args, model):
 BATCH_SIZE_HELP = (
     "{what} per decode call, or 'auto' (default): as many as fit in the device's free memory "
     "with the method's buffer (prompt + max new tokens of KV cache per candidate or chain; "
-    "the choice and its terms are recorded). Results do not depend on it")
-
-
-def batch_size_arg(text: str) -> int | str:
-    """argparse type of --batch-size: a positive integer or 'auto'."""
-    from .batching import parse_batch_size
-
-    try:
-        return parse_batch_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    "the choice and its terms are recorded). In float32 results do not depend on it; in "
+    "bfloat16 they can (README, 'Reproducibility')")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -178,8 +169,10 @@ def check_output_dir(path: Path, option: str = "--out") -> Path:
 
 
 def _load(args):
+    from .models.compilation import enable_compilation_cache
     from .models.loading import DEFAULT_MODEL, load
 
+    enable_compilation_cache()  # compiled programs persist across runs (models/compilation.py)
     source = args.model or DEFAULT_MODEL
     t0 = time.perf_counter()
     mesh = None
@@ -271,12 +264,13 @@ def _sample_many(args, seed: int) -> int:
     import jax
     from tqdm.auto import tqdm
 
-    from .batching import choose_batch_size, peak_memory
+    from .batching import choose_batch_size, parse_batch_size, peak_memory
     from .hyperparameters import hyperparameters_for
     from .model_api import TransformerLM, params_dtype
     from .probe import read_rows
     from .text import encode_prompt, sample
 
+    args.batch_size = parse_batch_size(args.batch_size)
     rows = read_rows(Path(args.input))
     model = _load(args)
     tuned_lens = _tuned_lens(args, model)
@@ -342,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "print one JSON object per prompt on stdout (prompt i draws from "
                            "fold_in(key(seed), i)) and the run record (batch choice, peak "
                            "memory, seconds) as one JSON line on stderr")
-    many.add_argument("--batch-size", type=batch_size_arg, default="auto", metavar="N|auto",
+    many.add_argument("--batch-size", default="auto", metavar="N|auto",
                       help=BATCH_SIZE_HELP.format(what="prompts"))
     s.set_defaults(func=cmd_sample)
 

@@ -1,22 +1,26 @@
-"""Pure-functional model ports (Qwen2, Llama/DeepSeek-Math) and checkpoint loading.
+"""Pure-functional model ports (Qwen2, Qwen3 dense, Llama/DeepSeek-Math/DeepSeek-R1-Distill-Llama)
+and checkpoint loading.
 
 Installed as `degs_jax.models`; knows nothing about sampling.
 """
 
 from .checkpoint import CheckpointError
+from .compilation import enable_compilation_cache
 from .config import ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
 from .gguf_io import GGUFError
 from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, ChecksumError, LoadedModel,
                       default_cache_dir, file_sha256, load)
+from .params import LayerParams, Params, is_stacked, param_shapes, stack_layers, unstack_layers
 from .transformer import (
-    ForwardOutput, KVCache, LayerParams, LensStats, LensTranslators, Params, forward,
-    init_cache, init_params, param_shapes, rms_norm, streamed_head, translate_residuals,
+    ForwardOutput, KVCache, LensStats, LensTranslators, forward, init_cache, init_params, rms_norm,
+    streamed_head, translate_residuals,
 )
 
 __all__ = [
     "BUILTIN_MODELS", "CheckpointError", "ChecksumError", "DEFAULT_MODEL", "GGUFError",
-    "LoadedModel", "default_cache_dir", "file_sha256", "load",
+    "LoadedModel", "default_cache_dir", "enable_compilation_cache", "file_sha256", "load",
     "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "ForwardOutput", "KVCache",
-    "LayerParams", "LensStats", "LensTranslators", "Params", "forward", "init_cache",
-    "init_params", "param_shapes", "rms_norm", "streamed_head", "translate_residuals",
+    "LayerParams", "LensStats", "LensTranslators", "Params", "forward", "init_cache", "init_params",
+    "is_stacked", "param_shapes", "rms_norm", "stack_layers", "streamed_head", "translate_residuals",
+    "unstack_layers",
 ]

@@ -1,20 +1,22 @@
 """Checkpoint key mapping: Hugging Face tensor names <-> our Params pytree, with shape checks.
 
-HF stores linear weights [out, in]; we store [in, out] so that the forward is x @ W.
-Every expected tensor must be present with its expected shape and nothing unexpected
-may be left over; each failure names the tensor.
+Derived from the tensor table of `params` (HF name, logical axes, transposition and
+presence of every tensor). HF stores linear weights [out, in]; we store [in, out] so that
+the forward is x @ W. Every expected tensor must be present with its expected shape and
+nothing unexpected may be left over; each failure names the tensor.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .transformer import LayerParams, Params, param_shapes
+from .params import (GLOBAL_TENSORS, LAYER_TENSORS, LayerParams, Params, TensorSpec, axis_sizes,
+                     unstack_layers)
 
 
 class CheckpointError(ValueError):
@@ -24,43 +26,44 @@ class CheckpointError(ValueError):
 # Tensors some exporters keep that carry no parameters (recomputed at run time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_LINEAR = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-           "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-           "down": "mlp.down_proj"}
-_BIAS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
-         "v_bias": "self_attn.v_proj.bias"}
-_NORM = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
+
+def _layer_name(index: int, tensor: TensorSpec) -> str:
+    return f"model.layers.{index}.{tensor.hf_name}"
+
+
+def _tensors(cfg: ModelConfig) -> Iterator[tuple[str, TensorSpec]]:
+    """(HF name, table row) of every tensor `cfg` has."""
+    for t in GLOBAL_TENSORS:
+        if t.present(cfg):
+            yield t.hf_name, t
+    for i in range(cfg.num_layers):
+        for t in LAYER_TENSORS:
+            if t.present(cfg):
+                yield _layer_name(i, t), t
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a HF checkpoint of this config must hold, with its HF shape."""
-    ours = param_shapes(cfg)
-    layer: LayerParams = ours.layers[0]
-    out = {"model.embed_tokens.weight": ours.embed, "model.norm.weight": ours.final_norm}
-    if ours.lm_head is not None:
-        out["lm_head.weight"] = ours.lm_head
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for field, name in _LINEAR.items():
-            out[p + name + ".weight"] = tuple(reversed(getattr(layer, field)))
-        for field, name in _NORM.items():
-            out[p + name] = getattr(layer, field)
-        if cfg.qkv_bias:
-            for field, name in _BIAS.items():
-                out[p + name] = getattr(layer, field)
+    sizes = axis_sizes(cfg)
+    out = {}
+    for name, t in _tensors(cfg):
+        shape = tuple(sizes[a] for a in t.axes)
+        out[name] = shape[::-1] if t.transposed else shape
     return out
 
 
 def params_from_hf(tensors: Mapping[str, object], cfg: ModelConfig, dtype=jnp.bfloat16,
                    to_numpy: Callable[[object], np.ndarray] = np.asarray,
-                   shardings: Optional[Params] = None) -> Params:
+                   shardings: Optional[Params] = None, stacked: bool = False) -> Params:
     """Build Params from HF-named tensors (numpy arrays, safetensors slices, torch tensors
     via `to_numpy`). Raises CheckpointError naming every missing, unexpected or
     mis-shaped tensor.
 
-    shardings: a Params of `jax.sharding.Sharding` (see `sharding.param_shardings`):
-      each tensor goes straight from the host to its shards, so no single device ever
-      holds a model that only fits split.
+    shardings: a Params of `jax.sharding.Sharding` (see `sharding.param_shardings`, same
+      layout as `stacked`): each tensor goes straight from the host to its shards, so no
+      single device ever holds a model that only fits split.
+    stacked: return the stacked layer layout (`params.stack_layers`); each layer tensor is
+      stacked on the host, one tensor at a time, before it is placed.
     """
     expected = hf_tensor_shapes(cfg)
     names = set(tensors)
@@ -84,41 +87,43 @@ def params_from_hf(tensors: Mapping[str, object], cfg: ModelConfig, dtype=jnp.bf
     if problems:
         raise CheckpointError("checkpoint does not match config: " + "; ".join(problems))
 
-    def get(name, owner, field, transpose=False):
-        arr = arrays[name]
-        arr = arr.T if transpose else arr
+    def host(name: str, tensor: TensorSpec):
+        return arrays[name].T if tensor.transposed else arrays[name]
+
+    def place(arr, owner, field):
         if owner is None:
             return jnp.asarray(arr, dtype=dtype)
         return jax.device_put(np.asarray(arr).astype(dtype), getattr(owner, field))
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        owner = shardings.layers[i] if shardings is not None else None
-        kw = {f: get(p + n + ".weight", owner, f, transpose=True) for f, n in _LINEAR.items()}
-        kw.update({f: get(p + n, owner, f) for f, n in _NORM.items()})
-        kw.update({f: get(p + n, owner, f) if cfg.qkv_bias else None for f, n in _BIAS.items()})
-        layers.append(LayerParams(**kw))
-    return Params(
-        embed=get("model.embed_tokens.weight", shardings, "embed"), layers=layers,
-        final_norm=get("model.norm.weight", shardings, "final_norm"),
-        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight", shardings, "lm_head"),
-    )
+    def layer_owner(i):
+        if shardings is None:
+            return None
+        return shardings.layers if stacked else shardings.layers[i]
+
+    top = {t.field: place(host(t.hf_name, t), shardings, t.field) if t.present(cfg) else None
+           for t in GLOBAL_TENSORS}
+    if stacked:
+        layers = LayerParams(**{
+            t.field: place(np.stack([host(_layer_name(i, t), t) for i in range(cfg.num_layers)]),
+                           layer_owner(0), t.field) if t.present(cfg) else None
+            for t in LAYER_TENSORS})
+    else:
+        layers = [LayerParams(**{t.field: place(host(_layer_name(i, t), t), layer_owner(i), t.field)
+                                 if t.present(cfg) else None for t in LAYER_TENSORS})
+                  for i in range(cfg.num_layers)]
+    return Params(layers=layers, **top)
 
 
 def params_to_hf(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Inverse of `params_from_hf` (fp32 numpy), for building HF parity references."""
-    f32 = lambda a: np.asarray(a, dtype=np.float32)
-    out = {"model.embed_tokens.weight": f32(params.embed), "model.norm.weight": f32(params.final_norm)}
-    if params.lm_head is not None:
-        out["lm_head.weight"] = f32(params.lm_head)
+    """Inverse of `params_from_hf` (fp32 numpy, either layout), for building HF parity
+    references and test checkpoints."""
+    params = unstack_layers(params)
+
+    def f32(arr, tensor):
+        arr = np.asarray(arr, dtype=np.float32)
+        return arr.T.copy() if tensor.transposed else arr
+
+    out = {t.hf_name: f32(getattr(params, t.field), t) for t in GLOBAL_TENSORS if t.present(cfg)}
     for i, layer in enumerate(params.layers):
-        p = f"model.layers.{i}."
-        for f, n in _LINEAR.items():
-            out[p + n + ".weight"] = f32(getattr(layer, f)).T.copy()
-        for f, n in _NORM.items():
-            out[p + n] = f32(getattr(layer, f))
-        if cfg.qkv_bias:
-            for f, n in _BIAS.items():
-                out[p + n] = f32(getattr(layer, f))
+        out.update({_layer_name(i, t): f32(getattr(layer, t.field), t) for t in LAYER_TENSORS if t.present(cfg)})
     return out

@@ -1,9 +1,16 @@
 """Frozen, hashable model configuration for the one transformer that serves
-Qwen2 (`Qwen2ForCausalLM`) and Llama/DeepSeek-Math (`LlamaForCausalLM`).
+Qwen2 (`Qwen2ForCausalLM`), Qwen3 dense (`Qwen3ForCausalLM`) and Llama/DeepSeek-Math/
+DeepSeek-R1-Distill-Llama (`LlamaForCausalLM`, optionally with Llama-3 `rope_scaling`).
 
 The config is a static argument of every jitted function, so it must be
-hashable and immutable; everything that varies between the two families is a
-flag here, never a code copy.
+hashable and immutable; everything that varies between the families is a
+flag here, never a code copy:
+
+| family | q/k/v bias | q/k RMSNorm per head | head_dim           |
+| ------ | ---------- | -------------------- | ------------------ |
+| qwen2  | yes        | no                   | hidden / heads     |
+| qwen3  | no         | yes (before RoPE)    | from the config    |
+| llama  | no         | no                   | hidden / heads (or the config's) |
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+_FAMILY = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+KV_READS = ("auto", "loop", "buckets", "all")
 
 
 class ConfigError(ValueError):
@@ -19,7 +28,59 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 (`rope_type: "llama3"`, Llama-3.1 and DeepSeek-R1-Distill-Llama) frequency
+    scaling of the rotary embedding. With wavelength w = 2*pi / inv_freq of each rotary
+    frequency: w < original_max_position_embeddings / high_freq_factor keeps its frequency,
+    w > original_max_position_embeddings / low_freq_factor is divided by `factor`, and the
+    band between interpolates smoothly (HF `_compute_llama3_parameters`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not self.factor > 0 or not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"llama3 rope_scaling needs factor > 0 and 0 < low_freq_factor < "
+                              f"high_freq_factor, got {self}")
+        if not isinstance(self.original_max_position_embeddings, int) or self.original_max_position_embeddings <= 0:
+            raise ConfigError("llama3 rope_scaling needs a positive original_max_position_embeddings, "
+                              f"got {self.original_max_position_embeddings!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """One checkpoint's architecture, plus how its KV cache is read. Sizes are counts;
+    `head_dim` is the size of one attention head; `qkv_bias`: q/k/v projections carry a
+    bias (Qwen2); `qk_norm`: queries and keys are RMS-normalised per head, with learned
+    [head_dim] weights, before RoPE (Qwen3); `rope_scaling`: Llama-3 frequency scaling or
+    None (plain RoPE).
+
+    Runtime settings (not part of a checkpoint; `dataclasses.replace` to change them):
+    `kv_chunk`: cache slots per attention chunk (the unit of the live-length reads);
+    `kv_read`: how a call chooses which cache slots it reads (module docstring of
+      `transformer` for the numerics) --
+      "loop": a `lax.while_loop` per layer over the chunks below the batch's longest
+        live length (work exactly proportional; cheap where a loop iteration is cheap:
+        CPU);
+      "buckets": one `lax.switch` per call around the layer stack, over windows of
+        0, C, 2C, 4C, ... slots and the whole buffer (work at most twice the live
+        length; for GPUs, where each iteration of a data-dependent `while_loop` waits
+        for the host); compiles the layer stack once per window, so pair it with
+        stacked layers (`params.stack_layers`) where compile time matters;
+      "all": every slot of the allocated buffer (the cost before live-length reads;
+        for comparisons);
+      "auto" (default): "loop" on CPU, "buckets" on other backends.
+    `batch_invariant`: a row's results do not depend on the other rows of its batch (nor
+      on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
+      (padded; one program per tile shape, so the same kernel and reduction order for any
+      batch), attention uses the "loop" read (fixed KV chunks combined in a fixed order;
+      chunks past a row's length are exact identities) and the lens streams a fixed
+      vocabulary chunk. Costs speed (issue 16); off by default.
+    `row_tile`: rows per matmul tile under `batch_invariant`.
+    """
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -36,6 +97,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    kv_chunk: int = 256
+    kv_read: str = "auto"
+    batch_invariant: bool = False
+    row_tile: int = 8
 
     def __post_init__(self):
         self.validate()
@@ -60,10 +127,18 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError("rope_theta and rms_norm_eps must be positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if not isinstance(self.kv_chunk, int) or self.kv_chunk <= 0:
+            raise ConfigError(f"kv_chunk must be a positive integer, got {self.kv_chunk!r}")
+        if not isinstance(self.row_tile, int) or self.row_tile <= 0:
+            raise ConfigError(f"row_tile must be a positive integer, got {self.row_tile!r}")
+        if self.kv_read not in KV_READS:
+            raise ConfigError(f"kv_read must be one of {', '.join(KV_READS)}, got {self.kv_read!r}")
 
     @property
     def family(self) -> str:
-        return "qwen2" if self.architecture == "Qwen2ForCausalLM" else "llama"
+        return _FAMILY[self.architecture]
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
@@ -71,17 +146,19 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             model_type = hf.get("model_type")
-            archs = {"qwen2": ["Qwen2ForCausalLM"], "llama": ["LlamaForCausalLM"]}.get(model_type, [model_type])
+            archs = [{family: arch for arch, family in _FAMILY.items()}.get(model_type, model_type)]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ConfigError(f"rope_scaling {rope_scaling!r} is not supported")
-        if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-            raise ConfigError("Qwen2 sliding-window attention is not supported")
+        family = _FAMILY[arch]
+        rope_theta, rope_scaling = _rope_from_hf(hf)
+        if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ConfigError(f"{arch} sliding-window attention is not supported")
+        if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+            raise ConfigError(f"per-layer attention types {sorted(set(hf['layer_types']))} are not "
+                              "supported (only full attention)")
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         if hf.get("head_dim") is None and hidden % heads:
@@ -90,17 +167,12 @@ class ModelConfig:
                 f"num_attention_heads={heads}"
             )
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        is_qwen = arch == "Qwen2ForCausalLM"
-        if not is_qwen and hf.get("attention_bias"):
-            raise ConfigError("Llama attention_bias=True is not supported")
+        if family != "qwen2" and hf.get("attention_bias"):
+            raise ConfigError(f"{arch} attention_bias=True is not supported")
         if hf.get("mlp_bias"):
             raise ConfigError("mlp_bias=True is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        rope_params = hf.get("rope_parameters") or {}
-        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        if rope_params.get("rope_type") not in (None, "default"):
-            raise ConfigError(f"rope_parameters {rope_params!r} are not supported")
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -110,14 +182,16 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            qkv_bias=is_qwen,
+            qkv_bias=family == "qwen2",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=hf.get("pad_token_id"),
+            qk_norm=family == "qwen3",
+            rope_scaling=rope_scaling,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -133,11 +207,37 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}
+            if self.rope_scaling is None else
+            {"rope_type": "llama3", "rope_theta": self.rope_theta, **dataclasses.asdict(self.rope_scaling)},
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
+            "attention_bias": self.qkv_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
             "pad_token_id": self.pad_token_id,
         }
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either config format: transformers >= 5 `rope_parameters`
+    or the older top-level `rope_theta` + `rope_scaling` (what hub config.json files hold)."""
+    kind = lambda d: d.get("rope_type", d.get("type")) or "default"
+    params = dict(hf.get("rope_parameters") or {})
+    if kind(params) == "default":  # the older key, or both with the scaling only in rope_scaling
+        params.update(hf.get("rope_scaling") or {})
+    rope_type = kind(params)
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ConfigError(f"rope_scaling {params!r} is not supported (only 'llama3' and plain RoPE)")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise ConfigError(f"llama3 rope_scaling lacks {', '.join(missing)}: {params!r}")
+    original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 32768)
+    return theta, RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                              high_freq_factor=float(params["high_freq_factor"]),
+                              original_max_position_embeddings=int(original))

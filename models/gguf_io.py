@@ -1,4 +1,4 @@
-"""Read llama.cpp GGUF checkpoints (llama and qwen2 architectures) as HF-named fp32 tensors.
+"""Read llama.cpp GGUF checkpoints (llama, qwen2, qwen3 architectures) as HF-named fp32 tensors.
 
 A GGUF file holds the config as metadata key/values and each tensor, possibly
 block-quantised, under llama.cpp names. We build a `ModelConfig` from the
@@ -6,7 +6,7 @@ metadata, dequantise every tensor to fp32 with `gguf.quants.dequantize`, rename
 it to its Hugging Face name and undo the q/k row permutation that
 llama.cpp's `convert_hf_to_gguf.py` applies to llama-architecture files (its
 rope kernel pairs adjacent dimensions, HF's `rotate_half` pairs halves). Qwen2
-files are written without that permutation. The result feeds
+and Qwen3 files are written without that permutation. The result feeds
 `checkpoint.params_from_hf`, which does all shape checks.
 
 Shapes: GGUF lists dimensions fastest-first (`ne` order, what `ReaderTensor.shape`
@@ -32,7 +32,8 @@ import numpy as np
 from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -48,6 +49,8 @@ _BLOCK_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -123,6 +126,9 @@ def config_from_gguf(reader) -> ModelConfig:
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ConfigError(f"GGUF rope scaling {scaling!r} is not supported")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ConfigError("GGUF rope frequency factors (rope_freqs.weight: Llama-3.1 rope scaling) "
+                          "are not supported; load the Hugging Face checkpoint instead")
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -143,6 +149,7 @@ def config_from_gguf(reader) -> ModelConfig:
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(need("context_length")),
         qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),

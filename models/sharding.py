@@ -3,7 +3,8 @@
 Weights are split Megatron-style over "model": the query/key/value projections and the
 MLP's gate/up by output columns (whole heads, whole FFN slices), the attention output
 and MLP down projections by input rows (XLA inserts one all-reduce after each), the
-embedding and unembedding by vocabulary rows; norms are replicated. Activations,
+embedding and unembedding by vocabulary rows; norms are replicated. These are rules per
+logical axis (:func:`axis_rules`) applied to the tensor table of `params`. Activations,
 the KV cache and every per-row sampler array are split over "data" by batch row.
 
 Usage (the sampler code is unchanged; `forward` places its activations through
@@ -28,6 +29,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
+from .params import Params, is_stacked, param_tree
 
 DATA, MODEL = "data", "model"
 
@@ -76,35 +78,38 @@ def check_model_parallel(cfg: ModelConfig, model: int) -> None:
                          f"not divisible by {model}; use a smaller 'model' mesh axis")
 
 
-def param_specs(cfg: ModelConfig, model: int):
-    """The PartitionSpec of every parameter (a Params of specs) for a "model" axis of `model`.
+def axis_rules(cfg: ModelConfig, model: int) -> dict[str, Optional[str]]:
+    """The mesh axis each logical tensor axis (`params.axis_sizes`) is split over; axes
+    not named here are replicated. The vocabulary is split only when it divides evenly
+    (placing an array needs even shards); otherwise the (un)embedding is replicated."""
+    return {"vocab": MODEL if cfg.vocab_size % model == 0 else None,
+            "q_heads": MODEL, "kv_heads": MODEL, "mlp": MODEL}
 
-    The vocabulary is split only when it divides evenly (placing an array needs even
-    shards); otherwise the (un)embedding is replicated.
-    """
-    from .transformer import LayerParams, Params  # transformer imports this module
 
+def param_specs(cfg: ModelConfig, model: int, stacked: bool = False) -> Params:
+    """The PartitionSpec of every parameter (a Params of specs, in the list layout or
+    the stacked one) for a "model" axis of `model`, from the tensor table and
+    :func:`axis_rules`; a fully replicated tensor gets P()."""
     check_model_parallel(cfg, model)
-    vocab = P(MODEL, None) if cfg.vocab_size % model == 0 else P()
-    bias = P(MODEL) if cfg.qkv_bias else None
-    layer = LayerParams(
-        attn_norm=P(), q=P(None, MODEL), k=P(None, MODEL), v=P(None, MODEL),
-        q_bias=bias, k_bias=bias, v_bias=bias, o=P(MODEL, None), mlp_norm=P(),
-        gate=P(None, MODEL), up=P(None, MODEL), down=P(MODEL, None))
-    return Params(embed=vocab, layers=[layer] * cfg.num_layers, final_norm=P(),
-                  lm_head=None if cfg.tie_word_embeddings else vocab)
+    rules = axis_rules(cfg, model)
+
+    def spec(tensor, axes):
+        mesh_axes = [rules.get(a) for a in axes]
+        return P(*mesh_axes) if any(mesh_axes) else P()
+
+    return param_tree(cfg, spec, stacked)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh):
+def param_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = False) -> Params:
     """:func:`param_specs` as NamedShardings on `mesh` (replicated over "data")."""
-    specs = param_specs(cfg, mesh.shape[MODEL])
+    specs = param_specs(cfg, mesh.shape[MODEL], stacked)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-    """Place `params` on `mesh` (each device receives only its shard)."""
-    return jax.device_put(params, param_shardings(cfg, mesh))
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
+    """Place `params` (either layout) on `mesh` (each device receives only its shard)."""
+    return jax.device_put(params, param_shardings(cfg, mesh, is_stacked(params)))
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:

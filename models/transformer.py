@@ -1,17 +1,55 @@
-"""One pure-functional decoder-only transformer for Qwen2 and Llama/DeepSeek-Math.
+"""One pure-functional decoder-only transformer for Qwen2, Qwen3 (dense) and Llama
+(DeepSeek-Math, DeepSeek-R1-Distill-Llama: Llama-3 RoPE scaling).
 
 Free functions over registered dataclass pytrees; the config is static. Shapes use
 B = batch rows, T = new tokens in this call, S = cache slots, L = layers,
-D = hidden size, H / Hkv = query / key-value heads, Dh = head size, V = vocabulary,
-F = MLP size, K = number of captured or lensed layers.
+D = hidden size, H / Hkv = query / key-value heads, g = H / Hkv, Dh = head size,
+V = vocabulary, F = MLP size, K = number of captured or lensed layers, C = KV chunk.
 
 Positions and cache slots are the same thing: the token at position p of a row
 writes its keys and values to slot p of that row and attends to slots <= p. Rows
 of different lengths therefore need no left padding: right-pad each row and give
-padding entries positions after the row's real tokens (e.g. keep counting). A
-padded entry may write garbage into a slot, but every later real token at that
-position overwrites it before any query can read it, and queries never see slots
-beyond their own position.
+padding entries positions after the row's real tokens (keep counting; a row's
+positions in one call must be increasing and contiguous). A padded entry may write
+garbage into a slot, but every later real token at that position overwrites it before
+any query can read it, and queries never see slots beyond their own position. A row
+whose positions are all >= S (an idle row of a batch) writes nothing and reads only
+slot 0 (its output is garbage, but finite).
+
+Attention cost follows the live length. The cache is allocated for the whole
+generation, but a call reads only the slots below the batch's longest live length
+(one past a row's last position), so a decode step costs what the rows hold, not what
+was allocated. How the number of slots read is chosen is `cfg.kv_read`:
+
+- "loop" (the CPU default): per layer, a `lax.while_loop` over C-slot chunks
+  (C = `cfg.kv_chunk`) up to the longest live length; cost exactly proportional.
+- "buckets" (the default elsewhere): one `lax.switch` per call, around the whole
+  layer stack, over static windows of 0, C, 2C, 4C, ... slots and S; cost at most
+  twice the live length. On GPUs every iteration of a `while_loop` whose trip count is
+  data-dependent waits for the host (it reads the loop condition back), so a loop per
+  layer would stall the device L times per step; the switch does it once per call. It
+  compiles the layer stack once per window: use stacked layers.
+- "all": every slot of the buffer (the cost before live-length reads, for comparisons).
+
+Numerics: scores and softmax statistics are fp32; the probabilities are cast to the
+value dtype for the P·V product, accumulated in fp32, as in HF. A block of keys gives a
+partial (m = max score, l = sum exp(s - m), o = sum exp(s - m)·v) and partials are
+combined in a fixed order, rescaled to the running max; the output is o / l. In the
+"loop" read every chunk is a block: a chunk past a row's live length has every score at
+-inf and combines as an exact identity, so a row's result does not depend on how many
+chunks the batch reads (the other rows' lengths). The static reads use one window per
+call, so their rounding depends on the window (fp32 differences ~1e-7 relative).
+
+In-place cache updates. With "loop" and "all", each layer writes this call's keys and
+values into the cache and then reads it back (one scatter per layer, then the reads:
+XLA orders them by data dependence and updates the cache in place). Inside the
+"buckets" switch the cache is only read (a branch that writes makes XLA copy the
+cache), the layers attend to this call's own keys separately, and all layers' keys and
+values are written after the switch in one scatter.
+
+Layers: `params.layers` is a list (the layers are unrolled into the program) or a
+stacked LayerParams (one `lax.scan`, so a new shape compiles one layer, not L); see
+`params.stack_layers`.
 """
 
 from __future__ import annotations
@@ -24,45 +62,17 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .params import LayerParams, Params, param_shapes
 from .sharding import CACHE, FFN, HEADS, HIDDEN, constrain
 
 Array = jax.Array
+_F32 = jnp.float32
 
 
 def _pytree_dataclass(cls):
     cls = dataclasses.dataclass(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
     return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
-
-
-@_pytree_dataclass
-class LayerParams:
-    """One transformer block. Linear weights are stored [in, out] (x @ W)."""
-
-    attn_norm: Array  # [D]
-    q: Array  # [D, H*Dh]
-    k: Array  # [D, Hkv*Dh]
-    v: Array  # [D, Hkv*Dh]
-    q_bias: Optional[Array]  # [H*Dh] (Qwen2) or None (Llama)
-    k_bias: Optional[Array]  # [Hkv*Dh] or None
-    v_bias: Optional[Array]  # [Hkv*Dh] or None
-    o: Array  # [H*Dh, D]
-    mlp_norm: Array  # [D]
-    gate: Array  # [D, F]
-    up: Array  # [D, F]
-    down: Array  # [F, D]
-
-
-@_pytree_dataclass
-class Params:
-    embed: Array  # [V, D]
-    layers: list  # L x LayerParams
-    final_norm: Array  # [D]
-    lm_head: Optional[Array]  # [V, D]; None when the embeddings are tied
-
-    def unembedding(self) -> Array:
-        """W_U, [V, D]: the output projection, shared with the embedding when tied."""
-        return self.embed if self.lm_head is None else self.lm_head
 
 
 @_pytree_dataclass
@@ -119,26 +129,10 @@ class ForwardOutput:
     lens: Optional[LensStats]  # stats for `lens_layers`, in that order
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The expected shape of every tensor, as a Params of tuples (for checkpoint checks)."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias = cfg.qkv_bias
-    layer = LayerParams(
-        attn_norm=(D,), q=(D, q_out), k=(D, kv_out), v=(D, kv_out),
-        q_bias=(q_out,) if bias else None, k_bias=(kv_out,) if bias else None,
-        v_bias=(kv_out,) if bias else None, o=(q_out, D), mlp_norm=(D,),
-        gate=(D, F), up=(D, F), down=(F, D),
-    )
-    return Params(
-        embed=(V, D), layers=[layer] * cfg.num_layers, final_norm=(D,),
-        lm_head=None if cfg.tie_word_embeddings else (V, D),
-    )
-
-
 def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02,
                 shardings: Optional[Params] = None) -> Params:
-    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks.
+    """Random parameters (normal(0, scale) weights, norms near 1) for tests and benchmarks,
+    in the list layout (`params.stack_layers` converts).
 
     shardings: a Params of `jax.sharding.Sharding` (`sharding.param_shardings`): each
       tensor is drawn directly into its shards, so a model that only fits split (a 72B
@@ -160,33 +154,57 @@ def init_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float =
 @functools.cache
 def _normal(shape: tuple[int, ...], sharding):
     """A jitted fp32 normal draw placed on `sharding` (None: the default device)."""
-    return jax.jit(functools.partial(jax.random.normal, shape=shape, dtype=jnp.float32),
+    return jax.jit(functools.partial(jax.random.normal, shape=shape, dtype=_F32),
                    out_shardings=sharding)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache (see KVCache; split by row and head under a mesh)."""
+    """An empty cache (see KVCache; split by row and head under a mesh). Under
+    `cfg.batch_invariant` the slots are rounded up to a multiple of `cfg.kv_chunk`, so that
+    every chunk read starts at a multiple of it whatever the buffer asked for (the extra
+    slots are never visible)."""
     L, H, Dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    if cfg.batch_invariant:
+        max_len = -(-max_len // cfg.kv_chunk) * cfg.kv_chunk
     return KVCache(k=constrain(jnp.zeros((L, batch, H, max_len, Dh), dtype), CACHE),
                    v=constrain(jnp.zeros((L, batch, H, Dh, max_len), dtype), CACHE))
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """HF Qwen2/Llama RMSNorm: normalise in fp32, cast back, then multiply by the weight."""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(_F32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
 
 
-def _rope(x: Array, positions: Array, theta: float) -> Array:
-    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T].
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+    """[Dh/2] fp32 inverse frequencies of the rotary embedding, with Llama-3 scaling when
+    `cfg.rope_scaling` is set (the same fp32 arithmetic as HF `_compute_llama3_parameters`)."""
+    dh = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=_F32) / dh))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * jnp.pi / inv_freq
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T],
+    inv_freq: [Dh/2] (`rope_inv_freq`).
 
     Angles are computed in fp32 (bf16 positions lose integers above 256), then cos/sin
     are cast to x's dtype before the multiply, as HF does.
     """
     dh = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = positions.astype(_F32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
@@ -194,56 +212,331 @@ def _rope(x: Array, positions: Array, theta: float) -> Array:
     return x * cos + rotated * sin
 
 
-def _attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array) -> Array:
+# ----------------------------------------------------------------------------- attention
+
+@_pytree_dataclass
+class SoftmaxState:
+    """A partial softmax-weighted sum over some keys, per query (fp32).
+
+    m: running max score (-inf: no visible key yet); l: sum of exp(score - m);
+    o: sum of exp(score - m) · v. The attention output is o / l."""
+
+    m: Array  # [B, Hkv, g, T]
+    l: Array  # [B, Hkv, g, T]
+    o: Array  # [B, Hkv, g, T, Dh]
+
+
+def _partial_softmax(scores: Array, values: Array) -> SoftmaxState:
+    """Partials over the last (key) axis. scores: [..., keys] fp32 with -inf at invisible
+    keys: [B, Hkv, g, T, keys]; values: [B, Hkv, Dh, keys]. An all-invisible block gives
+    m = -inf, l = 0, o = 0 (not NaN)."""
+    m = jnp.max(scores, axis=-1)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    o = jnp.einsum("bkgts,bkds->bkgtd", p.astype(values.dtype), values, preferred_element_type=_F32)
+    return SoftmaxState(m=m, l=jnp.sum(p, axis=-1), o=o)
+
+
+def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
+    """The partial over both key sets. Exact identity when b saw no visible key
+    (b.m = -inf: a's terms are scaled by exp(0) = 1 and b's by exp(-inf) = 0)."""
+    m = jnp.maximum(a.m, b.m)
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    scale_a, scale_b = jnp.exp(a.m - shift), jnp.exp(b.m - shift)
+    return SoftmaxState(m=m, l=scale_a * a.l + scale_b * b.l,
+                        o=scale_a[..., None] * a.o + scale_b[..., None] * b.o)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "live", "chunks"],
+                   meta_fields=["window", "chunk", "deferred", "per_row"])
+@dataclasses.dataclass(frozen=True)
+class _CacheRead:
+    """How one call reads the cache. `live` [B] int32: each row reads slots below it.
+    Either `window` > 0 (static): the first `window` slots are read as one block; or
+    `chunks` (a traced scalar): that many C-slot chunks (C = `chunk`) are read one by
+    one in a `while_loop`.
+
+    Two orders of reading and writing, picked for XLA to keep the cache update in place
+    (no copy of the cache per step): by default each layer writes this call's keys and
+    values first and then reads (live = one past the row's last position); with
+    `deferred` (the "buckets" read, whose layer stack sits inside a `lax.switch` that
+    must not write), layers only read the slots below the row's first position, attend
+    to this call's own keys separately, and all layers are written after the switch."""
+
+    cache: KVCache
+    live: Array
+    window: int = 0
+    chunks: Optional[Array] = None
+    chunk: int = 0
+    deferred: bool = False
+    per_row: bool = False  # chunks read one row at a time (batch-invariant numerics)
+
+
+def _masked_partial(qg: Array, keys: Array, values: Array, visible: Array, scale: float) -> SoftmaxState:
+    """The partial softmax of queries qg [B, Hkv, g, T, Dh] over keys [B, Hkv, n, Dh] and
+    values [B, Hkv, Dh, n], of which `visible` [B, T, n] are seen."""
+    scores = jnp.einsum("bkgtd,bksd->bkgts", qg, keys.astype(qg.dtype), preferred_element_type=_F32) * scale
+    return _partial_softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), values.astype(qg.dtype))
+
+
+def _visible(slots: Array, positions: Array, live: Array) -> Array:
+    """[B, T, n]: slot s is visible to the query at position p of row b iff s <= p and
+    s < live[b] (the second only matters for idle rows)."""
+    return (slots[None, None] <= positions[:, :, None]) & (slots[None, None] < live[:, None, None])
+
+
+def _cache_window(qg: Array, positions: Array, read: _CacheRead, layer, scale: float) -> SoftmaxState:
+    """One partial over the first `read.window` slots of layer `layer` (static window)."""
+    cache, W = read.cache, read.window
+    L, B, Hkv, S, Dh = cache.k.shape
+    k = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, 0, 0), (1, B, Hkv, W, Dh))[0]
+    v = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, 0, 0), (1, B, Hkv, Dh, W))[0]
+    return _masked_partial(qg, k, v, _visible(jnp.arange(W), positions, read.live), scale)
+
+
+def _cache_chunks(qg: Array, positions: Array, read: _CacheRead, layer, scale: float
+                  ) -> tuple[SoftmaxState, KVCache]:
+    """Partials of chunks 0 .. read.chunks - 1 (traced count) of layer `layer`, combined in
+    order in a `while_loop`. A chunk reaching past S has its start moved back to S - C and
+    its already-covered slots masked. The cache travels through the loop's carry and is
+    returned (unchanged), so that the next layer's in-place write follows the read (as a
+    loop constant, XLA copies it for each loop)."""
+    C = read.chunk
+    L, B, Hkv, S, Dh = read.cache.k.shape
+    G, T = qg.shape[2], qg.shape[3]
+    if read.per_row:  # the same program for every row, whatever B: a lax.map of 1-row reads
+        def one_row(args):
+            qg_b, positions_b, live_b, b = args
+            state, _ = _cache_chunks_rows(qg_b[None], positions_b[None], live_b[None], read, layer, scale, b, 1)
+            return state
+        rows = jnp.arange(B)
+        if B == 1:  # two trips (row 0 twice): XLA inlines a loop of one trip, with other numerics
+            qg, positions, rows = (jnp.concatenate([a, a]) for a in (qg, positions, rows))
+        state = jax.lax.map(one_row, (qg, positions, jnp.concatenate([read.live] * (2 if B == 1 else 1)), rows))
+        return jax.tree.map(lambda a: a[:B, 0], state), read.cache
+    return _cache_chunks_rows(qg, positions, read.live, read, layer, scale, 0, B)
+
+
+def _cache_chunks_rows(qg, positions, live, read: _CacheRead, layer, scale: float, row, rows: int):
+    """`_cache_chunks` for the `rows` cache rows from `row` on."""
+    C = read.chunk
+    L, B, Hkv, S, Dh = read.cache.k.shape
+    G, T = qg.shape[2], qg.shape[3]
+
+    def body(c, carry):
+        state, cache = carry
+        lo = c * C
+        start = jnp.minimum(lo, S - C)
+        k = jax.lax.dynamic_slice(cache.k, (layer, row, 0, start, 0), (1, rows, Hkv, C, Dh))[0]
+        v = jax.lax.dynamic_slice(cache.v, (layer, row, 0, 0, start), (1, rows, Hkv, Dh, C))[0]
+        slots = start + jnp.arange(C)
+        visible = _visible(slots, positions, live) & (slots >= lo)[None, None]  # earlier chunks' slots
+        return _combine(state, _masked_partial(qg, k, v, visible, scale)), cache
+
+    empty = SoftmaxState(m=jnp.full((rows, Hkv, G, T), -jnp.inf, _F32), l=jnp.zeros((rows, Hkv, G, T), _F32),
+                         o=jnp.zeros((rows, Hkv, G, T, Dh), _F32))
+    return jax.lax.fori_loop(0, read.chunks, body, (empty, read.cache))
+
+
+def _attention(q: Array, k: Array, v: Array, positions: Array, read: Optional[_CacheRead],
+               layer) -> tuple[Array, Optional[_CacheRead]]:
     """Grouped-query causal attention by position.
 
-    q: [B, T, H, Dh]; k: [B, Hkv, S, Dh]; v: [B, Hkv, Dh, S]; q_pos: [B, T]; k_pos: [B, S].
-    Key j is visible to query t iff k_pos[j] <= q_pos[t]. Returns [B, T, H, Dh].
-    Scores and softmax in fp32; probabilities cast to v's dtype for the PV product (as HF).
+    q: [B, T, H, Dh]; k, v: [B, T, Hkv, Dh] this call's keys and values; positions:
+    [B, T]. Without a cache the keys are this call's; with one, the cache slots below each
+    row's live length (which already hold k, v unless `read.deferred`; then this call's
+    keys are attended to separately, after the cache). Returns ([B, T, H, Dh], read with
+    the cache as it came out of the chunk loop).
     """
     B, T, H, Dh = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(B, T, hkv, H // hkv, Dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5)
-    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bkds->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, Dh).astype(q.dtype)
+    hkv = k.shape[2]
+    scale = Dh ** -0.5
+    qg = q.reshape(B, T, hkv, H // hkv, Dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, g, T, Dh]
+    if read is None or read.deferred:
+        visible = positions[:, None, :] <= positions[:, :, None]  # [B, T(query), T(key)]
+        state = _masked_partial(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), visible, scale)
+        if read is not None and read.window:  # cache slots below the first position, then own keys
+            state = _combine(_cache_window(qg, positions, read, layer, scale), state)
+    elif read.chunks is not None:
+        state, cache = _cache_chunks(qg, positions, read, layer, scale)
+        read = dataclasses.replace(read, cache=cache)
+    else:
+        state = _cache_window(qg, positions, read, layer, scale)
+    out = state.o / state.l[..., None]  # [B, Hkv, g, T, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype), read
+
+
+def _write(cache: KVCache, layer, positions: Array, k: Array, v: Array) -> KVCache:
+    """Write new keys and values at their positions, in place: one layer's ([B, T, Hkv, Dh])
+    or, with layer = slice(None), every layer's ([B, T, L, Hkv, Dh]). Positions past the
+    cache (idle rows) write nothing."""
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+    # The indexed (row, slot) pairs come first in the updated slice, for both layouts.
+    return KVCache(
+        k=constrain(cache.k.at[layer, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"), CACHE),
+        v=constrain(cache.v.at[layer, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"), CACHE))
+
+
+# ----------------------------------------------------------------------------- layers
+
+def row_tiled(fn, x: Array, tile: Optional[int]) -> Array:
+    """fn over the rows of x (all axes but the last), `tile` rows at a time (None: all at
+    once). fn maps [n, D] -> [n, ...] row by row. Rows are padded with zeros to a multiple
+    of `tile` and the tiles run in a `lax.map`, so fn is compiled for [tile, D] only: the
+    same kernel, hence the same reduction order, whatever the number of rows. At least two
+    tiles run: a loop of one trip is inlined by XLA and fused with its neighbours (other
+    numerics at one row, measured on CPU)."""
+    if tile is None:
+        return fn(x)
+    lead, D = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, D)
+    n = flat.shape[0]
+    pad = -n % tile + (tile if n <= tile else 0)  # >= 2 tiles: XLA inlines a 1-trip loop
+    tiles = jnp.pad(flat, ((0, pad), (0, 0))).reshape(-1, tile, D)
+    out = jax.lax.map(fn, tiles)
+    return out.reshape((-1,) + out.shape[2:])[:n].reshape(lead + out.shape[2:])
+
+
+def _tile(cfg: ModelConfig) -> Optional[int]:
+    return cfg.row_tile if cfg.batch_invariant else None
 
 
 def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
-           cache: Optional[KVCache], index: int):
-    """Block `index` (0-based), pre-norm. x: [B, T, D]; cache holds all layers and is
-    updated in place at layer `index` (one scatter, no copy of other layers)."""
+           read: Optional[_CacheRead], index, inv_freq: Array):
+    """Block `index` (0-based; static, or traced inside a scan), pre-norm. x: [B, T, D].
+    With a cache, this call's keys and values are written at layer `index` first (one
+    scatter, in place), then read back with the rest (unless `read.deferred`). Returns
+    (x, read, (k, v) [B, T, Hkv, Dh])."""
     B, T, _ = x.shape
-    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
-    if cfg.qkv_bias:
-        q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-    q = constrain(_rope(q.reshape(B, T, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
-    k = constrain(_rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta), HEADS)
-    v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
-    if cache is None:
-        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), positions
-    else:
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
-        # The indexed (row, slot) pairs come first in the updated slice: [B, T, Hkv, Dh]
-        # for both layouts. mode="drop": a padding entry past the cache end writes nothing.
-        cache = KVCache(
-            k=constrain(cache.k.at[index, rows, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
-                        CACHE),
-            v=constrain(cache.v.at[index, rows, :, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
-                        CACHE))
-        keys, values = cache.k[index], cache.v[index]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (B, cache.max_len))
-    attn = _attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
-    x = constrain(x + attn.reshape(B, T, -1) @ layer.o, HIDDEN)
-    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    hidden = constrain(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
-    return constrain(x + hidden @ layer.down, HIDDEN), cache
+    with jax.named_scope("attention"):
+        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        tile = _tile(cfg)
+        q, k, v = (row_tiled(lambda r, w=w: r @ w, h, tile) for w in (layer.q, layer.k, layer.v))
+        if cfg.qkv_bias:
+            q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
+            q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q = constrain(_rope(q, positions, inv_freq), HEADS)
+        k = constrain(_rope(k, positions, inv_freq), HEADS)
+        v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
+        if read is not None and not read.deferred:
+            read = dataclasses.replace(read, cache=_write(read.cache, index, positions, k, v))
+        attn, read = _attention(q, k, v, positions, read, index)
+        x = constrain(x + row_tiled(lambda r: r @ layer.o, attn.reshape(B, T, -1), tile), HIDDEN)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        gate, up = (row_tiled(lambda r, w=w: r @ w, h, tile) for w in (layer.gate, layer.up))
+        hidden = constrain(jax.nn.silu(gate) * up, FFN)
+        x = constrain(x + row_tiled(lambda r: r @ layer.down, hidden, tile), HIDDEN)
+    return x, read, (k, v)
 
+
+def _layer_stack(layers, cfg: ModelConfig, x: Array, positions: Array, read: Optional[_CacheRead],
+                 keep: tuple[int, ...], remat: bool = False):
+    """Every block in order. keep: sorted static layer indices in 1..L whose outputs are
+    returned ([len(keep), B, T, D]); remat: recompute each block in the backward pass
+    (`jax.checkpoint`). Returns (x, kept | None, cache | None, and with a deferred read the
+    keys and values of every layer, [L, B, T, Hkv, Dh] each, else None)."""
+    inv_freq = rope_inv_freq(cfg)
+    deferred = read is not None and read.deferred
+    if not isinstance(layers, LayerParams):  # list layout: unrolled
+        block = jax.checkpoint(_block, static_argnums=(1, 5)) if remat else _block
+        kept, kvs = [], []
+        for l, layer in enumerate(layers):
+            with jax.named_scope(f"block_{l}"):
+                x, read, kv = block(layer, cfg, x, positions, read, l, inv_freq)
+            if deferred:
+                kvs.append(kv)
+            if l + 1 in keep:
+                kept.append(x)
+        kvs = tuple(jnp.stack(a) for a in zip(*kvs)) if deferred else None
+        return x, (jnp.stack(kept) if keep else None), None if read is None else read.cache, kvs
+
+    # Stacked layout: one scan carrying the cache; kept outputs go to their slot of a
+    # carried buffer (slot len(keep) collects the others and is dropped).
+    slot_of = [len(keep)] * (cfg.num_layers + 1)
+    for i, l in enumerate(keep):
+        slot_of[l] = i
+    slots = jnp.asarray(slot_of[1:], jnp.int32)
+    kept = jnp.zeros((len(keep) + 1,) + x.shape, x.dtype) if keep else None
+    block = jax.checkpoint(_block, static_argnums=(1,)) if remat else _block
+
+    def body(carry, layer_index):
+        x, kept, cache = carry
+        layer, l = layer_index
+        with jax.named_scope("block"):
+            x, r, kv = block(layer, cfg, x, positions,
+                              None if read is None else dataclasses.replace(read, cache=cache), l, inv_freq)
+        if kept is not None:
+            kept = jax.lax.dynamic_update_index_in_dim(kept, x, slots[l], 0)
+        return (x, kept, None if r is None else r.cache), kv if deferred else None
+
+    cache = None if read is None else read.cache
+    (x, kept, cache), kvs = jax.lax.scan(body, (x, kept, cache), (layers, jnp.arange(cfg.num_layers)))
+    return x, (kept[:-1] if keep else None), cache, kvs
+
+
+def _live_lengths(positions: Array, max_len: int, deferred: bool) -> Array:
+    """[B] slots each row reads from the cache: one past its last position in the call
+    (below its first position if `deferred`), or 1 for a row whose positions are all past
+    the cache (an idle row: it writes nothing, and slot 0 keeps its softmax finite)."""
+    last = jnp.max(positions, axis=1)
+    live = jnp.min(positions, axis=1) if deferred else last + 1
+    return jnp.where(last < max_len, live, 1).astype(jnp.int32)
+
+
+def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
+    """Static windows of the "buckets" read: 0, C·2^i slots, up to the whole cache."""
+    windows, n = [0], chunk
+    while n < max_len:
+        windows.append(n)
+        n *= 2
+    return tuple(windows) + (max_len,)
+
+
+def _read_mode(cfg: ModelConfig) -> str:
+    if cfg.batch_invariant:  # fixed chunks in a fixed order, whatever the other rows
+        return "loop"
+    if cfg.kv_read != "auto":
+        return cfg.kv_read
+    return "loop" if jax.default_backend() == "cpu" else "buckets"
+
+
+def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Optional[KVCache],
+                keep: tuple[int, ...], remat: bool = False):
+    """The layer stack with the cache read as `cfg.kv_read` says (module docstring).
+    Returns (x, kept, cache). remat (training, no cache): see `_layer_stack`."""
+    if cache is None:
+        return _layer_stack(layers, cfg, x, positions, None, keep, remat)[:3]
+    if remat:
+        raise ValueError("remat recomputes blocks for a backward pass; run it without a KV cache")
+    S = cache.max_len
+    mode = _read_mode(cfg)
+    live = _live_lengths(positions, S, deferred=mode == "buckets")
+    if mode == "all":
+        return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, window=S), keep)[:3]
+    C = cfg.kv_chunk if cfg.batch_invariant and S % cfg.kv_chunk == 0 else min(cfg.kv_chunk, S)
+    if mode == "loop":
+        chunks = (jnp.max(live) + C - 1) // C
+        read = _CacheRead(cache, live, chunks=chunks, chunk=C, per_row=cfg.batch_invariant)
+        return _layer_stack(layers, cfg, x, positions, read, keep)[:3]
+    windows = _window_buckets(S, C)
+
+    def branch(window):
+        def run(layers, x, positions, cache, live):
+            read = _CacheRead(cache, live, window=window, deferred=True)
+            x, kept, _, (ks, vs) = _layer_stack(layers, cfg, x, positions, read, keep)
+            return x, kept, ks, vs
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(windows, jnp.int32), jnp.max(live), side="left")
+    x, kept, ks, vs = jax.lax.switch(index, [branch(w) for w in windows], layers, x, positions, cache, live)
+    # Every layer's keys and values at once, after every read (the switch's outputs).
+    return x, kept, _write(cache, slice(None), positions, ks.transpose(1, 2, 0, 3, 4), vs.transpose(1, 2, 0, 3, 4))
+
+
+# ----------------------------------------------------------------------------- output head
 
 # With `chunk=None`, a lens whose whole [rows, V] fp32 block fits in this many bytes is
 # computed as one block; larger ones stream in DEFAULT_LENS_CHUNK-token chunks. Slicing
@@ -263,12 +556,16 @@ def _vocab_chunks(vocab: int, chunk: int):
     return [(s, min(chunk, vocab - s)) for s in range(0, vocab, chunk)]
 
 
-def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Optional[int] = None):
+def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Optional[int] = None,
+                  out_stats: bool = False, row_tile: Optional[int] = None):
     """Unembed rows while streaming the vocabulary once.
 
     w_u: [V, D]; h_out: [N, D] final-normed rows whose full fp32 logits are returned
     (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
-    kept. Per lens row we carry the running max m, s = sum exp(z - m) and
+    kept. out_stats: also return the statistics of the h_out rows (first, then h_lens's:
+    N + M of each), e.g. when a lensed layer is the last one, whose rows are h_out.
+    row_tile: run the vocabulary matmuls on tiles of this many rows and stream a fixed
+    DEFAULT_LENS_CHUNK (batch-invariant numerics, `ModelConfig.batch_invariant`). Per lens row we carry the running max m, s = sum exp(z - m) and
     t = sum exp(z - m)·(z - m), so H = log s - t / s and p_top1 = 1 / s at the end; no
     [M, V] array exists, only one [N + M, chunk] block at a time (chunk=None: one
     block when it fits SINGLE_BLOCK_MAX_BYTES, else DEFAULT_LENS_CHUNK). Carrying (z - m)
@@ -280,7 +577,8 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     """
     n_out = 0 if h_out is None else h_out.shape[0]
     rows = h_lens if h_out is None else jnp.concatenate([h_out, h_lens.astype(h_out.dtype)], 0)
-    M = h_lens.shape[0]
+    first = 0 if out_stats else n_out  # rows whose statistics are kept
+    M = rows.shape[0] - first
     m = jnp.full((M,), -jnp.inf, jnp.float32)
     s = jnp.zeros((M,), jnp.float32)
     t = jnp.zeros((M,), jnp.float32)
@@ -288,7 +586,7 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
 
     def update(carry, z, start):
         m, s, t, top = carry
-        zl = z[n_out:]
+        zl = z[first:]
         cmax = jnp.max(zl, axis=-1)
         carg = jnp.argmax(zl, axis=-1).astype(jnp.int32) + start
         new_m = jnp.maximum(m, cmax)
@@ -302,8 +600,14 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
         return (new_m, s, t, top)
 
     V = w_u.shape[0]
+    if chunk is None and row_tile is not None:
+        chunk = min(V, DEFAULT_LENS_CHUNK)
     if chunk is None:
         chunk = V if rows.shape[0] * V * 4 <= SINGLE_BLOCK_MAX_BYTES else DEFAULT_LENS_CHUNK
+
+    def unembed(w):
+        return row_tiled(lambda r: jnp.einsum("nd,vd->nv", r, w.astype(rows.dtype), preferred_element_type=jnp.float32),
+                         rows, row_tile)
     spans = _vocab_chunks(V, chunk)
     full = [sp for sp in spans if sp[1] == chunk]
     carry = (m, s, t, top)
@@ -311,12 +615,12 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     if full:
         def body(carry, start):
             w = jax.lax.dynamic_slice_in_dim(w_u, start, chunk, axis=0)
-            z = jnp.einsum("nd,vd->nv", rows, w.astype(rows.dtype), preferred_element_type=jnp.float32)
+            z = unembed(w)
             return update(carry, z, start), (None if h_out is None else z[:n_out])
 
         starts = jnp.arange(len(full), dtype=jnp.int32) * chunk
         if len(full) == 1:  # one block: no slicing of W_U, no loop
-            z = jnp.einsum("nd,vd->nv", rows, w_u.astype(rows.dtype), preferred_element_type=jnp.float32)
+            z = unembed(w_u)
             carry, ys = update(carry, z, 0), z[None, :n_out]
         else:
             carry, ys = jax.lax.scan(body, carry, starts)  # ys: [n_full, N, chunk]
@@ -324,7 +628,7 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
             out_blocks.append(jnp.transpose(ys, (1, 0, 2)).reshape(n_out, len(full) * chunk))
     if len(full) < len(spans):
         start, size = spans[-1]
-        z = jnp.einsum("nd,vd->nv", rows, w_u[start:].astype(rows.dtype), preferred_element_type=jnp.float32)
+        z = unembed(w_u[start:])
         carry = update(carry, z, start)
         out_blocks.append(z[:n_out])
     m, s, t, top = carry
@@ -343,8 +647,9 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     """Run the transformer on `tokens`.
 
     tokens, positions: [B, T] int32 (see the module docstring for padding).
-    cache: a KVCache with S slots, updated at `positions` and returned; None runs
-      attention over the given tokens only (and returns cache=None).
+    cache: a KVCache with S slots, read below each row's first position and updated at
+      `positions` (returned); None runs attention over the given tokens only (and
+      returns cache=None).
     capture: static layer indices (HF `hidden_states` numbering: 0 = embeddings,
       l = after block l) whose residuals, pre final norm, are returned [K, B, T, D].
     lens_layers: static layer indices whose logit-lens entropy / top-1 are returned
@@ -359,6 +664,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     remat: recompute each block in the backward pass (`jax.checkpoint`) instead of
       keeping its activations: training memory grows with the number of blocks, not
       with everything inside them.
+    params.layers may be a list or stacked (`params.stack_layers`); the result is the
+    same up to fp32 rounding.
     """
     L = cfg.num_layers
     for name, layers in (("capture", capture), ("lens_layers", lens_layers)):
@@ -368,32 +675,44 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
     B, T = tokens.shape
     x = constrain(params.embed[tokens], HIDDEN)
     wanted = set(capture) | set(lens_layers)
-    saved = {0: x} if 0 in wanted else {}
-    block = jax.checkpoint(_block, static_argnums=(1, 5)) if remat else _block
-    for l, layer in enumerate(params.layers):
-        x, cache = block(layer, cfg, x, positions, cache, l)
-        if l + 1 in wanted:
-            saved[l + 1] = x
+    keep = tuple(sorted(wanted - {0}))
+    embeddings = x
+    x, kept, cache = _run_layers(params.layers, cfg, x, positions, cache, keep, remat)
+    saved = {l: kept[i] for i, l in enumerate(keep)}
+    if 0 in wanted:
+        saved[0] = embeddings
 
-    h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-    h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
-    w_u = params.unembedding()
-    lens = None
-    if lens_translators is not None and lens_translators.bias.shape[0] != len(lens_layers):
-        raise ValueError(f"lens_translators has {lens_translators.bias.shape[0]} rows for "
-                         f"{len(lens_layers)} lens_layers {lens_layers}")
-    if lens_layers:
-        rows = [saved[l] for l in lens_layers]
-        if lens_translators is not None:
-            rows = list(translate_residuals(jnp.stack(rows), lens_translators))
-        lensed = jnp.stack([rms_norm(r, params.final_norm, cfg.rms_norm_eps) for r in rows])
-        K = len(lens_layers)
-        flat_logits, ent, top, ptop, lse = streamed_head(
-            w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(K * B * T, -1), lens_chunk)
-        logits = flat_logits.reshape(*h.shape[:2], -1)
-        lens = LensStats(entropy=ent.reshape(K, B, T), top1=top.reshape(K, B, T),
-                         top1_prob=ptop.reshape(K, B, T), logsumexp=lse.reshape(K, B, T))
-    else:
-        logits = jnp.einsum("btd,vd->btv", h, w_u, preferred_element_type=jnp.float32)
+    with jax.named_scope("head"):
+        h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+        h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+        w_u = params.unembedding()
+        lens = None
+        if lens_translators is not None and lens_translators.bias.shape[0] != len(lens_layers):
+            raise ValueError(f"lens_translators has {lens_translators.bias.shape[0]} rows for "
+                             f"{len(lens_layers)} lens_layers {lens_layers}")
+        if lens_layers:
+            with jax.named_scope("lens"):
+                # The last layer's lens rows are the output rows (h = final norm of x at every
+                # position) unless translated: computed once, their statistics taken from the
+                # output rows.
+                shared = L in lens_layers and logits_at is None and lens_translators is None
+                others = [l for l in lens_layers if not (shared and l == L)]
+                rows = [saved[l] for l in others]
+                if lens_translators is not None:  # then others == lens_layers, in order
+                    rows = list(translate_residuals(jnp.stack(rows), lens_translators))
+                lensed = jnp.stack([rms_norm(r, params.final_norm, cfg.rms_norm_eps) for r in rows]
+                                   ) if others else jnp.zeros((0, B, T, h.shape[-1]), h.dtype)
+                flat_logits, *stats = streamed_head(
+                    w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]), lens_chunk,
+                    out_stats=shared, row_tile=_tile(cfg))
+                stats = [x.reshape(-1, B, T) for x in stats]  # [K, B, T] each, rows as listed
+                order = ([L] if shared else []) + others
+                index = jnp.asarray([order.index(l) for l in lens_layers])
+                ent, top, ptop, lse = (x[index] for x in stats)
+            logits = flat_logits.reshape(*h.shape[:2], -1)
+            lens = LensStats(entropy=ent, top1=top, top1_prob=ptop, logsumexp=lse)
+        else:
+            logits = row_tiled(lambda r: jnp.einsum("...d,vd->...v", r, w_u, preferred_element_type=_F32), h,
+                               _tile(cfg))
     residuals = jnp.stack([saved[l] for l in capture]) if capture else None
     return ForwardOutput(logits=logits, cache=cache, residuals=residuals, lens=lens)

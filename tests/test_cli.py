@@ -94,7 +94,7 @@ ERROR_TABLE = [
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/a_file/run"], "which is a file"),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--seed", "99999999999999999999"], "--seed must be"),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--limit", "-1"], "--limit must be 0 or more"),
-    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--batch-size", "0"], "--batch-size takes a positive integer or 'auto', got '0'"),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--data-dir", "{tmp}/a_dir"], "a_dir"),
     (["analyze", "{tmp}/a_dir"], "is not a `degs eval` directory"),
 ]

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from degs_jax.models import ConfigError, ModelConfig, forward, init_cache, init_params, rms_norm
-from hf_reference import hf_model, tiny_config
+from degs_jax.models.checkpoint import params_to_hf
+from hf_reference import TINY_LLAMA3_ROPE, hf_model, tiny_config
 
 TOL = 1e-4
 CASES = {
@@ -26,6 +28,12 @@ CASES = {
     "qwen2-gqa-tied": dict(architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=1, tie=True),
     "llama-mha-untied": dict(architecture="LlamaForCausalLM", num_heads=4, num_kv_heads=4, tie=False),
     "llama-gqa-tied": dict(architecture="LlamaForCausalLM", num_heads=4, num_kv_heads=2, tie=True),
+    # Qwen3: head_dim (16) is not hidden / heads (8), as in the real Qwen3 checkpoints.
+    "qwen3-gqa-untied": dict(architecture="Qwen3ForCausalLM", num_heads=4, num_kv_heads=2, tie=False,
+                             head_dim=16),
+    "qwen3-mha-tied": dict(architecture="Qwen3ForCausalLM", num_heads=4, num_kv_heads=4, tie=True),
+    "llama3-rope-scaling": dict(architecture="LlamaForCausalLM", num_heads=4, num_kv_heads=2, tie=False,
+                                rope_scaling=TINY_LLAMA3_ROPE),
 }
 
 
@@ -62,7 +70,8 @@ def test_logits_and_residuals_match_hf_on_a_ragged_batch(case):
         np.testing.assert_allclose(np.asarray(normed), hf.hidden_states[L][0].numpy(), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["qwen2-gqa-untied", "llama-mha-untied"])
+@pytest.mark.parametrize("case", ["qwen2-gqa-untied", "llama-mha-untied", "qwen3-gqa-untied",
+                                  "llama3-rope-scaling"])
 def test_cached_decode_equals_full_forward(case):
     cfg = tiny_config(**CASES[case])
     params = init_params(cfg, jax.random.key(1), jnp.float32, scale=0.2)
@@ -115,6 +124,11 @@ def test_capture_order_and_logits_at():
     ({"num_attention_heads": 5}, "inconsistent head sizes"),
     ({"num_key_value_heads": 3}, "inconsistent head sizes"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "only 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor, high_freq_factor"),
+    ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=True"),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "sliding-window"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "per-layer attention"),
 ])
 def test_config_errors_name_the_problem(hf, message):
     base = tiny_config("Qwen2ForCausalLM").to_hf()
@@ -124,10 +138,33 @@ def test_config_errors_name_the_problem(hf, message):
 
 
 def test_config_round_trips_through_hf_dict():
-    for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM"):
-        cfg = tiny_config(arch)
+    for case in CASES.values():
+        cfg = tiny_config(**case)
         assert ModelConfig.from_hf(cfg.to_hf()) == cfg
         hash(cfg)  # static argument of jitted functions
+
+
+def test_hub_style_configs_map_to_the_right_flags():
+    """The config.json layouts the hub checkpoints ship (pre-transformers-5 rope keys)."""
+    distill_llama = {  # DeepSeek-R1-Distill-Llama-8B
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "eos_token_id": 128001}
+    cfg = ModelConfig.from_hf(distill_llama)
+    assert (cfg.family, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm, cfg.rope_theta) == ("llama", 128, False, False, 5e5)
+    assert cfg.rope_scaling.factor == 8.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
+    qwen3 = {  # Qwen3-0.6B: head_dim 128 although hidden / heads = 64
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 28, "head_dim": 128,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000, "rope_scaling": None, "attention_bias": False,
+        "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True}
+    cfg = ModelConfig.from_hf(qwen3)
+    assert (cfg.family, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm, cfg.rope_scaling) == ("qwen3", 128, False, True, None)
 
 
 def test_built_wheel_ships_models_inside_degs_jax(tmp_path):
@@ -144,3 +181,51 @@ def test_built_wheel_ships_models_inside_degs_jax(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(extracted), "PATH": "/usr/bin:/bin"}, check=True)
     assert out.stdout.strip().startswith(str(extracted))
+
+
+def test_qwen3_gguf_loads_and_matches_the_transformers_gguf_loader(tmp_path):
+    """A Qwen3 GGUF file (q/k norms, head_dim from `attention.key_length`) loads into the
+    same config and weights, and its logits equal transformers' own GGUF loader's.
+    head_dim 128 (not hidden / heads = 8): transformers' GGUF loader ignores key_length
+    and takes Qwen3Config's default of 128 (as in the real Qwen3 checkpoints)."""
+    import gguf
+
+    from degs_jax.models import load
+    from degs_jax.models.gguf_io import hf_name
+    from test_loading import TOKENS, VOCAB
+
+    cfg = tiny_config("Qwen3ForCausalLM", vocab=VOCAB, head_dim=128, tie=False)
+    params = init_params(cfg, jax.random.key(3), jnp.float32, scale=0.2)
+    w = gguf.GGUFWriter(str(tmp_path / "q3.gguf"), "qwen3")
+    for add, value in ((w.add_block_count, cfg.num_layers), (w.add_context_length, cfg.max_position_embeddings),
+                       (w.add_embedding_length, cfg.hidden_size), (w.add_feed_forward_length, cfg.intermediate_size),
+                       (w.add_head_count, cfg.num_heads), (w.add_head_count_kv, cfg.num_kv_heads),
+                       (w.add_key_length, cfg.head_dim), (w.add_value_length, cfg.head_dim),
+                       (w.add_rope_freq_base, cfg.rope_theta), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (w.add_tokenizer_model, "gpt2"), (w.add_token_list, TOKENS),
+                       (w.add_token_types, [1] * (VOCAB - 1) + [3]), (w.add_token_merges, ["h e"]),
+                       (w.add_eos_token_id, VOCAB - 1)):
+        add(value)
+    names = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
+        f"blk.{i}.{n}" for i in range(cfg.num_layers) for n in (
+            "attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+            "attn_q_norm.weight", "attn_k_norm.weight", "attn_output.weight", "ffn_gate.weight",
+            "ffn_up.weight", "ffn_down.weight")]
+    to_gguf = {hf_name(n): n for n in names}
+    for name, arr in params_to_hf(params, cfg).items():  # qwen3 files carry no q/k permutation
+        w.add_tensor(to_gguf[name], np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours = load(tmp_path / "q3.gguf", "float32", cache_dir=tmp_path / "cache", progress=False)
+    assert (ours.cfg.family, ours.cfg.head_dim, ours.cfg.qk_norm, ours.cfg.qkv_bias) == ("qwen3", 128, True, False)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), ours.params, params)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q3.gguf",
+                                                           dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(tokens)).logits.numpy()
+    got = forward(ours.params, ours.cfg, jnp.asarray(tokens, jnp.int32), jnp.arange(24)[None]).logits
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=0)

@@ -105,3 +105,59 @@ def test_logits_and_greedy_match_transformers(loads):
     assert kl.max() <= 1e-3
     assert len(hf_tokens) == NEW_TOKENS
     assert our_tokens == hf_tokens
+
+
+def test_recorded_collapse_depth_equals_the_exact_computation(loads):
+    """d_t recorded while sampling (cached decode steps, fused streamed fp32 lens, the last
+    layer's statistics shared with the output rows) equals d_t computed independently:
+    residuals captured at every probed layer, final-normed, unembedded and softmaxed in
+    float64. Tokens whose float64 entropy at a probed layer lies within 1e-3 nats of tau
+    are excluded (fp32 rounding may legitimately decide those either way; the fp32
+    entropies differ from float64 by < 1e-4, asserted below), and must be rare."""
+    _, model, _ = loads
+    if model.name != "smollm2-135m":
+        pytest.skip("checked on SmolLM2 (the float64 vocabulary products of the 0.5B model are large)")
+    from degs_jax.decoders import encode_prompt, eos_ids_of
+    from degs_jax.generation import SamplerSpec, generate, prefill
+    from degs_jax.lens import LensConfig, layer_entropies
+
+    cfg, params = model.cfg, model.params
+    lens = LensConfig.default(cfg)
+    prompts = ["What is 12 * 13? Put the answer in \\boxed{}.", "Name three colours of the rainbow."]
+    ids = [encode_prompt(model.tokenizer, p) for p in prompts]
+    P = max(len(i) for i in ids)
+    tokens = np.zeros((len(ids), P), np.int32)
+    for r, i in enumerate(ids):
+        tokens[r, :len(i)] = i
+    lengths = jnp.asarray([len(i) for i in ids], jnp.int32)
+    state = prefill(params, cfg, jnp.asarray(tokens), lengths, P + 64, jnp.float32)
+    spec = SamplerSpec(temperature=0.7, eos_ids=eos_ids_of(cfg, model.tokenizer), lens=lens)
+    state = generate(params, cfg, state, lengths + 48, jax.random.split(jax.random.key(0), len(ids)), spec)
+    depth, length = np.asarray(state.depth), np.asarray(state.length)
+
+    checked = near = 0
+    w_u = np.asarray(params.unembedding(), np.float64)
+    for r in range(len(ids)):
+        seq = np.asarray(state.tokens[r, :length[r]])[None]
+        pos = np.arange(seq.shape[1])[None]
+        out = forward(params, cfg, jnp.asarray(seq), jnp.asarray(pos), capture=lens.lsub)
+        x = np.asarray(out.residuals[:, 0], np.float64)  # [K, N, D]
+        h = x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * np.asarray(params.final_norm, np.float64)
+        z = h @ w_u.T
+        z -= z.max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        exact_h = -(np.exp(logp) * logp).sum(-1)  # [K, N]
+        fp32_h = np.asarray(layer_entropies(params, cfg, seq, pos, lens.lsub))[:, 0]
+        assert np.abs(fp32_h - exact_h).max() < 1e-4
+        lsub = np.asarray(lens.lsub)[:, None]
+        exact_d = np.where(exact_h <= lens.tau, lsub, cfg.num_layers).min(0)
+        for t in range(len(ids[r]), length[r]):
+            if depth[r, t] < 0:  # a final EOS is never consumed, so it has no d_t
+                continue
+            if (np.abs(exact_h[:, t] - lens.tau) < 1e-3).any():
+                near += 1
+                continue
+            assert depth[r, t] == exact_d[t], (r, t, depth[r, t], exact_d[t], exact_h[:, t])
+            checked += 1
+    print(f"\nd_t checked at {checked} tokens ({near} within 1e-3 nats of tau)")
+    assert checked >= 60 and near <= checked // 20

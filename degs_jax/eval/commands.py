@@ -55,7 +55,7 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     """Register the evaluation subcommands on the `degs` subparsers object."""
     import argparse
 
-    from degs_jax.cli import BATCH_SIZE_HELP, batch_size_arg
+    from degs_jax.cli import BATCH_SIZE_HELP
 
     e = sub.add_parser("eval", help="evaluate a decoder on a benchmark (resumable)",
                        description=EVAL_DESCRIPTION,
@@ -66,7 +66,7 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     g.add_argument("--benchmark", required=True, choices=BENCHMARK_CHOICES)
     g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     g.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    g.add_argument("--batch-size", type=batch_size_arg, default="auto", metavar="N|auto",
+    g.add_argument("--batch-size", default="auto", metavar="N|auto",
                    help=BATCH_SIZE_HELP.format(what="problems"))
     g.add_argument("--keep-candidates", action="store_true",
                    help="grade and store every candidate (tokens, log p, D, final entropy, verdict)")
@@ -159,6 +159,7 @@ def _terminated(signum, frame):
 
 
 def cmd_eval(args, hyperparameters, load_model) -> int:
+    from degs_jax.batching import parse_batch_size
     from degs_jax.cli import check_output_dir, check_seed
     from degs_jax.eval.benchmarks import load_benchmark
     from degs_jax.hyperparameters import resolve_hyperparameters
@@ -169,6 +170,7 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     hp = hyperparameters(args)
     resolve_hyperparameters(args.method, hp)
     check_seed(args.seed)
+    args.batch_size = parse_batch_size(args.batch_size)
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))

@@ -1,0 +1,135 @@
+"""Attention that reads only the live part of the KV cache (`cfg.kv_read`, issue 17):
+every read mode gives the forward of the full-buffer read, chunks past the batch's live
+length are never read, a row's result does not depend on the other rows' lengths in the
+"loop" read, idle rows stay finite, and the decode loop updates the cache in place in
+every mode and layout (no cache-sized copy per step)."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.lens import LensConfig
+from degs_jax.models import KVCache, forward, init_cache, init_params, stack_layers
+from hf_reference import tiny_config
+
+CFG = tiny_config("Qwen2ForCausalLM")  # 3 layers, 2 KV heads of 8
+S = 40  # not a multiple of the chunks below: the last chunk is moved back and masked
+READS = ("loop", "buckets", "all")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0), jnp.float32, scale=0.2)
+
+
+def _decode_logits(params, cfg, lengths=(20, 26), steps=19):
+    """Prefill two rows, then decode `steps` tokens; row 1 idles (position S) once it
+    reaches lengths[1]. Returns ([2, 20 + steps, V] logits, final cache)."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
+    out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(20), (2, 20)), init_cache(cfg, 2, S, jnp.float32))
+    logits, cache = [out.logits], out.cache
+    for t in range(20, 20 + steps):
+        pos = jnp.array([[t], [t if t < lengths[1] else S]])
+        out = forward(params, cfg, tokens[:, t - 20:t - 19], pos, cache)
+        logits.append(out.logits)
+        cache = out.cache
+    return np.asarray(jnp.concatenate(logits, 1)), cache
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_every_read_gives_the_full_buffer_forward(params, stacked):
+    p = stack_layers(params) if stacked else params
+    want, want_cache = _decode_logits(params, dataclasses.replace(CFG, kv_read="all"))
+    for read in READS:
+        for chunk in (8, 16):
+            got, cache = _decode_logits(p, dataclasses.replace(CFG, kv_read=read, kv_chunk=chunk))
+            # fp32, different blocking of the same sums: |logits| ~ 1, errors ~1e-6. Row 1's
+            # logits once idle (from entry 26 on) are garbage by contract (finite, compared below).
+            for row, end in ((0, None), (1, 26)):
+                np.testing.assert_allclose(got[row, :end], want[row, :end], atol=1e-5, rtol=0,
+                                           err_msg=f"{read}, chunk {chunk}, row {row}")
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), cache, want_cache)
+            assert np.isfinite(got).all()
+
+
+def _poisoned(cache: KVCache, from_slot: int) -> KVCache:
+    """The cache with NaN in every slot >= from_slot: any read of those slots poisons the
+    output (a masked NaN value still gives 0 * NaN = NaN in the P·V product)."""
+    return KVCache(k=cache.k.at[:, :, :, from_slot:].set(jnp.nan), v=cache.v.at[..., from_slot:].set(jnp.nan))
+
+
+@pytest.mark.parametrize("read, unread_from", [("loop", 16), ("buckets", 16), ("all", None)])
+def test_slots_past_the_live_chunks_are_never_read(params, read, unread_from):
+    """A step of rows at positions 13 and 9 with 8-slot chunks: the loop reads chunks 0 and
+    1 (slots < 16, covering position 13), the buckets read the 16-slot window (windows 0,
+    8, 16, 32, 40); with NaN in every later slot the result is still exact. Reading the
+    whole buffer ("all") is poisoned: the test notices any read past the live chunks."""
+    cfg = dataclasses.replace(CFG, kv_read=read, kv_chunk=8)
+    tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(14), (2, 14))
+    clean = forward(params, cfg, tokens, positions, init_cache(cfg, 2, S, jnp.float32)).cache
+    step_tokens, step_pos = jnp.array([[3], [4]]), jnp.array([[13], [9]])
+    want = forward(params, cfg, step_tokens, step_pos, clean).logits
+    got = forward(params, cfg, step_tokens, step_pos, _poisoned(clean, unread_from or 16)).logits
+    if unread_from is None:
+        assert np.isnan(np.asarray(got)).all()
+    else:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_loop_read_row_result_does_not_depend_on_the_other_rows_lengths(params):
+    """Row 0 decodes the same tokens next to a short and a long row: the long row makes the
+    loop read more chunks, which combine as exact identities for row 0 (bitwise equal)."""
+    cfg = dataclasses.replace(CFG, kv_read="loop", kv_chunk=8)
+    rows = []
+    for other in (5, 37):
+        tokens = jax.random.randint(jax.random.key(3), (2, 38), 0, cfg.vocab_size)
+        cache = init_cache(cfg, 2, S, jnp.float32)
+        prompt = jnp.broadcast_to(jnp.arange(38), (2, 38))
+        cache = forward(params, cfg, tokens, prompt, cache).cache
+        step = forward(params, cfg, jnp.array([[7], [7]]), jnp.array([[10], [other]]), cache)
+        rows.append(np.asarray(step.logits[0]))
+    np.testing.assert_array_equal(rows[0], rows[1])
+
+
+def _cache_sized_copies(hlo: str, cache_elements: int) -> list[str]:
+    """Copies, transposes and concatenations at least half a cache array large."""
+    found = []
+    for m in re.finditer(r"= \(?[a-z0-9]+\[([\d,]*)\][^=]*? (copy|transpose|concatenate)\(", hlo):
+        if np.prod([int(d) for d in m.group(1).split(",") if d] or [1]) >= cache_elements // 2:
+            found.append(f"{m.group(2)}[{m.group(1)}]")
+    return found
+
+
+@pytest.mark.parametrize("read", READS)
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_decode_loop_updates_the_cache_in_place(read, stacked):
+    """The compiled `generate` holds exactly two cache-sized copies, k and v, made once on
+    entry (its state argument is not donated); none inside the step loop. (A layer that
+    reads the cache where XLA cannot order the read before the write gets its own copy:
+    that was 2 more per step with the reads and writes in the wrong order.)"""
+    cfg = dataclasses.replace(tiny_config("Qwen2ForCausalLM", hidden=64, head_dim=16, layers=2),
+                              kv_read=read, kv_chunk=32)
+    p = init_params(cfg, jax.random.key(0), jnp.float32)
+    p = stack_layers(p) if stacked else p
+    B, max_len = 4, 256
+    state = prefill(p, cfg, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32), max_len, jnp.float32)
+    spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=LensConfig(lsub=(1, 2)))
+    hlo = generate.lower(p, cfg, state, jnp.full((B,), 200, jnp.int32), jax.random.split(jax.random.key(0), B),
+                         spec).compile().as_text()
+    copies = _cache_sized_copies(hlo, cfg.num_layers * B * cfg.num_kv_heads * max_len * cfg.head_dim)
+    assert sorted(copies) == ["copy[2,4,2,16,256]", "copy[2,4,2,256,16]"], copies
+
+
+def test_read_settings_are_checked():
+    from degs_jax.models import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_read must be one of auto, loop, buckets, all"):
+        dataclasses.replace(CFG, kv_read="paged")
+    with pytest.raises(ConfigError, match="kv_chunk must be a positive integer"):
+        dataclasses.replace(CFG, kv_chunk=0)
