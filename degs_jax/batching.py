@@ -9,7 +9,8 @@ What one prompt row costs (an estimate, computed before anything is compiled):
     is sized by its own cache pytree, without allocating it;
   * GenState's per-slot records: token and depth (int32), log p, log q and final
     entropy (fp32), `STATE_BYTES_PER_SLOT` = 20 bytes a slot;
-  and an MCMC chain holds two such sequences (the chain x and its running proposal x');
+  and an MCMC chain holds two such sequences (the chain x and its running proposal x'),
+  a scalable_power prompt `ScalablePower.sequences_per_prompt` (candidates and rollouts);
 - the step's working set over the vocabulary: `WORKING_VOCAB_COPIES` fp32 vectors of V
   per sequence (logits, log-softmax, probabilities, noise, the lens's streamed logits).
 
@@ -58,7 +59,7 @@ class RowCost:
     """Estimated bytes of one prompt row (module docstring)."""
 
     max_len: int  # cache slots per sequence
-    sequences: int  # pool_size, twice that for MCMC (chain + proposal)
+    sequences: int  # pool_size, twice that for MCMC (chain + proposal); SPS: candidates and rollouts
     cache_bytes: int  # per sequence
     state_bytes: int  # per sequence
     working_bytes: int  # per sequence
@@ -75,7 +76,7 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
     the longest prompt of the batch (padded as `pad_prompts` pads it).
     """
     from .generation import PROMPT_BUCKET
-    from .hyperparameters import MCMCHyperparameters
+    from .hyperparameters import MCMCHyperparameters, ScalablePower
 
     padded = -(-int(longest_prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
     max_len = padded + config.max_new_tokens
@@ -83,7 +84,8 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
     cache_bytes = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                       for leaf in jax.tree.leaves(shapes))
     chains = 2 if isinstance(config, MCMCHyperparameters) else 1
-    return RowCost(max_len=max_len, sequences=config.pool_size * chains, cache_bytes=cache_bytes,
+    sequences = config.sequences_per_prompt if isinstance(config, ScalablePower) else config.pool_size * chains
+    return RowCost(max_len=max_len, sequences=sequences, cache_bytes=cache_bytes,
                    state_bytes=STATE_BYTES_PER_SLOT * max_len,
                    working_bytes=WORKING_VOCAB_COPIES * model.vocab_size * 4)
 

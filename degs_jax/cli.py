@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 METHOD_HELP = """decoders: greedy, temperature, best_of_n, best_of_n_entropy, degs_rerank,
-power_mcmc, degs_mcmc (DESIGN §4). Hyperparameters a method does not take are rejected."""
+power_mcmc, degs_mcmc, power_smc, degs_smc, scalable_power (DESIGN §4). Hyperparameters a
+method does not take are rejected."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -66,8 +67,8 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
             text + " (" + ("every method" if len(methods) == len(METHODS) else ", ".join(methods))
             + ("" if default is None else f": default {default}") + ")"
             for (text, default), methods in texts.items())
-        if kind is bool:
-            g.add_argument(flag, action="store_true", default=None, help=help_text)
+        if kind is bool:  # --x / --no-x (unset: the method's default)
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind is tuple:
             g.add_argument(flag, type=_int_list, metavar="L1,L2,...", help=help_text)
         else:
@@ -233,6 +234,10 @@ def cmd_sample(args) -> int:
           file=sys.stderr)
     if c.acceptance is not None:
         print("acceptance per block: " + " ".join(f"{a:.2f}" for a in c.acceptance), file=sys.stderr)
+    if c.weight is not None:
+        d = out.diagnostics
+        print(f"particle weight {c.weight:.3f} of {len(out.candidates)}  log Z-hat {d['log_evidence']:.3f}  "
+              f"resamplings {d['resamples']} ({d['copied_rows']} rows copied)", file=sys.stderr)
     s = result.seconds
     print(f"time: prefill {s['prefill']:.2f}s  decode {s['decode']:.2f}s  total {s['total']:.2f}s "
           f"(first call includes compilation)  |  generated {result.counters['generated_tokens']} tokens, "
@@ -247,6 +252,7 @@ def _sample_report(result, out, seed, num_layers) -> dict:
         "method": result.method, "seed": seed, "completion": c.text,
         "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
         "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
+        "weight": c.weight, "diagnostics": out.diagnostics,
         "counters": result.counters, "forward_equivalents": result.forward_equivalents(num_layers),
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
         "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},

@@ -10,6 +10,9 @@ program (`decode_tokens`). The text API (`sample`) is in `degs_jax.text`.
 | degs_rerank         | the same pool; argmax alpha·log p(x) + beta·D(x) (alpha=0: depth only) |
 | power_mcmc          | MH chain for p^alpha (beta = 0, no probing)                   |
 | degs_mcmc           | MH chain for p^alpha·exp(beta·D)                              |
+| power_smc           | Power-SMC: N particles for p^alpha, drawn by weight (smc.py)  |
+| degs_smc            | the same particles for p^alpha·exp(beta·D)                    |
+| scalable_power      | Scalable Power Sampling, block form (sps.py)                  |
 
 Hyperparameters and their defaults: `degs_jax.hyperparameters` (one dataclass per
 method). Rows: prompt i's candidate (pool member or chain) j is row i·n + j.
@@ -19,7 +22,8 @@ Two drivers, same tokens for the same per-prompt keys:
   bars, Ctrl-C within about a second, early stop), and builds `Candidate` records;
 - `decode_tokens`: prefill, every generation step or MCMC block and the choice of the
   answer in one jitted program (`lax.while_loop`s), for `jit` / `vmap` in user code
-  (e.g. inside an RL rollout step).
+  (e.g. inside an RL rollout step). Not for the SMC and SPS methods: their host loop
+  over ESS checks / blocks calls separately compiled steps (`decode` only).
 """
 
 from __future__ import annotations
@@ -36,15 +40,18 @@ from tqdm.auto import tqdm
 
 from .generation import (GenState, SamplerSpec, completions, generate, generate_chunk, initial_active,
                          pad_prompts, prefill, repeat_rows)
-from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, Hyperparameters,
-                              MCMCHyperparameters, hyperparameters_for)
+from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, Hyperparameters,
+                              MCMCHyperparameters, ScalablePower, SMCHyperparameters,
+                              hyperparameters_for)
 from .lens import mean_final_entropy, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
 from .model_api import CausalLM, TransformerLM, params_dtype
+from .smc import SMCConfig, final_weights, run_smc
+from .sps import SPSConfig, run_sps
 
 Array = jax.Array
 
-__all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "Candidate", "Output", "DecodeResult",
+__all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "SMC_METHODS", "Candidate", "Output", "DecodeResult",
            "Decoded", "decode", "decode_tokens", "candidate_scores", "choose", "row_keys",
            "generate_in_chunks"]
 
@@ -60,6 +67,7 @@ class Candidate:
     ended: bool  # False: stopped by the token budget without EOS
     acceptance: Optional[list[float]] = None  # MCMC: per-block acceptance rate
     text: Optional[str] = None
+    weight: Optional[float] = None  # SMC: normalised final importance weight of the particle
 
 
 @dataclasses.dataclass
@@ -68,6 +76,9 @@ class Output:
 
     chosen: Candidate
     candidates: list[Candidate]
+    # SMC: log_evidence (log Z-hat), ess (per check), resamples, copied_rows;
+    # scalable_power: rollouts.
+    diagnostics: Optional[dict[str, Any]] = None
 
 
 @dataclasses.dataclass
@@ -75,7 +86,9 @@ class DecodeResult:
     method: str
     config: Hyperparameters  # the resolved hyperparameters
     outputs: list[Output]
-    counters: dict[str, int]  # generated_tokens, forward_tokens, probed_token_layers
+    # generated_tokens, forward_tokens, probed_token_layers; SMC also copied_rows (particle rows
+    # overwritten by resampling copies), scalable_power also rollouts (rollout rows run)
+    counters: dict[str, int]
     seconds: dict[str, float]  # prefill, decode, total (compilation included)
 
     @property
@@ -140,7 +153,7 @@ class _Plan:
     """The model (with the run's lens chunk) and the kernel settings of one run."""
 
     model: CausalLM
-    kernel: SamplerSpec | MCMCConfig
+    kernel: SamplerSpec | MCMCConfig | SMCConfig | SPSConfig
 
 
 def _plan(model: CausalLM, config: Hyperparameters, eos_ids: Sequence[int]) -> _Plan:
@@ -152,6 +165,10 @@ def _plan(model: CausalLM, config: Hyperparameters, eos_ids: Sequence[int]) -> _
     config.lens_config(model.num_layers)  # L_sub checked against the model even if unused
     if isinstance(config, MCMCHyperparameters):
         kernel = config.mcmc_config(model.num_layers, eos_ids)
+    elif isinstance(config, SMCHyperparameters):
+        kernel = config.smc_config(model.num_layers, eos_ids)
+    elif isinstance(config, ScalablePower):
+        kernel = config.sps_config(eos_ids)
     else:
         kernel = config.sampler_spec(model.num_layers, eos_ids)
     return _Plan(model=model, kernel=kernel)
@@ -179,6 +196,9 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
     blocks, stopping when every chain ended) and the answer's choice run inside; wrap it
     in your own `jax.jit` or `jax.vmap` (e.g. over a leading axis of prompts and keys).
     """
+    if isinstance(config, (SMCHyperparameters, ScalablePower)):
+        raise ValueError(f"decode_tokens does not run {config.method} (its ESS checks / blocks are "
+                         "separately compiled steps of a host loop); use decode")
     plan = _plan(model, config, eos_ids)
     n = config.pool_size
     cache_dtype = config.cache_dtype or params_dtype(params)
@@ -279,6 +299,9 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     rows = state.length.shape[0]
     keys = jax.random.split(key, rows) if keys is None else row_keys(keys, n)
     acceptance = None
+    weights = picked = None
+    diagnostics = [None] * len(prompts)
+    extra_counters: dict[str, int] = {}
     if isinstance(plan.kernel, MCMCConfig):
         mc = plan.kernel
         acceptance = [[] for _ in range(rows)]
@@ -291,6 +314,24 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
             if ended.all():
                 break
+    elif isinstance(plan.kernel, SMCConfig):
+        bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
+        particles = run_smc(model, params, state, keys, plan.kernel,
+                            progress=lambda steps: bar.update(steps - bar.n))
+        weights, log_z, picked = jax.device_get(final_weights(particles, keys, n))
+        ess, resamples, copied = jax.device_get((particles.ess, particles.resamples, particles.copied_rows))
+        state = particles.gen
+        diagnostics = [dict(log_evidence=float(log_z[i]), ess=[float(e) for e in ess[i] if np.isfinite(e)],
+                            resamples=int(resamples[i]), copied_rows=int(copied[i]))
+                       for i in range(len(prompts))]
+        extra_counters = dict(copied_rows=int(copied.sum()))
+    elif isinstance(plan.kernel, SPSConfig):
+        bar = tqdm(total=plan.kernel.num_blocks, desc=config.method, unit="block", disable=not progress)
+        state, rollouts = run_sps(model, params, state, keys, plan.kernel,
+                                  progress=lambda blocks: bar.update(blocks - bar.n))
+        rollouts = jax.device_get(rollouts)
+        diagnostics = [dict(rollouts=int(r)) for r in rollouts]
+        extra_counters = dict(rollouts=int(rollouts.sum()))
     else:
         bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
         state = generate_in_chunks(model, params, state, state.prompt_len + max_new, keys,
@@ -300,16 +341,18 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     t2 = time.perf_counter()
 
     log_p, depth, final_entropy = candidate_scores(state, model.num_layers)
-    chosen = choose(config, log_p, depth, final_entropy)
+    chosen = choose(config, log_p, depth, final_entropy) if picked is None else picked
     ended, log_p, depth, final_entropy, chosen = jax.device_get(
         (state.ended, log_p, depth, final_entropy, chosen))
     pool = [Candidate(tokens=tokens, log_p=float(log_p[r]),
                       depth=float(depth[r]) if config.probed else None,
                       final_entropy=float(final_entropy[r]), ended=bool(ended[r]),
-                      acceptance=None if acceptance is None else acceptance[r])
+                      acceptance=None if acceptance is None else acceptance[r],
+                      weight=None if weights is None else float(weights.reshape(-1)[r]))
             for r, tokens in enumerate(completions(state))]
-    outputs = [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n])
+    outputs = [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n],
+                      diagnostics=diagnostics[i])
                for i in range(len(prompts))]
     return DecodeResult(method=config.method, config=config, outputs=outputs,
-                        counters=_counters(state),
+                        counters={**_counters(state), **extra_counters},
                         seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))

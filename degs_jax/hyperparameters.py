@@ -10,6 +10,9 @@ the analyses all read them here (DESIGN §4 for the values).
     degs_rerank        DegsRerank
     power_mcmc         PowerMCMC
     degs_mcmc          DegsMCMC
+    power_smc          PowerSMC
+    degs_smc           DegsSMC
+    scalable_power     ScalablePower
 
 `hyperparameters_for(method, **overrides)` builds one from a method name (unknown names
 are an error); `to_dict()` is the flat record `degs eval` stores in run.json.
@@ -24,6 +27,8 @@ from typing import Any, ClassVar, Optional
 from .generation import NO_TOP_K, NO_TOP_P, SamplerSpec
 from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
 from .mcmc import MCMCConfig
+from .smc import SMCConfig
+from .sps import SPSConfig
 
 # Shared by several methods (each lives here once).
 DEFAULT_MAX_NEW_TOKENS = 3072
@@ -239,12 +244,127 @@ class DegsMCMC(MCMCHyperparameters):
     method: ClassVar[str] = "degs_mcmc"
 
 
+@dataclasses.dataclass(frozen=True)
+class SMCHyperparameters(Hyperparameters):
+    """Power-SMC / DEGS-SMC particles (degs_jax.smc; the source of each default is given
+    in `SMCConfig`'s docstring)."""
+
+    alpha: float = _field(DEFAULT_ALPHA, "power of the target p(x)^alpha; the proposal samples "
+                          "at temperature 1/alpha (>= 1)")
+    beta: float = _field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))")
+    n_particles: int = _field(16, "SMC particles per prompt, N (the answer is one drawn by weight)")
+    max_new_tokens: int = _field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
+    ramp_tokens: int = _field(400, "SMC exponent ramp: the intermediate targets' exponents rise "
+                              "linearly to (alpha, beta) over this many tokens (0 = no ramp)")
+    ess_threshold: float = _field(0.5, "SMC resamples a prompt's particles when ESS < "
+                                  "ess_threshold · N")
+    resample_every: int = _field(64, "SMC checks the ESS every this many tokens")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        self._kernel(beta=0.0, lens=None, eos_ids=())  # the kernel's checks of the other fields
+
+    @property
+    def probed(self) -> bool:
+        return self.beta > 0
+
+    @property
+    def pool_size(self) -> int:
+        return self.n_particles
+
+    def _kernel(self, beta: float, lens: Optional[LensConfig], eos_ids: tuple[int, ...]) -> SMCConfig:
+        return SMCConfig(alpha=float(self.alpha), beta=float(beta), n_particles=self.n_particles,
+                         max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
+                         ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
+                         lens=lens, eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p)
+
+    def smc_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SMCConfig:
+        """The particle kernel's settings for a model with `num_layers` blocks."""
+        return self._kernel(self.beta, self.lens_config(num_layers) if self.beta > 0 else None, eos_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSMC(SMCHyperparameters):
+    """Power-SMC: particles for p^alpha (beta = 0: no probing)."""
+
+    method: ClassVar[str] = "power_smc"
+
+    beta: float = _field(0.0, "must stay 0 (use degs_smc for beta > 0)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta != 0:
+            raise ValueError("power_smc is the beta = 0 sampler; use degs_smc for beta > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DegsSMC(SMCHyperparameters):
+    """DEGS-SMC: particles for p^alpha·exp(beta·D)."""
+
+    method: ClassVar[str] = "degs_smc"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalablePower(Hyperparameters):
+    """Scalable Power Sampling, block form (degs_jax.sps; the source of each default is
+    given in `SPSConfig`'s docstring). No truncation, no probing."""
+
+    method: ClassVar[str] = "scalable_power"
+
+    alpha: float = _field(DEFAULT_ALPHA, "power of the target p(x)^alpha (>= 1)")
+    max_new_tokens: int = _field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
+    block_len: int = _field(192, "tokens per block, B (1 = the token form)")
+    candidate_pool: int = _field(32, "candidate blocks sampled per block, L")
+    candidates_kept: int = _field(8, "most likely candidates kept, K")
+    rollouts: int = _field(8, "rollouts per kept candidate, M")
+    rollout_horizon: int = _field(192, "rollout length cap, H")
+    jackknife: bool = _field(True, "jackknife-corrected block probabilities "
+                             "(--no-jackknife: the plain ratio estimate)")
+    candidate_temperature: Optional[float] = _field(
+        None, "temperature of the candidate blocks (default 1/alpha)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.top_k, self.top_p) != (NO_TOP_K, NO_TOP_P):
+            raise ValueError("scalable_power does not truncate; its candidates are drawn at "
+                             "candidate_temperature")
+        self.sps_config(())  # the kernel's checks
+
+    @property
+    def probed(self) -> bool:
+        return False
+
+    @property
+    def pool_size(self) -> int:
+        return 1
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """KV-cache rows one prompt may hold at once inside a block (the batch size's
+        memory estimate): the prompt's row, its L candidates, the K kept and their K·M
+        rollouts (one compiled block; counted together, an upper bound)."""
+        return 1 + self.candidate_pool + self.candidates_kept * (1 + self.rollouts)
+
+    def sps_config(self, eos_ids: tuple[int, ...]) -> SPSConfig:
+        """The block sampler's settings."""
+        temperature = self.candidate_temperature
+        return SPSConfig(alpha=float(self.alpha), max_new_tokens=self.max_new_tokens,
+                         block_len=self.block_len, candidate_pool=self.candidate_pool,
+                         candidates_kept=self.candidates_kept, rollouts=self.rollouts,
+                         rollout_horizon=self.rollout_horizon, jackknife=bool(self.jackknife),
+                         candidate_temperature=None if temperature is None else float(temperature),
+                         eos_ids=tuple(eos_ids))
+
+
 METHOD_HYPERPARAMETERS: dict[str, type[Hyperparameters]] = {
     cls.method: cls for cls in (Greedy, Temperature, BestOfN, BestOfNEntropy, DegsRerank,
-                                PowerMCMC, DegsMCMC)}
+                                PowerMCMC, DegsMCMC, PowerSMC, DegsSMC, ScalablePower)}
 METHODS = tuple(METHOD_HYPERPARAMETERS)
 RERANK_METHODS = ("best_of_n", "best_of_n_entropy", "degs_rerank")
 MCMC_METHODS = ("power_mcmc", "degs_mcmc")
+SMC_METHODS = ("power_smc", "degs_smc")
 
 
 def field_names(method: str) -> tuple[str, ...]:

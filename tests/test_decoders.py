@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from degs_jax.decoders import decode
-from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, DegsMCMC, PowerMCMC,
-                                      resolve_hyperparameters)
+from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC,
+                                      PowerMCMC, resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, log_acceptance_ratio, mcmc_block, mh_steps
@@ -47,6 +47,11 @@ HP = {
     **{m: dict(max_new_tokens=MAX_NEW, n=4, tau=TAU) for m in RERANK_METHODS},
     "power_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=3, tau=TAU),
     "degs_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=3, tau=TAU),
+    # Resampling at every token with a high threshold: copies happen (test_smc_decoders.py).
+    **{m: dict(max_new_tokens=MAX_NEW, n_particles=4, resample_every=1, ess_threshold=0.9, ramp_tokens=4,
+               tau=TAU) for m in SMC_METHODS},
+    "scalable_power": dict(max_new_tokens=MAX_NEW, block_len=2, candidate_pool=4, candidates_kept=2, rollouts=2,
+                           rollout_horizon=2, tau=TAU),
 }
 EOS_STRENGTH = 2.0  # EOS probability ~0.02-0.2 under p: chains end in block 0, block 1 or never
 
@@ -99,10 +104,10 @@ def test_every_method_well_formed(eos_model, results, method):
     eos = cfg.eos_token_ids[0]
     res = results[method]
     hp = HP[method]
-    n = hp.get("n", hp.get("n_chains", 1))
+    n = hp.get("n", hp.get("n_chains", hp.get("n_particles", 1)))
     mcmc = method in MCMC_METHODS
     max_new = hp["block_len"] * hp["num_blocks"] if mcmc else hp["max_new_tokens"]
-    probed = method != "power_mcmc"
+    probed = method not in ("power_mcmc", "power_smc", "scalable_power")
     assert res.method == method
     assert {k: res.hyperparameters[k] for k in hp} == hp
     assert set(res.hyperparameters) == set(resolve_hyperparameters(method, {}))
@@ -141,6 +146,17 @@ def test_every_method_well_formed(eos_model, results, method):
         calls = len(cands) * hp["num_blocks"] * (1 + hp["mh_steps"])
         assert gen >= sum(len(c.tokens) for c in cands)
         assert 0 <= fwd - prompt_tokens - gen <= calls
+    elif method in SMC_METHODS:
+        # Lock-step particles: one forward per live row and step, a token at all but a
+        # budget-ended row's last step (copies move tokens, so no per-candidate identity).
+        assert 0 <= fwd - prompt_tokens - gen <= len(cands) and gen <= len(cands) * max_new
+    elif method == "scalable_power":
+        # Candidates and rollouts: each generate call re-reads its prefix's last token and
+        # consumes a budget-ended last token; discarded candidates and rollouts count.
+        calls = len(PROMPTS) * -(-max_new // hp["block_len"]) * (hp["candidate_pool"]
+                                                                + hp["candidates_kept"] * hp["rollouts"])
+        assert gen > sum(len(c.tokens) for c in cands) and res.counters["rollouts"] > 0
+        assert 0 <= fwd - prompt_tokens - gen <= 2 * calls
     else:
         # One forward per sampled token, plus the first step (re-reads the prompt's last
         # token), minus nothing: an EOS is never consumed, a budget-ended last token is.

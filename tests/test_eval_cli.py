@@ -156,6 +156,28 @@ def test_best_of_n_keeps_and_grades_candidates_then_analyze(degs, tmp_path):
     assert rescored_mean == pytest.approx(sum(generated) / len(generated), abs=0.02)
 
 
+@pytest.mark.parametrize("method,extra", [
+    ("degs_smc", ["--n-particles", 3, "--resample-every", 4, "--ess-threshold", 1.0, "--keep-candidates"]),
+    ("scalable_power", ["--block-len", 8, "--candidate-pool", 3, "--candidates-kept", 2, "--rollouts", 2,
+                        "--rollout-horizon", 4]),
+])
+def test_smc_and_sps_record_their_diagnostics(method, extra, degs, tmp_path):
+    out = tmp_path / method
+    rc, stdout, err = degs("eval", "--benchmark", "math500", "--method", method, "--limit", 2, "--batch-size", 2,
+                           "--out", out, *TINY, *extra)
+    assert rc == 0, err
+    for r in _records(out):
+        assert 1 <= r["n_tokens"] <= 16 and r["forward_equivalents"] > 0
+        d = r["diagnostics"]
+        if method == "degs_smc":
+            assert d["resamples"] >= 1 and len(d["ess"]) >= 1 and d["log_evidence"] <= 0.0
+            weights = [c["weight"] for c in r["candidates"]]
+            assert len(weights) == 3 and abs(sum(weights) - 1.0) < 1e-5
+            assert sum(c["chosen"] for c in r["candidates"]) == 1
+        else:
+            assert d["rollouts"] > 0
+
+
 def test_refuses_a_different_configuration(degs, tmp_path):
     out = tmp_path / "run"
     args = ["eval", "--benchmark", "gsm8k", "--method", "temperature", "--limit", 0, "--out", out,

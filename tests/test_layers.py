@@ -1,6 +1,6 @@
 """The package's layering: a module may import only from its own layer or lower ones.
 
-    models  <  model API  <  lens / generation / scoring  <  mcmc / smc
+    models  <  model API  <  lens / generation / scoring  <  mcmc / smc / sps
             <  decoders (+ hyperparameters)  <  text API  <  eval  <  analysis / probe
             <  CLI (degs_jax.cli, degs_jax.eval.commands)
 
@@ -26,7 +26,7 @@ LAYERS = [
     ("models", ("degs_jax.models",)),
     ("model API", ("degs_jax.model_api",)),
     ("lens / generation / scoring", ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring")),
-    ("mcmc / smc", ("degs_jax.mcmc", "degs_jax.smc")),
+    ("mcmc / smc / sps", ("degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),

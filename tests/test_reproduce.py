@@ -106,6 +106,7 @@ def test_worst_case_cost_by_hand():
     assert study.worst_case_cost("power_mcmc", {}) == (133632, 133632)
     assert study.worst_case_cost("best_of_n", {"max_new_tokens": 768}) == (16 * 768, 768)
     assert study.worst_case_cost("greedy", {}) == (3072, 3072)
+    assert study.worst_case_cost("degs_smc", {"max_new_tokens": 512}) == (16 * 512, 512)
 
 
 def test_budget():

@@ -35,9 +35,12 @@ Per problem: id, index, correct, extracted answer, completion (GPQA: only its ha
 length, see :func:`~degs_jax.eval.results.transcript_fields`), completion tokens, log p,
 D(x), final-layer entropy, MCMC acceptance rates, generated tokens, forward tokens,
 probed token-layers, forward-equivalents (probing charged K/L of a forward per probed
-token) and wall-clock (decoding, including compilation on a new shape, plus grading).
-With ``keep_candidates`` every candidate (Best-of-N pool or MCMC chain) is graded and
-stored with its tokens, log p, D(x), final-layer entropy and verdict, for `degs analyze`.
+token) and wall-clock (decoding, including compilation on a new shape, plus grading);
+for power_smc / degs_smc / scalable_power also the decoder's `diagnostics` (log Z-hat,
+ESS per check, resamplings, copied rows; rollouts).
+With ``keep_candidates`` every candidate (Best-of-N pool, MCMC chain or SMC particle,
+with its weight) is graded and stored with its tokens, log p, D(x), final-layer entropy
+and verdict, for `degs analyze`.
 """
 
 from __future__ import annotations
@@ -475,6 +478,8 @@ def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> d
         "final_entropy": cand.final_entropy, "acceptance": cand.acceptance,
         "correct": verdict.correct, "extracted": verdict.extracted, "chosen": chosen,
     })
+    if cand.weight is not None:  # SMC particle
+        rec["weight"] = cand.weight
     return rec
 
 
@@ -521,6 +526,8 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
     }
     if share > 1:
         record["batch_share"] = share  # counters are the batch's totals / share
+    if output.diagnostics is not None:  # SMC: log Z-hat, ESS, resamplings; SPS: rollouts
+        record["diagnostics"] = output.diagnostics
     if keep_candidates:
         record["candidates"] = candidates
         record["n_candidates"] = len(candidates)

@@ -117,13 +117,16 @@ def worst_case_cost(method: str, hyperparameters: Mapping[str, Any]) -> Optional
     max_new_tokens steps (the candidates decode side by side). An MCMC chain of B blocks
     of l tokens with T MH steps per block: B·l for the blocks plus, per block k = 1..B, T
     regenerations of on average half of its k·l tokens, i.e. B·l + T·l·B(B+1)/4, and as
-    many steps (a chain's proposals are sequential; chains decode side by side).
+    many steps (a chain's proposals are sequential; chains decode side by side). SMC: N
+    particles of max_new_tokens each, side by side (resampling copies rows, no tokens).
     """
     hp = {**method_defaults(method), **hyperparameters}
     if "num_blocks" in hp and "block_len" in hp and "mh_steps" in hp:
         b, l, t = hp["num_blocks"], hp["block_len"], hp["mh_steps"]
         steps = int(b * l + t * l * b * (b + 1) / 4)
         return hp.get("n_chains", 1) * steps, steps
+    if method in ("power_smc", "degs_smc"):
+        return int(hp["n_particles"] * hp["max_new_tokens"]), int(hp["max_new_tokens"])
     if "max_new_tokens" in hp and method in ("greedy", "temperature", "best_of_n",
                                              "best_of_n_entropy", "degs_rerank"):
         return int(hp.get("n", 1) * hp["max_new_tokens"]), int(hp["max_new_tokens"])

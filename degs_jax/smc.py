@@ -1,0 +1,376 @@
+"""Power-SMC (`power_smc`, beta = 0) and DEGS-SMC (`degs_smc`, beta > 0): sequential
+Monte Carlo for
+
+    pi(x)  ∝  gamma(x) = p(x)^alpha · exp(beta · D(x))
+
+over completions x of at most T = `max_new_tokens` tokens (ending in EOS, or exactly T
+tokens without EOS), with D(x) the mean collapse depth of DESIGN §3. Power-SMC is Azizi
+et al. 2026 (arXiv 2602.10273); the depth term is new (the DEGS paper's "integration with
+efficient samplers such as Power-SMC").
+
+Particles. Each prompt runs N particles in lock-step: one loop step is one decode step
+of every live particle (`generation.decode_step`), which consumes the particle's last
+token (writing its d_t, DESIGN §3) and samples the next one from the proposal
+q = softmax(alpha · log p) (optionally top-k/top-p truncated; log q is then the
+truncated density). A particle is *complete* once it has sampled EOS, or once it has
+consumed its T-th token (the extra step that makes d_T known); a complete particle is
+never moved again. All live particles of a prompt therefore hold the same number of
+tokens t at loop step t.
+
+Intermediate targets. Let r_t = min(t, R) / R be the ramp fraction (R = `ramp_tokens`,
+the exponent-bridging schedule of Power-SMC; R = 0 means no ramp), a_t = 1 + (alpha-1)·r_t
+and b_t = beta·r_t. For a live prefix x_{1:t} (t completion tokens, no EOS) only
+d_1 … d_{t-1} are known (d_t comes from the step that consumes x_t), so the target is
+defined on those tokens:
+
+    gamma_t(x_{1:t}) = p(x_{1:t})^{a_t} · exp(b_t · D_{t-1}),   D_{t-1} = mean_{j<t} d_j / L
+
+(D_0 = 0), a function of the prefix alone (d_j depends on x_{<=j} only). A complete
+particle x carries the *final* target gamma(x) = p(x)^alpha · exp(beta · D(x)) with D(x)
+over its scored tokens (all of them for a budget-ended x; all but the EOS for an ended
+one, whose d's are all known at the step that samples the EOS). In words: the exponents
+ramp with the token count while a particle is live and jump to (alpha, beta) the moment
+it completes, whatever the ramp's state. Every particle, short or long, early or late,
+ends with weight for the final target; there is no end-of-run catch-up to apply, and a
+completed particle's later increments are exactly zero ("an ended particle keeps its
+weight", the identity move of a Feynman-Kac model whose complete states are absorbing).
+
+Incremental weights. Each row stores log gamma of its current state (`log_target`,
+computed from the stored per-token log p and d_t, never rescored). A loop step that
+moves a row from state s to s' (sampling token v with density q(v), or only consuming
+the last token at the budget, q-factor 1) multiplies its weight by
+
+    w = gamma(s') / (gamma(s) · q(v)),
+
+which written out is, for a live row that samples a non-EOS token x_t,
+
+    log w = (a_t - a_{t-1})·log p(x_{<t}) + a_t·log p(x_t | x_{<t}) - log q(x_t)
+            + b_t·D_{t-1} - b_{t-1}·D_{t-2},
+
+for the step that samples EOS, (alpha - a_{t-1})·log p(x_{<t}) + alpha·log p(EOS | ·)
+- log q(EOS) + beta·D_{t-1} - b_{t-1}·D_{t-2}, and for the consume-only step at the
+budget, (alpha - a_T)·log p(x) + beta·D_T - b_T·D_{T-1}. Without resampling the
+product over a particle's steps telescopes to gamma(x) / q(x) (gamma of the empty
+prefix is 1). With beta = 0, no ramp and no truncation every live increment is
+log Σ_w p(w)^alpha, the per-position normaliser (DESIGN §4's cross-check).
+
+Resampling. Every `resample_every` loop steps each prompt with a live particle computes
+ESS = (Σ w)² / Σ w² of its weights since the last resampling; if ESS < `ess_threshold`·N
+it adds log((1/N)·Σ w) to its log Ẑ, draws N ancestors by systematic resampling (one
+uniform per prompt), and resets the weights to 1. Ancestors are assigned stably: a
+particle drawn at least once stays in its row, and the extra copies overwrite the rows of
+particles drawn zero times, so a copy only reads surviving rows and only writes dead ones
+(row copies of the KV cache in place, no re-prefill; the stored log p / log q / d_t / H_L
+rows travel with it; the work counters stay with the row). Particles are exchangeable,
+so this relabelling changes nothing in distribution. At the end log Ẑ gains
+log((1/N)·Σ w) of the last epoch; Ẑ is an unbiased estimate of
+Z = Σ_x p(x)^alpha · exp(beta · D(x)) (adaptive resampling on the current weights keeps
+it unbiased), and the returned particle is drawn with probability proportional to its
+final weight.
+
+Randomness (counter-based, a prompt's result does not depend on its batch): row key k_r
+(particle j of prompt i: the decoders' split of the prompt's key), tokens of row r at
+position n from fold_in(fold_in(k_r, TOKEN_STREAM), n) (decode_step), the systematic
+uniform of check c from fold_in(fold_in(k_{i,0}, RESAMPLE_STREAM), c) and the final draw
+from fold_in(k_{i,0}, CHOICE_STREAM), k_{i,0} being the prompt's first particle key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
+from .lens import LensConfig, sequence_depth
+from .model_api import CausalLM
+
+Array = jax.Array
+
+# Rows copied per gather/scatter when resampling.
+_ROWS_PER_COPY = 8
+
+# PRNG streams under a row key (tokens) or under the prompt's first row key (the rest).
+TOKEN_STREAM = 0  # row key: the particle's tokens, then per position (decode_step)
+RESAMPLE_STREAM = 1  # first row key: check c's systematic uniform, fold_in(., c)
+CHOICE_STREAM = 2  # first row key: the final draw of the returned particle
+
+
+@dataclasses.dataclass(frozen=True)
+class SMCConfig:
+    """Hyperparameters of Power-SMC / DEGS-SMC (static: part of the compiled program).
+    The decoders' defaults (`hyperparameters.SMCHyperparameters`) and their sources are given per
+    field; the Power-SMC paper's text was not reachable from here, so its public code
+    (ArminAzizi98/Power-SMC: `SMCSamplingConfig`, the MATH500 script `power_samp_math.py`,
+    the README) and the DEGS paper stand in for it.
+
+    alpha: power of p (proposal temperature 1/alpha). Default 4: the DEGS paper's setting
+      for every power-sampling baseline; Power-SMC's MATH500 script sets alpha = 1/0.25
+      (its config default is 2).
+    beta: weight of D(x); 0 is Power-SMC (no probing), > 0 DEGS-SMC (needs `lens`).
+      Default 5 for degs_smc (DEGS-MCMC's beta, DESIGN §4).
+    n_particles: N per prompt. Default 16: the DEGS paper's Power-SMC budget (its Table 1
+      "N=16") and the issue's matched budget (the Power-SMC code uses 32 / 64).
+    max_new_tokens: the budget T. Default 3072: Power-SMC's config and MATH500 script,
+      and the MCMC schedule's 16 × 192.
+    ramp_tokens: R of the exponent ramp r_t = min(t, R)/R (0: no ramp). Default 400:
+      Power-SMC's `alpha_ramp_tokens` (config default, not overridden by its scripts).
+    ess_threshold: resample when ESS < ess_threshold · N. Default 0.5 (Power-SMC's
+      config, README and scripts; the issue).
+    resample_every: check the ESS every this many tokens. Default 64: Power-SMC's
+      `block_size` in its MATH500 script and README example (config default 128).
+    lens: LensConfig for D(x) (required when beta > 0).
+    eos_ids: tokens that end a completion.
+    top_k / top_p: optional truncation of q (log q is then the truncated density, so the
+      weights stay exact for p^alpha restricted to q's support). Default off; the
+      Power-SMC code truncates at top_p = 0.9 by default, its MATH500 script too.
+    """
+
+    alpha: float
+    beta: float
+    n_particles: int
+    max_new_tokens: int
+    ramp_tokens: int
+    ess_threshold: float
+    resample_every: int
+    lens: Optional[LensConfig] = None
+    eos_ids: tuple[int, ...] = ()
+    top_k: int = NO_TOP_K
+    top_p: float = NO_TOP_P
+
+    def __post_init__(self):
+        if not self.alpha >= 1.0:
+            raise ValueError(f"alpha must be >= 1 (the proposal temperature is 1/alpha), got {self.alpha}")
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        for name in ("n_particles", "max_new_tokens", "resample_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.ramp_tokens, bool) or not isinstance(self.ramp_tokens, int) or self.ramp_tokens < 0:
+            raise ValueError(f"ramp_tokens must be an integer >= 0 (0 = no ramp), got {self.ramp_tokens!r}")
+        if not 0.0 <= self.ess_threshold <= 1.0:
+            raise ValueError(f"ess_threshold must be in [0, 1] (a fraction of N), got {self.ess_threshold}")
+        if self.beta > 0 and self.lens is None:
+            raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
+
+    @property
+    def proposal(self) -> SamplerSpec:
+        return SamplerSpec(temperature=1.0 / self.alpha, top_k=self.top_k, top_p=self.top_p,
+                           eos_ids=self.eos_ids, lens=self.lens if self.beta > 0 else None)
+
+    @property
+    def num_checks(self) -> int:
+        """ESS checks in a full run (T sampling steps + the budget's consume step)."""
+        return (self.max_new_tokens + 1) // self.resample_every
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["gen", "log_weight", "log_target", "live", "step", "log_evidence",
+                                "ess", "resamples", "copied_rows"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class SMCState:
+    """The particle system of P prompts × N particles (B = P·N rows, prompt-major)."""
+
+    gen: GenState  # tokens, per-token log p / log q / d_t / H_L, caches, work counters
+    log_weight: Array  # [B] fp32 log weight accumulated since the prompt's last resampling
+    log_target: Array  # [B] fp32 log gamma of the row's current state
+    live: Array  # [B] bool: not complete (still has a token to sample or to consume)
+    step: Array  # [] int32 loop steps taken
+    log_evidence: Array  # [P] fp32 log Ẑ of the finished resampling epochs
+    ess: Array  # [P, num_checks] fp32 ESS at each check (NaN: no check, all complete)
+    resamples: Array  # [P] int32 resampling events
+    copied_rows: Array  # [P] int32 particle rows overwritten by copies of others
+
+
+def ramp_fraction(n_tokens: Array, ramp_tokens: int) -> Array:
+    """r_t = min(t, R) / R as fp32 (1 when R = 0)."""
+    if ramp_tokens == 0:
+        return jnp.ones(n_tokens.shape, jnp.float32)
+    return jnp.minimum(n_tokens, ramp_tokens).astype(jnp.float32) / ramp_tokens
+
+
+def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int) -> Array:
+    """log gamma of every row's current state, [B] fp32, from the stored per-token values:
+    a_t·log p(x_{1:t}) + b_t·D_{t-1} for a live row, alpha·log p(x) + beta·D(x) for a
+    complete one (see the module docstring)."""
+    logp = jnp.sum(jnp.where(gen.completion_mask(), gen.logp, 0.0), axis=1)
+    r = jnp.where(live, ramp_fraction(gen.length - gen.prompt_len, smc.ramp_tokens), 1.0)
+    out = (1.0 + (smc.alpha - 1.0) * r) * logp
+    if smc.beta > 0:
+        # Known d_t: the scored tokens, less the last one of a live row (not consumed yet).
+        last = jnp.arange(gen.max_len)[None] == gen.length[:, None] - 1
+        known = gen.completion_mask(scored=True) & ~(live[:, None] & last)
+        out += smc.beta * r * sequence_depth(gen.depth, known, num_layers)
+    return out
+
+
+def log_weight_increment(old_log_target: Array, new_log_target: Array, log_q: Array) -> Array:
+    """log[gamma(s') / (gamma(s) · q(v))] per row (log_q = 0 where nothing was sampled)."""
+    return new_log_target - old_log_target - log_q
+
+
+def _prompt_logsumexp(log_weight: Array, n: int) -> Array:
+    return jax.nn.logsumexp(log_weight.reshape(-1, n), axis=1)
+
+
+def effective_sample_size(log_weight: Array, n: int) -> Array:
+    """(Σ w)² / Σ w² per prompt, [P] fp32, from [P·N] log weights."""
+    lw = log_weight.reshape(-1, n)
+    return jnp.exp(2.0 * jax.nn.logsumexp(lw, axis=1) - jax.nn.logsumexp(2.0 * lw, axis=1))
+
+
+def systematic_ancestors(log_weight: Array, uniform: Array) -> Array:
+    """Systematic resampling with stable placement, per prompt.
+
+    log_weight: [P, N]; uniform: [P] in [0, 1). Particle j is drawn c_j times, c_j the
+    number of points (u + m)/N, m = 0..N-1, in its slice of the weights' CDF. Returns
+    ancestors [P, N] (indices into the prompt's particles): a particle with c_j >= 1 keeps
+    row j, its c_j - 1 extra copies fill, in order, the rows of particles with c_j = 0.
+    """
+    P, N = log_weight.shape
+    w = jax.nn.softmax(log_weight, axis=1)
+    cdf = jnp.cumsum(w, axis=1)
+    cdf = cdf.at[:, -1].set(1.0)  # rounding must not leave a point past the end
+    points = (uniform[:, None] + jnp.arange(N)[None]) / N
+    drawn = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cdf, points)
+    counts = jax.vmap(lambda d: jnp.bincount(jnp.minimum(d, N - 1), length=N))(drawn)
+    extra_end = jnp.cumsum(jnp.maximum(counts - 1, 0), axis=1)  # copies owed up to particle j
+    dead = counts == 0
+    dead_rank = jnp.cumsum(dead, axis=1) - 1  # the k-th empty row takes the k-th extra copy
+    source = jax.vmap(lambda e, k: jnp.searchsorted(e, k, side="right"))(extra_end, dead_rank)
+    return jnp.where(dead, source, jnp.arange(N)[None])
+
+
+def _copy_cache_rows(cache, source: Array, copy: Array, axis: int):
+    """Row r := row source[r] (along `axis` of every cache leaf) for every r with copy[r],
+    in place, _ROWS_PER_COPY rows per gather/scatter: only the copied rows move, never the
+    whole cache. Needs no source to be a destination (stable placement guarantees it)."""
+    B = copy.shape[0]
+    R = min(B, _ROWS_PER_COPY)
+    order = jnp.nonzero(copy, size=B + R, fill_value=B)[0]  # B: out of range, dropped
+    leading = (slice(None),) * axis
+
+    def chunk(i, c):
+        dst = jax.lax.dynamic_slice_in_dim(order, i * R, R)
+        src = source[jnp.minimum(dst, B - 1)]
+        move = lambda a: a.at[leading + (dst,)].set(jnp.take(a, src, axis=axis), mode="drop")
+        return jax.tree.map(move, c)
+
+    return jax.lax.fori_loop(0, (jnp.sum(copy) + R - 1) // R, chunk, cache)
+
+
+_WORK_COUNTERS = ("n_generated", "n_forward", "n_probed")
+
+
+def resample(state: SMCState, need: Array, ancestors: Array, n: int) -> SMCState:
+    """Replace particles by their ancestors in the prompts where `need` ([P]); the
+    weights of those prompts restart at 1 (their epoch's evidence is added by the caller)."""
+    B = state.log_weight.shape[0]
+    source = (jnp.arange(B) // n) * n + ancestors.reshape(-1)
+    source = jnp.where(jnp.repeat(need, n), source, jnp.arange(B))
+    copy = source != jnp.arange(B)
+    gen = state.gen
+    take = lambda a: a[source]
+    fields = {f.name: take(getattr(gen, f.name)) for f in dataclasses.fields(GenState)
+              if f.name not in ("cache", "cache_row_axis") + _WORK_COUNTERS}
+    gen = dataclasses.replace(gen, cache=_copy_cache_rows(gen.cache, source, copy, gen.cache_row_axis),
+                              **fields)
+    return dataclasses.replace(
+        state, gen=gen, log_target=take(state.log_target), live=take(state.live),
+        log_weight=jnp.where(jnp.repeat(need, n), 0.0, state.log_weight),
+        resamples=state.resamples + need,
+        copied_rows=state.copied_rows + jnp.sum(copy.reshape(-1, n), axis=1))
+
+
+def _stream(keys: Array, *tags: int) -> Array:
+    for tag in tags:
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
+    return keys
+
+
+def init_state(gen: GenState, smc: SMCConfig, num_layers: int) -> SMCState:
+    """SMC state of freshly prefilled rows (P prompts × N particles, prompt-major)."""
+    B = gen.length.shape[0]
+    if B % smc.n_particles:
+        raise ValueError(f"{B} rows are not a whole number of prompts × {smc.n_particles} particles")
+    P = B // smc.n_particles
+    live = ~gen.ended
+    return SMCState(
+        gen=gen, log_weight=jnp.zeros((B,), jnp.float32), log_target=log_target(gen, live, smc, num_layers),
+        live=live, step=jnp.zeros((), jnp.int32), log_evidence=jnp.zeros((P,), jnp.float32),
+        ess=jnp.full((P, smc.num_checks), jnp.nan, jnp.float32),
+        resamples=jnp.zeros((P,), jnp.int32), copied_rows=jnp.zeros((P,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "smc"), donate_argnames=("state",))
+def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: SMCConfig) -> SMCState:
+    """Run loop steps until the next ESS check (then check and maybe resample) or until
+    every particle is complete. keys: [B] row keys. `state` is donated. Call repeatedly
+    (`run_smc`)."""
+    n = smc.n_particles
+    spec = smc.proposal
+    gen0 = state.gen
+    limit = gen0.prompt_len + smc.max_new_tokens
+    token_keys = _stream(keys, TOKEN_STREAM)
+    rows = jnp.arange(keys.shape[0])
+    stop = (state.step // smc.resample_every + 1) * smc.resample_every
+
+    def body(s: SMCState) -> SMCState:
+        gen, live = decode_step(model, params, s.gen, s.live, limit, token_keys, gen0.prompt_len, spec)
+        sampled = gen.length > s.gen.length
+        log_q = jnp.where(sampled, gen.logq[rows, jnp.minimum(s.gen.length, gen.max_len - 1)], 0.0)
+        target = log_target(gen, live, smc, model.num_layers)
+        inc = jnp.where(s.live, log_weight_increment(s.log_target, target, log_q), 0.0)
+        return dataclasses.replace(s, gen=gen, live=live, log_target=target,
+                                   log_weight=s.log_weight + inc, step=s.step + 1)
+
+    state = jax.lax.while_loop(lambda s: jnp.any(s.live) & (s.step < stop), body, state)
+
+    # The ESS check, as masked arithmetic rather than a lax.cond: a conditional whose
+    # branches return the whole state could make XLA copy the KV cache; here nothing is
+    # copied unless rows are resampled (the copy loop then runs over those rows only).
+    at_check = (state.step == stop) & (state.step // smc.resample_every <= smc.num_checks)
+    ess = effective_sample_size(state.log_weight, n)
+    any_live = jnp.any(state.live.reshape(-1, n), axis=1)
+    c = jnp.clip(state.step // smc.resample_every - 1, 0, max(smc.num_checks - 1, 0))
+    record = jnp.where(any_live, ess, jnp.nan)
+    if smc.num_checks:
+        state = dataclasses.replace(state, ess=state.ess.at[:, c].set(jnp.where(at_check, record, state.ess[:, c])))
+    need = at_check & any_live & (ess < smc.ess_threshold * n)
+    first_keys = keys.reshape(-1, n)[:, 0]
+    uniform = jax.vmap(jax.random.uniform)(_stream(first_keys, RESAMPLE_STREAM, c))
+    ancestors = systematic_ancestors(state.log_weight.reshape(-1, n), uniform)
+    mean_w = _prompt_logsumexp(state.log_weight, n) - jnp.log(n)
+    state = dataclasses.replace(state, log_evidence=state.log_evidence + jnp.where(need, mean_w, 0.0))
+    return resample(state, need, ancestors, n)
+
+
+def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCConfig,
+            progress=None) -> SMCState:
+    """The whole particle system from freshly prefilled rows (`repeat_rows` of a prefill,
+    N consecutive rows per prompt) to every particle complete. keys: [B] row keys.
+    `gen` is donated. progress: optional callable(loop steps done) after each interval."""
+    state = init_state(gen, smc, model.num_layers)
+    for _ in range(smc.num_checks + 1):
+        state = smc_steps(model, params, state, keys, smc)
+        if progress is not None:
+            progress(int(state.step))
+        if not bool(jnp.any(state.live)):
+            break
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def final_weights(state: SMCState, keys: Array, n: int) -> tuple[Array, Array, Array]:
+    """(normalised weights [P, N], log Ẑ [P], chosen particle [P]) of a finished run; the
+    chosen particle is drawn with probability proportional to its weight."""
+    lw = state.log_weight.reshape(-1, n)
+    log_z = state.log_evidence + jax.nn.logsumexp(lw, axis=1) - jnp.log(n)
+    choice_keys = _stream(keys.reshape(-1, n)[:, 0], CHOICE_STREAM)
+    chosen = jax.vmap(jax.random.categorical)(choice_keys, lw)
+    return jax.nn.softmax(lw, axis=1), log_z, chosen
