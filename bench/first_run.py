@@ -29,7 +29,6 @@ import platform
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone

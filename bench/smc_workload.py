@@ -254,7 +254,6 @@ def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: i
 
 def jax_part(args, reference: dict | None) -> None:
     import jax
-    import numpy as np
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import environment, random_model

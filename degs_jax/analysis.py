@@ -25,7 +25,6 @@ import it lazily; ``degs_jax.eval`` never imports this module (the CLI does).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys

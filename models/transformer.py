@@ -300,9 +300,7 @@ def _cache_chunks(qg: Array, positions: Array, read: _CacheRead, layer, scale: f
     its already-covered slots masked. The cache travels through the loop's carry and is
     returned (unchanged), so that the next layer's in-place write follows the read (as a
     loop constant, XLA copies it for each loop)."""
-    C = read.chunk
     L, B, Hkv, S, Dh = read.cache.k.shape
-    G, T = qg.shape[2], qg.shape[3]
     if read.per_row:  # the same program for every row, whatever B: a lax.map of 1-row reads
         def one_row(args):
             qg_b, positions_b, live_b, b = args

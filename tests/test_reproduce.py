@@ -3,7 +3,6 @@ synthetic study directory (no model), and the study end to end on the embedded m
 (CPU), interrupted and resumed."""
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np

@@ -20,7 +20,6 @@ O(1/M²); measured TVs of the mean to pi_1 are 0.0105 and 0.0022 against a noise
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -46,7 +46,6 @@ the batch, round or invocation.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from degs_jax.eval.benchmarks import BENCHMARKS, canonical_name
+from degs_jax.eval.benchmarks import canonical_name
 from degs_jax.eval.results import ResultStore, write_json
 
 STUDY_FILE = "study.json"

@@ -63,7 +63,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import sys
 import time
 from pathlib import Path
