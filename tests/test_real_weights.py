@@ -117,12 +117,15 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
     _, model, _ = loads
     if model.name != "smollm2-135m":
         pytest.skip("checked on SmolLM2 (the float64 vocabulary products of the 0.5B model are large)")
-    from degs_jax.decoders import encode_prompt, eos_ids_of
+    from degs_jax.text import encode_prompt, eos_ids_of
     from degs_jax.generation import SamplerSpec, generate, prefill
-    from degs_jax.lens import LensConfig, layer_entropies
+    from degs_jax.lens import LensConfig
+    from degs_jax.model_api import TransformerLM
+    from degs_jax.scoring import layer_entropies
 
     cfg, params = model.cfg, model.params
-    lens = LensConfig.default(cfg)
+    lm = TransformerLM(cfg)
+    lens = LensConfig.default(cfg.num_layers)
     prompts = ["What is 12 * 13? Put the answer in \\boxed{}.", "Name three colours of the rainbow."]
     ids = [encode_prompt(model.tokenizer, p) for p in prompts]
     P = max(len(i) for i in ids)
@@ -130,9 +133,9 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
     for r, i in enumerate(ids):
         tokens[r, :len(i)] = i
     lengths = jnp.asarray([len(i) for i in ids], jnp.int32)
-    state = prefill(params, cfg, jnp.asarray(tokens), lengths, P + 64, jnp.float32)
+    state = prefill(lm, params, jnp.asarray(tokens), lengths, P + 64, jnp.float32)
     spec = SamplerSpec(temperature=0.7, eos_ids=eos_ids_of(cfg, model.tokenizer), lens=lens)
-    state = generate(params, cfg, state, lengths + 48, jax.random.split(jax.random.key(0), len(ids)), spec)
+    state = generate(lm, params, state, lengths + 48, jax.random.split(jax.random.key(0), len(ids)), spec)
     depth, length = np.asarray(state.depth), np.asarray(state.length)
 
     checked = near = 0
@@ -147,7 +150,7 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
         z -= z.max(-1, keepdims=True)
         logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
         exact_h = -(np.exp(logp) * logp).sum(-1)  # [K, N]
-        fp32_h = np.asarray(layer_entropies(params, cfg, seq, pos, lens.lsub))[:, 0]
+        fp32_h = np.asarray(layer_entropies(lm, params, seq, lens.lsub))[:, 0]
         assert np.abs(fp32_h - exact_h).max() < 1e-4
         lsub = np.asarray(lens.lsub)[:, None]
         exact_d = np.where(exact_h <= lens.tau, lsub, cfg.num_layers).min(0)
