@@ -324,8 +324,14 @@ def _cache_chunks_rows(qg, positions, live, read: _CacheRead, layer, scale: floa
         state, cache = carry
         lo = c * C
         start = jnp.minimum(lo, S - C)
-        k = jax.lax.dynamic_slice(cache.k, (layer, row, 0, start, 0), (1, rows, Hkv, C, Dh))[0]
-        v = jax.lax.dynamic_slice(cache.v, (layer, row, 0, 0, start), (1, rows, Hkv, Dh, C))[0]
+        if read.per_row:  # one index over (layer, row): with a row index into a 1-row cache
+            # XLA would fold it to a constant and compile the value product with another
+            # layout (1 ulp in float32 against any B >= 2, measured on CPU)
+            k = jax.lax.dynamic_slice(cache.k.reshape(L * B, Hkv, S, Dh), (layer * B + row, 0, start, 0), (1, Hkv, C, Dh))
+            v = jax.lax.dynamic_slice(cache.v.reshape(L * B, Hkv, Dh, S), (layer * B + row, 0, 0, start), (1, Hkv, Dh, C))
+        else:
+            k = jax.lax.dynamic_slice(cache.k, (layer, row, 0, start, 0), (1, rows, Hkv, C, Dh))[0]
+            v = jax.lax.dynamic_slice(cache.v, (layer, row, 0, 0, start), (1, rows, Hkv, Dh, C))[0]
         slots = start + jnp.arange(C)
         visible = _visible(slots, positions, live) & (slots >= lo)[None, None]  # earlier chunks' slots
         return _combine(state, _masked_partial(qg, k, v, visible, scale)), cache
