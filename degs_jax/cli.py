@@ -42,6 +42,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="spread over local devices: DATA replicas (rows split between them) x "
                         "MODEL-way tensor parallelism (heads and MLP split), e.g. 1x4 for a model "
                         "too big for one GPU, 4x1 for four independent replicas (default: one device)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="make each prompt's results bitwise independent of the batch it shares and "
+                        "of --batch-size (fixed matmul row tiles and attention chunks; slower, see "
+                        "the README's Reproducibility section)")
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -184,6 +188,8 @@ def _load(args):
         mesh = make_mesh(*args.mesh)
         args.scope.enter_context(jax.set_mesh(mesh))  # every later jitted call sees it
     model = load(source, dtype=args.dtype, progress=True, mesh=mesh)
+    if getattr(args, "batch_invariant", False):
+        model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, batch_invariant=True))
     print(f"loaded {model.name} ({model.cfg.architecture}, {model.cfg.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model

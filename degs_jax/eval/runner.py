@@ -149,7 +149,8 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
     Hyperparameters are resolved against the method's defaults (``lsub`` made explicit),
     so spelling a default out or leaving it implicit gives the same configuration. A
     tuned lens is recorded by its layers and weights' sha256 (the logit lens, the
-    default, adds nothing, so earlier runs keep their configuration).
+    default, adds nothing, so earlier runs keep their configuration); so is
+    `--batch-invariant` (other numerics, hence other records).
     """
     from degs_jax.hyperparameters import hyperparameters_for
 
@@ -168,7 +169,8 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
         "seed": int(seed),
         "key_derivation": KEY_DERIVATION,
         "model": {"name": model.name, "architecture": model.cfg.architecture,
-                  "num_layers": model.cfg.num_layers, "dtype": dtype},
+                  "num_layers": model.cfg.num_layers, "dtype": dtype,
+                  **({"batch_invariant": True} if model.cfg.batch_invariant else {})},
         "chat": bool(chat and uses_chat_template(model.tokenizer)),
         "keep_candidates": bool(keep_candidates),
         "template_sha256": template_hash(bench),
