@@ -482,12 +482,13 @@ def _layer_stack(layers, cfg: ModelConfig, x: Array, positions: Array, read: Opt
 
 
 def _live_lengths(positions: Array, max_len: int, deferred: bool) -> Array:
-    """[B] slots each row reads from the cache: one past its last position in the call
-    (below its first position if `deferred`), or 1 for a row whose positions are all past
-    the cache (an idle row: it writes nothing, and slot 0 keeps its softmax finite)."""
-    last = jnp.max(positions, axis=1)
-    live = jnp.min(positions, axis=1) if deferred else last + 1
-    return jnp.where(last < max_len, live, 1).astype(jnp.int32)
+    """[B] slots each row reads from the cache: one past its last position in the call,
+    capped at the buffer (below its first position if `deferred`), or 1 for a row whose
+    positions are all past the cache (an idle row: it writes nothing, and slot 0 keeps
+    its softmax finite)."""
+    first, last = jnp.min(positions, axis=1), jnp.max(positions, axis=1)
+    live = first if deferred else jnp.minimum(last + 1, max_len)
+    return jnp.where(first < max_len, live, 1).astype(jnp.int32)
 
 
 def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
@@ -641,6 +642,44 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     return logits, entropy, top, 1.0 / s, m + jnp.log(s)
 
 
+def _forward_in_chunks(params: Params, cfg: ModelConfig, tokens: Array, positions: Array, cache: KVCache,
+                       capture, lens_layers, lens_chunk, logits_at, lens_translators) -> ForwardOutput:
+    """`forward` of a multi-token call under `cfg.batch_invariant`: the tokens run in
+    chunks of `cfg.kv_chunk` (a `lax.scan` carrying the cache), so that every program
+    sees [B, kv_chunk] tokens whatever the batch's longest prompt. One call of T tokens
+    would compile its attention products for that T, and a row's numerics would depend
+    on the longest prompt it is padded to (measured on CPU: 4e-5 in float32). The last
+    chunk is padded with positions past each row's last one: their keys land in slots
+    no query of this call sees (the slots beyond a right-padded prompt already hold
+    padding), or past the buffer, where writes are dropped."""
+    B, T = tokens.shape
+    C = cfg.kv_chunk
+    n = max(2, -(-T // C))  # >= 2 trips: XLA inlines a loop of one trip, with other numerics
+    pad = n * C - T
+    step = jnp.arange(1, pad + 1, dtype=positions.dtype)[None]
+    tokens = jnp.concatenate([tokens, jnp.zeros((B, pad), tokens.dtype)], axis=1)
+    positions = jnp.concatenate([positions, positions[:, -1:] + step], axis=1)
+    split = lambda a: a.reshape(B, n, C).swapaxes(0, 1)
+
+    def chunk(cache, inputs):
+        tokens_c, positions_c, c = inputs
+        at = None if logits_at is None else jnp.clip(logits_at - c * C, 0, C - 1)
+        out = _forward_call(params, cfg, tokens_c, positions_c, cache, capture, lens_layers, lens_chunk, at,
+                            lens_translators, False)
+        return out.cache, dataclasses.replace(out, cache=None)
+
+    cache, outs = jax.lax.scan(chunk, cache, (split(tokens), split(positions), jnp.arange(n)))
+    joined = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(a.shape[1:axis + 1] + (n * C,) + a.shape[axis + 2:])[
+        (slice(None),) * axis + (slice(0, T),)]  # [n, ..., C, ...] -> [..., T, ...] (T at `axis`)
+    if logits_at is None:
+        logits = joined(outs.logits, 1)
+    else:  # [n, B, 1, V]: each chunk's logits at its clipped index; keep the chunk holding logits_at
+        logits = jnp.take_along_axis(outs.logits, (logits_at // C)[None, :, None, None], axis=0)[0]
+    lens = None if outs.lens is None else jax.tree.map(lambda a: joined(a, 2), outs.lens)
+    residuals = None if outs.residuals is None else joined(outs.residuals, 2)
+    return ForwardOutput(logits=logits, cache=cache, residuals=residuals, lens=lens)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "capture", "lens_layers", "lens_chunk", "remat"))
 def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
             cache: Optional[KVCache] = None, capture: tuple[int, ...] = (),
@@ -676,6 +715,18 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
         bad = [l for l in layers if not 0 <= l <= L]
         if bad:
             raise ValueError(f"{name} layers {bad} out of range 0..{L}")
+    B, T = tokens.shape
+    if cfg.batch_invariant and cache is not None and T > 1 and not remat:
+        return _forward_in_chunks(params, cfg, tokens, positions, cache, capture, lens_layers, lens_chunk,
+                                  logits_at, lens_translators)
+    return _forward_call(params, cfg, tokens, positions, cache, capture, lens_layers, lens_chunk, logits_at,
+                         lens_translators, remat)
+
+
+def _forward_call(params: Params, cfg: ModelConfig, tokens: Array, positions: Array, cache: Optional[KVCache],
+                  capture, lens_layers, lens_chunk, logits_at, lens_translators, remat) -> ForwardOutput:
+    """`forward` as one program over the call's tokens (arguments checked there)."""
+    L = cfg.num_layers
     B, T = tokens.shape
     x = constrain(params.embed[tokens], HIDDEN)
     wanted = set(capture) | set(lens_layers)
