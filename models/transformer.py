@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -197,7 +198,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Array:
 
 
 def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T],
+    """Rotary embedding, HF `rotate_half` layout. x: [B, T, heads, Dh], positions: [B, T]
+    (or any leading axes, the same for both),
     inv_freq: [Dh/2] (`rope_inv_freq`).
 
     Angles are computed in fp32 (bf16 positions lose integers above 256), then cos/sin
@@ -205,7 +207,7 @@ def _rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     """
     dh = x.shape[-1]
     angles = positions.astype(_F32)[..., None] * inv_freq  # [B, T, Dh/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [B, T, 1, Dh]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -382,57 +384,81 @@ def _write(cache: KVCache, layer, positions: Array, k: Array, v: Array) -> KVCac
 
 # ----------------------------------------------------------------------------- layers
 
-def row_tiled(fn, x: Array, tile: Optional[int]) -> Array:
-    """fn over the rows of x (all axes but the last), `tile` rows at a time (None: all at
-    once). fn maps [n, D] -> [n, ...] row by row. Rows are padded with zeros to a multiple
-    of `tile` and the tiles run in a `lax.map`, so fn is compiled for [tile, D] only: the
-    same kernel, hence the same reduction order, whatever the number of rows. At least two
-    tiles run: a loop of one trip is inlined by XLA and fused with its neighbours (other
-    numerics at one row, measured on CPU)."""
+def row_tiled(fn, x, tile: Optional[int]):
+    """fn over the rows of x, `tile` rows at a time (None: fn(x) at once). x: an array
+    whose rows are all its axes but the last, or a tuple of arrays that share those
+    leading axes (the first array's all-but-last, e.g. (residuals [B, T, D], positions
+    [B, T])); fn maps tiles ([n, ...] each; a tuple for a tuple) to a pytree of [n, ...],
+    row by row. Rows are padded with zeros to a multiple of `tile` and the tiles run in a
+    `lax.map`, so fn is compiled for `tile` rows only: the same kernels, hence the same
+    reduction orders, whatever the number of rows. At least two tiles run: a loop of one
+    trip is inlined by XLA and fused with its neighbours (other numerics at one row,
+    measured on CPU)."""
     if tile is None:
         return fn(x)
-    lead, D = x.shape[:-1], x.shape[-1]
-    flat = x.reshape(-1, D)
-    n = flat.shape[0]
+    arrays = x if isinstance(x, tuple) else (x,)
+    lead = arrays[0].shape[:-1]
+    n = math.prod(lead)
     pad = -n % tile + (tile if n <= tile else 0)  # >= 2 tiles: XLA inlines a 1-trip loop
-    tiles = jnp.pad(flat, ((0, pad), (0, 0))).reshape(-1, tile, D)
-    out = jax.lax.map(fn, tiles)
-    return out.reshape((-1,) + out.shape[2:])[:n].reshape(lead + out.shape[2:])
+    tiles = tuple(jnp.pad(a.reshape((n,) + a.shape[len(lead):]), [(0, pad)] + [(0, 0)] * (a.ndim - len(lead)))
+                  .reshape((-1, tile) + a.shape[len(lead):]) for a in arrays)
+    out = jax.lax.map(lambda t: fn(t if isinstance(x, tuple) else t[0]), tiles)
+    return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:])[:n].reshape(lead + o.shape[2:]), out)
 
 
 def _tile(cfg: ModelConfig) -> Optional[int]:
     return cfg.row_tile if cfg.batch_invariant else None
 
 
+def _attention_inputs(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array, inv_freq: Array):
+    """Per token (any leading axes, those of `positions`): the attention norm of the
+    residual x [..., D], its projections (with biases), Qwen3's q/k norms and RoPE.
+    Returns q [..., H, Dh], k and v [..., Hkv, Dh]."""
+    lead = x.shape[:-1]
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    q, k, v = h @ layer.q, h @ layer.k, h @ layer.v
+    if cfg.qkv_bias:
+        q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+    q = q.reshape(lead + (cfg.num_heads, cfg.head_dim))
+    k = k.reshape(lead + (cfg.num_kv_heads, cfg.head_dim))
+    v = v.reshape(lead + (cfg.num_kv_heads, cfg.head_dim))
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
+
+
+def _block_output(layer: LayerParams, cfg: ModelConfig, x: Array, attn: Array, shard: bool = True) -> Array:
+    """Per token: x + attn·W_o, then the MLP and its residual. x [..., D], attn [..., H·Dh].
+    shard: pin the [B, T, ...] layouts under a mesh (off for row tiles)."""
+    pin = constrain if shard else (lambda a, spec: a)
+    x = pin(x + attn @ layer.o, HIDDEN)
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    hidden = pin(jax.nn.silu(h @ layer.gate) * (h @ layer.up), FFN)
+    return pin(x + hidden @ layer.down, HIDDEN)
+
+
 def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
            read: Optional[_CacheRead], index, inv_freq: Array):
     """Block `index` (0-based; static, or traced inside a scan), pre-norm. x: [B, T, D].
     With a cache, this call's keys and values are written at layer `index` first (one
-    scatter, in place), then read back with the rest (unless `read.deferred`). Returns
-    (x, read, (k, v) [B, T, Hkv, Dh])."""
+    scatter, in place), then read back with the rest (unless `read.deferred`). Under
+    `cfg.batch_invariant` everything but the attention runs on fixed row tiles
+    (`row_tiled`: norms, projections, RoPE, MLP), the attention one row at a time.
+    Returns (x, read, (k, v) [B, T, Hkv, Dh])."""
     B, T, _ = x.shape
+    tile = _tile(cfg)
     with jax.named_scope("attention"):
-        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        tile = _tile(cfg)
-        q, k, v = (row_tiled(lambda r, w=w: r @ w, h, tile) for w in (layer.q, layer.k, layer.v))
-        if cfg.qkv_bias:
-            q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh entries, before RoPE
-            q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = constrain(_rope(q, positions, inv_freq), HEADS)
-        k = constrain(_rope(k, positions, inv_freq), HEADS)
-        v = constrain(v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), HEADS)
+        q, k, v = row_tiled(lambda xs: _attention_inputs(layer, cfg, *xs, inv_freq), (x, positions), tile)
+        q, k, v = constrain(q, HEADS), constrain(k, HEADS), constrain(v, HEADS)
         if read is not None and not read.deferred:
             read = dataclasses.replace(read, cache=_write(read.cache, index, positions, k, v))
         attn, read = _attention(q, k, v, positions, read, index)
-        x = constrain(x + row_tiled(lambda r: r @ layer.o, attn.reshape(B, T, -1), tile), HIDDEN)
     with jax.named_scope("mlp"):
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        gate, up = (row_tiled(lambda r, w=w: r @ w, h, tile) for w in (layer.gate, layer.up))
-        hidden = constrain(jax.nn.silu(gate) * up, FFN)
-        x = constrain(x + row_tiled(lambda r: r @ layer.down, hidden, tile), HIDDEN)
+        attn = attn.reshape(B, T, -1)
+        if tile is None:
+            x = _block_output(layer, cfg, x, attn)
+        else:
+            x = constrain(row_tiled(lambda xs: _block_output(layer, cfg, *xs, shard=False), (x, attn), tile), HIDDEN)
     return x, read, (k, v)
 
 
@@ -569,8 +595,9 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     (or None); h_lens: [M, D] final-normed rows for which only entropy and top-1 are
     kept. out_stats: also return the statistics of the h_out rows (first, then h_lens's:
     N + M of each), e.g. when a lensed layer is the last one, whose rows are h_out.
-    row_tile: run the vocabulary matmuls on tiles of this many rows and stream a fixed
-    DEFAULT_LENS_CHUNK (batch-invariant numerics, `ModelConfig.batch_invariant`). Per lens row we carry the running max m, s = sum exp(z - m) and
+    row_tile: run the whole head (matmuls and statistics) on tiles of this many rows and
+    stream a fixed DEFAULT_LENS_CHUNK (batch-invariant numerics,
+    `ModelConfig.batch_invariant`). Per lens row we carry the running max m, s = sum exp(z - m) and
     t = sum exp(z - m)·(z - m), so H = log s - t / s and p_top1 = 1 / s at the end; no
     [M, V] array exists, only one [N + M, chunk] block at a time (chunk=None: one
     block when it fits SINGLE_BLOCK_MAX_BYTES, else DEFAULT_LENS_CHUNK). Carrying (z - m)
@@ -580,6 +607,20 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     entropy [M], top1 [M], top1_prob [M], logsumexp [M]). The result does not depend on `chunk`
     beyond fp32 summation order.
     """
+    V = w_u.shape[0]
+    if row_tile is not None:  # each tile of rows on its own, through the one-program head below
+        chunk = chunk or min(V, DEFAULT_LENS_CHUNK)
+        logits, kept = None, []
+        if h_out is not None:  # (logits, and their rows' statistics with out_stats)
+            out = row_tiled(lambda r: streamed_head(w_u, r, r[:0], chunk, out_stats)[:5 if out_stats else 1],
+                            h_out, row_tile)
+            logits, kept = out[0], [out[1:]] if out_stats else []
+        if h_lens.shape[0]:
+            kept.append(row_tiled(lambda r: streamed_head(w_u, None, r, chunk)[1:], h_lens, row_tile))
+        if not kept:  # no statistics asked for
+            return (logits, jnp.zeros((0,), _F32), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), _F32),
+                    jnp.zeros((0,), _F32))
+        return (logits,) + tuple(jnp.concatenate(stat) for stat in zip(*kept))
     n_out = 0 if h_out is None else h_out.shape[0]
     rows = h_lens if h_out is None else jnp.concatenate([h_out, h_lens.astype(h_out.dtype)], 0)
     first = 0 if out_stats else n_out  # rows whose statistics are kept
@@ -604,15 +645,11 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
         top = jnp.where(cmax > m, carg, top)  # strict: first maximum wins, as argmax
         return (new_m, s, t, top)
 
-    V = w_u.shape[0]
-    if chunk is None and row_tile is not None:
-        chunk = min(V, DEFAULT_LENS_CHUNK)
     if chunk is None:
         chunk = V if rows.shape[0] * V * 4 <= SINGLE_BLOCK_MAX_BYTES else DEFAULT_LENS_CHUNK
 
     def unembed(w):
-        return row_tiled(lambda r: jnp.einsum("nd,vd->nv", r, w.astype(rows.dtype), preferred_element_type=jnp.float32),
-                         rows, row_tile)
+        return jnp.einsum("nd,vd->nv", rows, w.astype(rows.dtype), preferred_element_type=jnp.float32)
     spans = _vocab_chunks(V, chunk)
     full = [sp for sp in spans if sp[1] == chunk]
     carry = (m, s, t, top)
@@ -739,7 +776,9 @@ def _forward_call(params: Params, cfg: ModelConfig, tokens: Array, positions: Ar
 
     with jax.named_scope("head"):
         h = x if logits_at is None else jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+        final_norm = functools.partial(row_tiled, lambda r: rms_norm(r, params.final_norm, cfg.rms_norm_eps),
+                                       tile=_tile(cfg))
+        h = final_norm(h)
         w_u = params.unembedding()
         lens = None
         if lens_translators is not None and lens_translators.bias.shape[0] != len(lens_layers):
@@ -755,7 +794,7 @@ def _forward_call(params: Params, cfg: ModelConfig, tokens: Array, positions: Ar
                 rows = [saved[l] for l in others]
                 if lens_translators is not None:  # then others == lens_layers, in order
                     rows = list(translate_residuals(jnp.stack(rows), lens_translators))
-                lensed = jnp.stack([rms_norm(r, params.final_norm, cfg.rms_norm_eps) for r in rows]
+                lensed = jnp.stack([final_norm(r) for r in rows]
                                    ) if others else jnp.zeros((0, B, T, h.shape[-1]), h.dtype)
                 flat_logits, *stats = streamed_head(
                     w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]), lens_chunk,
