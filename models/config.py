@@ -76,7 +76,7 @@ class ModelConfig:
       on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
       (padded; one program per tile shape, so the same kernel and reduction order for any
       batch), attention uses the "loop" read (fixed KV chunks combined in a fixed order,
-      one row at a time; chunks past a row's length are exact identities), multi-token
+      on tiles of `row_tile` rows; chunks past a row's length are exact identities), multi-token
       calls run in `kv_chunk`-token chunks (a prefill does not see the batch's longest
       prompt) and the lens streams a fixed vocabulary chunk. Costs speed (1.9x to 13.7x
       per 7B decode step on an H100, docs/benchmarks.md); off by default. Not complete:

@@ -249,7 +249,7 @@ def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "live", "chunks"],
-                   meta_fields=["window", "chunk", "deferred", "per_row"])
+                   meta_fields=["window", "chunk", "deferred", "row_tile"])
 @dataclasses.dataclass(frozen=True)
 class _CacheRead:
     """How one call reads the cache. `live` [B] int32: each row reads slots below it.
@@ -270,7 +270,7 @@ class _CacheRead:
     chunks: Optional[Array] = None
     chunk: int = 0
     deferred: bool = False
-    per_row: bool = False  # chunks read one row at a time (batch-invariant numerics)
+    row_tile: int = 0  # > 0: chunks read for tiles of this many rows at a time (batch-invariant numerics)
 
 
 def _masked_partial(qg: Array, keys: Array, values: Array, visible: Array, scale: float) -> SoftmaxState:
@@ -303,43 +303,48 @@ def _cache_chunks(qg: Array, positions: Array, read: _CacheRead, layer, scale: f
     returned (unchanged), so that the next layer's in-place write follows the read (as a
     loop constant, XLA copies it for each loop)."""
     L, B, Hkv, S, Dh = read.cache.k.shape
-    if read.per_row:  # the same program for every row, whatever B: a lax.map of 1-row reads
-        def one_row(args):
-            qg_b, positions_b, live_b, b = args
-            state, _ = _cache_chunks_rows(qg_b[None], positions_b[None], live_b[None], read, layer, scale, b, 1)
-            return state
-        rows = jnp.arange(B)
-        if B == 1:  # two trips (row 0 twice): XLA inlines a loop of one trip, with other numerics
-            qg, positions, rows = (jnp.concatenate([a, a]) for a in (qg, positions, rows))
-        state = jax.lax.map(one_row, (qg, positions, jnp.concatenate([read.live] * (2 if B == 1 else 1)), rows))
-        return jax.tree.map(lambda a: a[:B, 0], state), read.cache
-    return _cache_chunks_rows(qg, positions, read.live, read, layer, scale, 0, B)
+    tile = read.row_tile
+    if tile:  # the same program for every tile of rows, whatever B: a lax.map over tiles
+        pad = -B % tile + (tile if B <= tile else 0)  # >= 2 trips: XLA inlines a 1-trip loop
+        padded = lambda a, fill: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+        tiles = lambda a: a.reshape((-1, tile) + a.shape[1:])
+        rows = jnp.minimum(jnp.arange(B + pad), B - 1)  # padding rows re-read the last row; dropped
+
+        def one_tile(args):
+            return _cache_chunks_rows(*args, read, layer, scale)[0]
+
+        state = jax.lax.map(one_tile, (tiles(padded(qg, 0)), tiles(padded(positions, 0)),
+                                       tiles(padded(read.live, 1)), tiles(rows)))
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[:B], state), read.cache
+    return _cache_chunks_rows(qg, positions, read.live, None, read, layer, scale)
 
 
-def _cache_chunks_rows(qg, positions, live, read: _CacheRead, layer, scale: float, row, rows: int):
-    """`_cache_chunks` for the `rows` cache rows from `row` on."""
+def _cache_chunks_rows(qg, positions, live, rows: Optional[Array], read: _CacheRead, layer, scale: float):
+    """`_cache_chunks` for the cache rows `rows` ([n] int32, one per row of qg), or for
+    every row (None)."""
     C = read.chunk
     L, B, Hkv, S, Dh = read.cache.k.shape
-    G, T = qg.shape[2], qg.shape[3]
+    n, G, T = qg.shape[0], qg.shape[2], qg.shape[3]
 
     def body(c, carry):
         state, cache = carry
         lo = c * C
         start = jnp.minimum(lo, S - C)
-        if read.per_row:  # one index over (layer, row): with a row index into a 1-row cache
-            # XLA would fold it to a constant and compile the value product with another
-            # layout (1 ulp in float32 against any B >= 2, measured on CPU)
-            k = jax.lax.dynamic_slice(cache.k.reshape(L * B, Hkv, S, Dh), (layer * B + row, 0, start, 0), (1, Hkv, C, Dh))
-            v = jax.lax.dynamic_slice(cache.v.reshape(L * B, Hkv, Dh, S), (layer * B + row, 0, 0, start), (1, Hkv, Dh, C))
-        else:
-            k = jax.lax.dynamic_slice(cache.k, (layer, row, 0, start, 0), (1, rows, Hkv, C, Dh))[0]
-            v = jax.lax.dynamic_slice(cache.v, (layer, row, 0, 0, start), (1, rows, Hkv, Dh, C))[0]
+        if rows is None:
+            k = jax.lax.dynamic_slice(cache.k, (layer, 0, 0, start, 0), (1, B, Hkv, C, Dh))[0]
+            v = jax.lax.dynamic_slice(cache.v, (layer, 0, 0, 0, start), (1, B, Hkv, Dh, C))[0]
+        else:  # one gather of each row's chunk, indexed over (layer, row) as one axis: a row
+            # index into a 1-row cache would be folded to a constant, and XLA then compiled
+            # the value product with another layout (1 ulp in float32, measured on CPU)
+            flat_k, flat_v = cache.k.reshape(L * B, Hkv, S, Dh), cache.v.reshape(L * B, Hkv, Dh, S)
+            k = jax.vmap(lambda r: jax.lax.dynamic_slice(flat_k, (layer * B + r, 0, start, 0), (1, Hkv, C, Dh))[0])(rows)
+            v = jax.vmap(lambda r: jax.lax.dynamic_slice(flat_v, (layer * B + r, 0, 0, start), (1, Hkv, Dh, C))[0])(rows)
         slots = start + jnp.arange(C)
         visible = _visible(slots, positions, live) & (slots >= lo)[None, None]  # earlier chunks' slots
         return _combine(state, _masked_partial(qg, k, v, visible, scale)), cache
 
-    empty = SoftmaxState(m=jnp.full((rows, Hkv, G, T), -jnp.inf, _F32), l=jnp.zeros((rows, Hkv, G, T), _F32),
-                         o=jnp.zeros((rows, Hkv, G, T, Dh), _F32))
+    empty = SoftmaxState(m=jnp.full((n, Hkv, G, T), -jnp.inf, _F32), l=jnp.zeros((n, Hkv, G, T), _F32),
+                         o=jnp.zeros((n, Hkv, G, T, Dh), _F32))
     return jax.lax.fori_loop(0, read.chunks, body, (empty, read.cache))
 
 
@@ -442,8 +447,8 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     """Block `index` (0-based; static, or traced inside a scan), pre-norm. x: [B, T, D].
     With a cache, this call's keys and values are written at layer `index` first (one
     scatter, in place), then read back with the rest (unless `read.deferred`). Under
-    `cfg.batch_invariant` everything but the attention runs on fixed row tiles
-    (`row_tiled`: norms, projections, RoPE, MLP), the attention one row at a time.
+    `cfg.batch_invariant` everything runs on fixed tiles of rows: norms, projections,
+    RoPE and MLP through `row_tiled`, the attention's cache reads in `_cache_chunks`.
     Returns (x, read, (k, v) [B, T, Hkv, Dh])."""
     B, T, _ = x.shape
     tile = _tile(cfg)
@@ -550,7 +555,7 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
     C = cfg.kv_chunk if cfg.batch_invariant and S % cfg.kv_chunk == 0 else min(cfg.kv_chunk, S)
     if mode == "loop":
         chunks = (jnp.max(live) + C - 1) // C
-        read = _CacheRead(cache, live, chunks=chunks, chunk=C, per_row=cfg.batch_invariant)
+        read = _CacheRead(cache, live, chunks=chunks, chunk=C, row_tile=_tile(cfg) or 0)
         return _layer_stack(layers, cfg, x, positions, read, keep)[:3]
     windows = _window_buckets(S, C)
 
