@@ -23,7 +23,7 @@ size and each setting of `ModelConfig.batch_invariant` the script prints one JSO
 
 Random weights (bench/common.py shapes), stacked layers (one compiled scan: fast to
 compile; numerics are those of the stacked program). Run on GPU:
-    python bench/batch_invariance.py --shape qwen2.5-7b --batches 1,16,64,128 --ops
+    python bench/batch_invariance.py --shape qwen2.5-7b --batches 1,16,64,128 --row-tiles 64,8
 CPU smoke test:
     python bench/batch_invariance.py --shape tiny --batches 1,3,8 --ops --dtype float32
 """
@@ -227,7 +227,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=64, help="row 0's prompt length")
     ap.add_argument("--steps", type=int, default=8, help="greedy decode steps after the prefill")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--row-tiles", default="8", help="row tiles to run with batch_invariant on (comma-separated)")
+    ap.add_argument("--row-tiles", default="auto",
+                    help="row tiles to run with batch_invariant on, comma-separated ('auto': the ModelConfig default)")
     ap.add_argument("--kv-chunk", type=int, default=None, help="default: the ModelConfig default")
     ap.add_argument("--ops", action="store_true", help="locate the first differing op (op-by-op replay)")
     ap.add_argument("--timing-batches", default=None, help="batches to time (default: --batches; 'none': no timing)")
@@ -244,8 +245,8 @@ def main(argv=None) -> None:
     if not args.ops:
         del layer_list
     lens_layers = hyperparameters_for("degs_mcmc").lens_config(base.num_layers).lsub
-    settings = [("off", base)] + [(f"on, row_tile {t}", dataclasses.replace(base, batch_invariant=True, row_tile=int(t)))
-                                  for t in args.row_tiles.split(",")]
+    settings = [("off", base)] + [(f"on, row_tile {t}", dataclasses.replace(
+        base, batch_invariant=True, row_tile=None if t == "auto" else int(t))) for t in args.row_tiles.split(",")]
     for label, cfg in settings:
         alone = None
         for batch in batches:

@@ -412,7 +412,12 @@ def row_tiled(fn, x, tile: Optional[int]):
 
 
 def _tile(cfg: ModelConfig) -> Optional[int]:
-    return cfg.row_tile if cfg.batch_invariant else None
+    """Rows per tile under `cfg.batch_invariant` (its `row_tile`, None: by backend), else None."""
+    if not cfg.batch_invariant:
+        return None
+    if cfg.row_tile is not None:
+        return cfg.row_tile
+    return 8 if jax.default_backend() == "cpu" else 64
 
 
 def _attention_inputs(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array, inv_freq: Array):
