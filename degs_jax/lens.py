@@ -158,8 +158,18 @@ def sequence_depth(depth: Array, mask: Array, num_layers: int) -> Array:
 
     depth: [..., N] int d_t; mask: [..., N] bool, True exactly for the generated tokens
     that are scored (prompt, EOS and padding False). Returns fp32 [...] in [0, 1].
+
+    Computed as (integer sum of d_t) / (count · L), one correctly rounded division:
+    the integer sum is exact in any order, so D(x) is bit for bit the same whatever the
+    batch, the buffer length or the reduction order XLA picks for the compiled shape (a
+    float mean of d_t / L is not: summing thirds in another order changed D(x) by an ulp,
+    and DEGS-SMC's weights with it, between a prompt decoded alone and in a batch).
     """
-    return masked_mean(jnp.asarray(depth, jnp.float32) / num_layers, mask)
+    mask = jnp.asarray(mask, bool)
+    total = jnp.sum(jnp.where(mask, jnp.asarray(depth, jnp.int32), 0), axis=-1)
+    count = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    return jnp.where(count > 0, total.astype(jnp.float32)
+                     / (jnp.maximum(count, 1) * num_layers).astype(jnp.float32), 0.0)
 
 
 def mean_final_entropy(entropy: Array, mask: Array) -> Array:

@@ -8,6 +8,7 @@ value product with another layout (1 ulp); the read now indexes (layer, row) as 
 axis (models/transformer.py, `_cache_chunks_rows`)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +21,11 @@ from hf_reference import tiny_config
 PROMPT = 7  # row 0's prompt length
 
 
-def _row0(cfg, params, dtype, batch, steps):
+def _row0(cfg, params, dtype, batch, steps, longest=12):
     """Row 0's prefill residuals and logits, then `steps` decode steps' residuals, logits
-    and lens entropies; other rows have prompts of 3..12 tokens and keep decoding."""
+    and lens entropies; other rows have prompts of 3..longest tokens and keep decoding."""
     rng = np.random.default_rng(batch)
-    lengths = np.array([PROMPT] + list(rng.integers(3, 13, batch - 1)))
+    lengths = np.array([PROMPT] + list(rng.integers(3, longest + 1, batch - 1)))
     P = int(lengths.max())
     tokens = rng.integers(0, cfg.vocab_size, (batch, P))
     tokens[0, :PROMPT] = np.arange(PROMPT) * 5 % cfg.vocab_size
@@ -52,6 +53,19 @@ def test_a_row_does_not_depend_on_its_batch(dtype, steps):
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}, batch {batch}")
 
 
+@pytest.mark.xfail(strict=True, reason="models/transformer.py rms_norm: XLA CPU reduces a mean over "
+                   "the hidden axis in another order for >= 128 rows of 2+ sequences (float32)")
+def test_a_long_prefill_does_not_depend_on_its_batch():
+    """As above with the batch of 8's prompts up to 32 tokens (a prefill of >= 128 rows):
+    row 0's layer-1 residuals already differ by an ulp in float32 (the RMSNorm before the
+    q/k/v projections; the tiled matmuls alone are invariant)."""
+    cfg = dataclasses.replace(tiny_config("LlamaForCausalLM", vocab=97), batch_invariant=True, row_tile=4, kv_chunk=8)
+    params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    alone = _row0(cfg, params, jnp.float32, 1, 1)
+    for i, (a, b) in enumerate(zip(_row0(cfg, params, jnp.float32, 8, 1, longest=32), alone)):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}, batch 8")
+
+
 def test_without_the_option_the_cpu_is_not_batch_invariant():
     """The control: the same check without `batch_invariant` differs on XLA CPU in float32
     (a one-row matmul is a gemv); if this starts passing, the test above proves nothing."""
@@ -59,3 +73,175 @@ def test_without_the_option_the_cpu_is_not_batch_invariant():
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
     alone, batched = _row0(cfg, params, jnp.float32, 1, 1), _row0(cfg, params, jnp.float32, 3, 1)
     assert any((a != b).any() for a, b in zip(alone, batched))
+
+
+# ----------------------------------------------------------------------------- decoders
+# Every decoder on the batch-invariant model: prompt 0 decoded alone and as row 0 of
+# batches of 3 and 8 (other prompts of 3..20 tokens: the batches pad prompts to 32 slots,
+# alone to 16, so the buffers differ too), with one key per prompt, gives bit-identical
+# per-token tokens / log p / log q / d_t / H_L and counters (read from the final state)
+# and bit-identical answers, candidates, acceptance, SMC weights / evidence / ESS and SPS
+# rollout counts. Every method runs 16 new tokens so that the prefills (one per batch
+# shape and dtype) are shared; alpha = 2 keeps the chains and particles diverse, and
+# the EOS id is a token the pools and particles sample now and then.
+
+import struct
+
+from degs_jax import decoders
+from degs_jax.decoders import decode, decode_tokens
+from degs_jax.generation import pad_prompts
+from degs_jax.hyperparameters import METHODS, SMC_METHODS, hyperparameters_for
+from degs_jax.model_api import TransformerLM
+
+DECODER_EOS = (89,)
+TARGET = [5, 10, 15, 20, 25, 30, 35]  # prompt 0
+OTHERS = [list(np.random.default_rng(0).integers(0, 89, n)) for n in (3, 20, 11, 5, 14, 9, 17)]
+_POOL = dict(max_new_tokens=16, n=3, temperature=1.0)
+_CHAIN = dict(block_len=8, num_blocks=2, mh_steps=3, n_chains=2, alpha=2.0)
+_PARTICLES = dict(max_new_tokens=16, n_particles=4, resample_every=4, ramp_tokens=8, alpha=2.0)
+DECODER_SETTINGS = {
+    "greedy": dict(max_new_tokens=16),
+    "temperature": dict(max_new_tokens=16, temperature=1.0),
+    "best_of_n": _POOL, "best_of_n_entropy": _POOL, "degs_rerank": _POOL,
+    "power_mcmc": _CHAIN, "degs_mcmc": _CHAIN,
+    "power_smc": _PARTICLES, "degs_smc": _PARTICLES,
+    "scalable_power": dict(max_new_tokens=16, block_len=4, candidate_pool=4, candidates_kept=2,
+                           rollouts=2, rollout_horizon=6, alpha=2.0),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+GEN_FIELDS = ("tokens", "logp", "logq", "depth", "final_entropy")
+COUNTERS = ("length", "prompt_len", "ended", "n_generated", "n_forward", "n_probed")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(dtype_name: str, batch_invariant: bool = True):
+    cfg = dataclasses.replace(tiny_config("LlamaForCausalLM", vocab=97), batch_invariant=batch_invariant,
+                              row_tile=4, kv_chunk=8)
+    return TransformerLM(cfg), init_params(cfg, jax.random.key(0), DTYPES[dtype_name], scale=1.0)
+
+
+def _batch(size: int):
+    """Prompt 0 and size - 1 others, with prompt 0's key fixed and the others' varying."""
+    keys = jnp.stack([jax.random.key(1234)] + [jax.random.key(10 + i) for i in range(size - 1)])
+    return [TARGET] + OTHERS[:size - 1], keys
+
+
+def _bits(value):
+    """A nested structure with every float replaced by its IEEE bits (== is then bitwise:
+    -0.0 != 0.0, NaN == NaN), numpy arrays by (dtype, shape, raw bytes)."""
+    if isinstance(value, dict):
+        return {k: _bits(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_bits(v) for v in value]
+    if isinstance(value, float):
+        return struct.pack("<d", value).hex()
+    if isinstance(value, np.ndarray):
+        return (str(value.dtype), value.shape, value.tobytes())
+    return value
+
+
+def _rows(state, rows: int) -> dict:
+    """Prompt 0's rows (its first `rows`) of a final GenState: the per-token buffers up
+    to each row's length, and the lengths, flags and work counters."""
+    host = jax.device_get({f: getattr(state, f) for f in GEN_FIELDS + COUNTERS})
+    out = {f: np.asarray(host[f][:rows]) for f in COUNTERS}
+    for f in GEN_FIELDS:
+        out[f] = [np.asarray(host[f][r, :host["length"][r]]) for r in range(rows)]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _decoded(method: str, dtype_name: str, size: int, batch_invariant: bool = True):
+    """`decode` of `_batch(size)`: (prompt 0's Output as a dict, its rows of the final
+    state, caught on its way to `candidate_scores`)."""
+    model, params = _model(dtype_name, batch_invariant)
+    prompts, keys = _batch(size)
+    states = []
+    scores = decoders.candidate_scores
+    decoders.candidate_scores = lambda state, num_layers: states.append(state) or scores(state, num_layers)
+    try:
+        result = decode(model, params, prompts, method, keys=keys, eos_ids=DECODER_EOS,
+                        **DECODER_SETTINGS[method])
+    finally:
+        decoders.candidate_scores = scores
+    (state,) = states
+    return dataclasses.asdict(result.outputs[0]), _rows(state, result.config.pool_size)
+
+
+def _assert_bitwise_equal(alone, batched, what):
+    for name in alone:
+        assert _bits(batched[name]) == _bits(alone[name]), f"{what}: {name} differs from prompt 0 alone"
+
+
+# XLA CPU compiles the model's RMSNorm (a mean over the hidden axis, outside the
+# row-tiled matmuls) with another reduction order once a call has >= 128 rows of 2+
+# sequences (here the batch of 8's prefill, 8 x 32 rows; see
+# test_a_long_prefill_does_not_depend_on_its_batch): 1-ulp float32 differences from
+# layer 0's keys on. bfloat16 rounds them away in these tests. For the lead (models/).
+NORM_XFAIL = pytest.mark.xfail(strict=True, reason="models/transformer.py rms_norm is not batch-"
+                               "invariant on CPU at >= 128 rows (float32)")
+DTYPE_PARAMS = [pytest.param("float32", marks=NORM_XFAIL), "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype_name", DTYPE_PARAMS)
+@pytest.mark.parametrize("method", METHODS)
+def test_a_prompts_decoding_does_not_depend_on_its_batch(method, dtype_name):
+    output, rows = _decoded(method, dtype_name, 1)
+    for size in (3, 8):
+        batched_output, batched_rows = _decoded(method, dtype_name, size)
+        _assert_bitwise_equal(rows, batched_rows, f"batch of {size}, final state")
+        _assert_bitwise_equal(output, batched_output, f"batch of {size}, output")
+
+
+@pytest.mark.parametrize("dtype_name", DTYPE_PARAMS)
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in SMC_METHODS + ("scalable_power",)])
+def test_decode_tokens_in_a_batch_equals_decode_alone(method, dtype_name):
+    """`decode_tokens` (one jitted program) on the batch of 8 gives prompt 0 the final
+    state rows, scores, acceptance and answer of `decode` on prompt 0 alone, bit for bit
+    (the batch of 3 is left to `decode`'s test above: each batch shape compiles the whole
+    program again)."""
+    output, rows = _decoded(method, dtype_name, 1)
+    model, params = _model(dtype_name)
+    prompts, keys = _batch(8)
+    tokens, lengths = pad_prompts(prompts)
+    config = hyperparameters_for(method, **DECODER_SETTINGS[method])
+    result = jax.device_get(decode_tokens(model, params, jnp.asarray(tokens), jnp.asarray(lengths), keys,
+                                          config, DECODER_EOS))
+    n = config.pool_size
+    _assert_bitwise_equal(rows, _rows(result.state, n), "decode_tokens, batch of 8, final state")
+    for j, candidate in enumerate(output["candidates"]):
+        got = dict(log_p=float(result.log_p[j]), final_entropy=float(result.final_entropy[j]),
+                   depth=float(result.depth[j]) if config.probed else None,
+                   acceptance=None if candidate["acceptance"] is None else
+                   [int(a) / config.mh_steps for a, ran in zip(result.accepted[j], result.ran[j]) if ran])
+        _assert_bitwise_equal({k: candidate[k] for k in got}, got, f"decode_tokens, candidate {j}")
+    assert int(result.chosen[0]) == [c["tokens"] for c in output["candidates"]].index(output["chosen"]["tokens"])
+
+
+def test_without_the_option_decoding_depends_on_the_batch():
+    """The control at decoder level: greedy decoding without `batch_invariant` gives
+    prompt 0 other float32 log p / H_L / d_t bits in a batch of 3 than alone (if this
+    starts passing, the decoder tests above prove nothing on this machine)."""
+    _, alone = _decoded("greedy", "float32", 1, False)
+    _, batched = _decoded("greedy", "float32", 3, False)
+    assert any(_bits(alone[f]) != _bits(batched[f]) for f in GEN_FIELDS)
+
+
+def test_sequence_depth_is_exact_in_any_layout():
+    """D(x) = sum d_t / (n·L) correctly rounded, whatever the batch and buffer around the
+    row: the integer sum cannot depend on the reduction order. (A float mean of d_t / L
+    gave 0.75000006 for row 1 and, inside DEGS-SMC's compiled step, other bits for the
+    same particle alone and in a batch of 3.) Depths of a DEGS-SMC run of this file."""
+    from degs_jax.lens import sequence_depth
+
+    rows = [[1, 2, 3, 1, 3, 3, 1, 3, 1, 3, 1, 1, 3, 1, 1, 3], [1, 3, 1, 3, 3, 1, 1, 3, 3, 3, 3, 3, 1, 3, 2, 2],
+            [1, 2, 3, 1, 3, 1, 3, 3], [1, 3, 1, 3, 3, 3, 3, 3, 3, 3, 3, 1, 3, 3, 3, 3]]
+    expected = np.array([sum(r) / (len(r) * 3) for r in rows], np.float32)  # float64, rounded once
+    for batch, slots in ((4, 32), (12, 48)):
+        depth = np.full((batch, slots), -1, np.int32)
+        depth[4:, 7:23] = np.random.default_rng(1).integers(1, 4, (batch - 4, 16))
+        for b, r in enumerate(rows):
+            depth[b, 7:7 + len(r)] = r
+        mask = depth >= 0
+        got = np.asarray(jax.jit(sequence_depth, static_argnums=2)(depth, mask, 3))[:4]
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=f"[{batch}, {slots}]")
