@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 
 import jax
@@ -201,6 +202,33 @@ def first_op(cfg, params, lens_layers, phase: str, prompt: int, steps: int, dtyp
     return value if status == "diff" else None
 
 
+# ----------------------------------------------------------------------------- decoders
+
+def decoded_row0(cfg, params, batch: int, prompt: int, method: str, settings: dict) -> dict:
+    """`decode` of the batch with one key per prompt (prompt 0's fixed); prompt 0's answer
+    and candidates (tokens, log p, D, final entropy, acceptance, weight), as floats."""
+    from degs_jax.decoders import decode
+    from degs_jax.model_api import TransformerLM
+
+    tokens, lengths = batch_tokens(cfg, batch, prompt)
+    prompts = [list(map(int, row[:n])) for row, n in zip(tokens, lengths)]
+    keys = jax.numpy.stack([jax.random.key(1234)] + [jax.random.key(10 + i) for i in range(batch - 1)])
+    out = decode(TransformerLM(cfg), params, prompts, method, keys=keys, eos_ids=(), **settings).outputs[0]
+    fields = ("tokens", "log_p", "depth", "final_entropy", "acceptance", "weight")
+    return {"chosen": {f: getattr(out.chosen, f) for f in fields},
+            "candidates": [{f: getattr(c, f) for f in fields} for c in out.candidates]}
+
+
+def first_decoder_difference(alone: dict, other: dict):
+    """The first candidate field of prompt 0 whose value (float bits) differs, or None."""
+    for name, a, b in [("chosen", alone["chosen"], other["chosen"])] + [
+            (f"candidate {i}", x, y) for i, (x, y) in enumerate(zip(alone["candidates"], other["candidates"]))]:
+        for field in a:
+            if np.asarray(a[field], np.float64).tobytes() != np.asarray(b[field], np.float64).tobytes():
+                return f"{name}: {field}"
+    return None
+
+
 # ----------------------------------------------------------------------------- speed
 
 def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: int = 10) -> float:
@@ -231,6 +259,11 @@ def main(argv=None) -> None:
                     help="row tiles to run with batch_invariant on, comma-separated ('auto': the ModelConfig default)")
     ap.add_argument("--kv-chunk", type=int, default=None, help="default: the ModelConfig default")
     ap.add_argument("--ops", action="store_true", help="locate the first differing op (op-by-op replay)")
+    ap.add_argument("--decoder", default=None,
+                    help="also decode row 0 with this method (e.g. degs_mcmc) alone and in each batch and "
+                         "compare its answer and candidates bitwise (settings: --decoder-settings)")
+    ap.add_argument("--decoder-settings", default='{"block_len": 16, "num_blocks": 2, "mh_steps": 2}',
+                    help="JSON hyperparameters of --decoder")
     ap.add_argument("--timing-batches", default=None, help="batches to time (default: --batches; 'none': no timing)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -266,6 +299,13 @@ def main(argv=None) -> None:
                 if args.ops and diff is not None and not cfg.batch_invariant:  # (its chunked calls are one scan op)
                     record["first_op"] = first_op(cfg, layer_list, lens_layers, diff["phase"], args.prompt, args.steps,
                                                   dtype, batches[0], run, batch)
+            if args.decoder:
+                decoded = decoded_row0(cfg, params, batch, args.prompt, args.decoder, json.loads(args.decoder_settings))
+                record["decoder"] = args.decoder
+                if batch == batches[0]:
+                    decoded_alone = decoded
+                else:
+                    record["decoder_difference"] = first_decoder_difference(decoded_alone, decoded)
             run.calls = []  # their caches (the op replay has used them): free before timing
             record["check_seconds"] = round(time.perf_counter() - t0, 1)
             if batch in timing:

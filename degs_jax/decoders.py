@@ -43,7 +43,7 @@ from .generation import (GenState, SamplerSpec, completions, generate, generate_
 from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, Hyperparameters,
                               MCMCHyperparameters, ScalablePower, SMCHyperparameters,
                               hyperparameters_for)
-from .lens import mean_final_entropy, sequence_depth
+from .lens import mean_final_entropy, ordered_sum, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
 from .model_api import CausalLM, TransformerLM, params_dtype
 from .smc import SMCConfig, final_weights, run_smc
@@ -122,7 +122,7 @@ def candidate_scores(state: GenState, num_layers: int) -> tuple[Array, Array, Ar
     per-token values stored during generation (a final EOS is not scored: DESIGN §3)."""
     completion = state.completion_mask()
     scored = state.completion_mask(scored=True)
-    log_p = jnp.sum(jnp.where(completion, state.logp, 0.0), axis=1)
+    log_p = ordered_sum(state.logp, completion)
     return (log_p, sequence_depth(state.depth, scored, num_layers),
             mean_final_entropy(state.final_entropy, scored))
 

@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .lens import LensConfig, collapse_depth
+from .lens import SUM_ROWS, LensConfig, collapse_depth
 from .model_api import CausalLM
+from .models.transformer import row_tiled
 
 Array = jax.Array
 
@@ -172,6 +173,17 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
     return buf.at[rows, idx].set(jnp.where(where, value.astype(buf.dtype), buf[rows, idx]))
 
 
+def _densities(logits: Array, spec: SamplerSpec):
+    """Per row of logits [n, V]: log p over the vocabulary, the final-layer entropy H_L
+    and (when sampling) log q. `decode_step` runs this on tiles of SUM_ROWS rows
+    (`row_tiled`): a softmax over [B, V] is reduced in an order XLA picks for B, so a
+    row's log p would depend on its batch (issue 16)."""
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    logq_all = None if spec.temperature == 0.0 else proposal_log_density(logits, spec)
+    return logp_all, h_final, logq_all
+
+
 def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
                 keys: Array, fresh_from: Array, spec: SamplerSpec) -> tuple[GenState, Array]:
     """One step of every `active` row (see the module docstring); the body of `generate`'s
@@ -190,9 +202,8 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
     with jax.named_scope("model_step"):
         out = model.step(params, consumed, pos, state.cache, lens_layers)
     logits = out.logits[:, 0]  # [B, V] fp32
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp_all, h_final, logq_all = row_tiled(functools.partial(_densities, spec=spec), logits, SUM_ROWS)
     write_stats = active & (n - 1 >= fresh_from)
-    h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     final_entropy = _set(state.final_entropy, n - 1, h_final, write_stats)
     depth = state.depth
     if spec.lens is not None:
@@ -205,7 +216,6 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             logq_tok = jnp.zeros((B,), jnp.float32)
         else:
-            logq_all = proposal_log_density(logits, spec)
             step_keys = jax.vmap(jax.random.fold_in)(keys, n)
             tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
             logq_tok = logq_all[rows, tok]

@@ -140,6 +140,46 @@ def collapse_depth(entropy: Array, lsub: Sequence[int], num_layers: int, tau) ->
     return jnp.min(candidates, axis=0)
 
 
+# `ordered_sum`: positions per block (fixed shapes: see there).
+SUM_BLOCK = 128
+# Rows per tile of the samplers' per-row reductions (`ordered_sum`, the vocabulary
+# densities of `generation.decode_step`, the per-prompt weights of SMC): each is compiled
+# for this many rows whatever the batch (`models.transformer.row_tiled`), so a row's
+# result does not depend on the others (issue 16).
+SUM_ROWS = 8
+
+
+def ordered_sum(values: Array, mask: Array) -> Array:
+    """Sum of `values` over the last axis where `mask` is True, in fp32, in an order fixed
+    by the positions alone: blocks of SUM_BLOCK positions are reduced for tiles of
+    SUM_ROWS rows (one compiled [SUM_ROWS, SUM_BLOCK] reduction) and added one block after
+    another (at least two trips: XLA inlines a loop of one). A row's sum is therefore bit
+    for bit the same whatever the other rows, their number and the buffer length (zeros
+    past the end add exactly nothing). `jnp.sum` over [B, N] is not: XLA picks the
+    reduction order for the compiled shape (measured on CPU: a DEGS-MCMC answer's mean
+    final entropy changed by an ulp between a prompt alone and in a batch of 8).
+    values: [..., N]; mask: [..., N] bool. Returns fp32 [...]."""
+    from .models.transformer import row_tiled
+
+    values = jnp.where(jnp.asarray(mask, bool), jnp.asarray(values, jnp.float32), 0.0)
+    N = values.shape[-1]
+    blocks = max(2, -(-N // SUM_BLOCK))
+    values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, blocks * SUM_BLOCK - N)])
+
+    def tile_sum(tile):  # [SUM_ROWS, blocks·SUM_BLOCK] -> [SUM_ROWS]
+        by_block = tile.reshape(SUM_ROWS, blocks, SUM_BLOCK).transpose(1, 0, 2)  # contiguous blocks
+        return jax.lax.fori_loop(0, blocks, lambda i, acc: acc + jnp.sum(by_block[i], axis=-1),
+                                 jnp.zeros((SUM_ROWS,), jnp.float32))
+
+    return row_tiled(tile_sum, values, SUM_ROWS)
+
+
+def span_sum(values: Array, start: Array, end: Array) -> Array:
+    """sum_b values[b, start[b]:end[b]] of [B, S] values (an `ordered_sum`)."""
+    pos = jnp.arange(values.shape[1])[None]
+    return ordered_sum(values, (pos >= start[:, None]) & (pos < end[:, None]))
+
+
 def masked_mean(values: Array, mask: Array) -> Array:
     """Mean of `values` over the last axis where `mask` is True, 0 where nothing is.
 
@@ -147,8 +187,7 @@ def masked_mean(values: Array, mask: Array) -> Array:
     Returns fp32 [...].
     """
     mask = jnp.asarray(mask, bool)
-    values = jnp.asarray(values, jnp.float32)
-    total = jnp.sum(jnp.where(mask, values, 0.0), axis=-1)
+    total = ordered_sum(values, mask)
     count = jnp.sum(mask, axis=-1)
     return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
 

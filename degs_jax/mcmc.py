@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate, select_rows
-from .lens import LensConfig, sequence_depth
+from .lens import LensConfig, sequence_depth, span_sum
 from .model_api import CausalLM
 
 Array = jax.Array
@@ -107,13 +107,6 @@ class MCMCConfig:
             lens=self.lens if self.beta > 0 else None)
 
 
-def _suffix_sum(values: Array, start: Array, end: Array) -> Array:
-    """sum_b values[b, start[b]:end[b]] for [B, S] values."""
-    pos = jnp.arange(values.shape[1])[None]
-    mask = (pos >= start[:, None]) & (pos < end[:, None])
-    return jnp.sum(jnp.where(mask, values, 0.0), axis=1)
-
-
 def _depth_score(state: GenState, num_layers: int) -> Array:
     return sequence_depth(state.depth, state.completion_mask(scored=True), num_layers)
 
@@ -144,10 +137,10 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: 
     x_end = current.length
     if mc.reference_quirks:
         x_end = jnp.minimum(current.length, proposal.length)
-    log_r = (mc.alpha * (_suffix_sum(proposal.logp, cut, proposal.length)
-                         - _suffix_sum(current.logp, cut, x_end))
-             + _suffix_sum(current.logq, cut, x_end)
-             - _suffix_sum(proposal.logq, cut, proposal.length))
+    log_r = (mc.alpha * (span_sum(proposal.logp, cut, proposal.length)
+                         - span_sum(current.logp, cut, x_end))
+             + span_sum(current.logq, cut, x_end)
+             - span_sum(proposal.logq, cut, proposal.length))
     if mc.beta > 0:
         log_r += mc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
     if not mc.reference_quirks:

@@ -85,8 +85,9 @@ import jax
 import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
-from .lens import LensConfig, sequence_depth
+from .lens import SUM_ROWS, LensConfig, ordered_sum, sequence_depth
 from .model_api import CausalLM
+from .models.transformer import row_tiled
 
 Array = jax.Array
 
@@ -198,7 +199,7 @@ def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int) -> A
     """log gamma of every row's current state, [B] fp32, from the stored per-token values:
     a_t·log p(x_{1:t}) + b_t·D_{t-1} for a live row, alpha·log p(x) + beta·D(x) for a
     complete one (see the module docstring)."""
-    logp = jnp.sum(jnp.where(gen.completion_mask(), gen.logp, 0.0), axis=1)
+    logp = ordered_sum(gen.logp, gen.completion_mask())
     r = jnp.where(live, ramp_fraction(gen.length - gen.prompt_len, smc.ramp_tokens), 1.0)
     out = (1.0 + (smc.alpha - 1.0) * r) * logp
     if smc.beta > 0:
@@ -214,14 +215,21 @@ def log_weight_increment(old_log_target: Array, new_log_target: Array, log_q: Ar
     return new_log_target - old_log_target - log_q
 
 
+def _per_prompt(fn, *arrays):
+    """fn over prompts' rows ([P, ...] arrays), on tiles of SUM_ROWS prompts: a reduction
+    over [P, N] particles is compiled for P, so a prompt's weights would depend on how
+    many prompts share the batch (issue 16)."""
+    return row_tiled(lambda tile: fn(*tile), arrays, SUM_ROWS)
+
+
 def _prompt_logsumexp(log_weight: Array, n: int) -> Array:
-    return jax.nn.logsumexp(log_weight.reshape(-1, n), axis=1)
+    return _per_prompt(lambda lw: jax.nn.logsumexp(lw, axis=1), log_weight.reshape(-1, n))
 
 
 def effective_sample_size(log_weight: Array, n: int) -> Array:
     """(Σ w)² / Σ w² per prompt, [P] fp32, from [P·N] log weights."""
-    lw = log_weight.reshape(-1, n)
-    return jnp.exp(2.0 * jax.nn.logsumexp(lw, axis=1) - jax.nn.logsumexp(2.0 * lw, axis=1))
+    return _per_prompt(lambda lw: jnp.exp(2.0 * jax.nn.logsumexp(lw, axis=1) - jax.nn.logsumexp(2.0 * lw, axis=1)),
+                       log_weight.reshape(-1, n))
 
 
 def systematic_ancestors(log_weight: Array, uniform: Array) -> Array:
@@ -233,8 +241,7 @@ def systematic_ancestors(log_weight: Array, uniform: Array) -> Array:
     row j, its c_j - 1 extra copies fill, in order, the rows of particles with c_j = 0.
     """
     P, N = log_weight.shape
-    w = jax.nn.softmax(log_weight, axis=1)
-    cdf = jnp.cumsum(w, axis=1)
+    cdf = _per_prompt(lambda lw: jnp.cumsum(jax.nn.softmax(lw, axis=1), axis=1), log_weight)
     cdf = cdf.at[:, -1].set(1.0)  # rounding must not leave a point past the end
     points = (uniform[:, None] + jnp.arange(N)[None]) / N
     drawn = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cdf, points)
@@ -377,7 +384,7 @@ def final_weights(state: SMCState, keys: Array, n: int) -> tuple[Array, Array, A
 def _final_weights(log_weight: Array, log_evidence: Array, keys: Array,
                    n: int) -> tuple[Array, Array, Array]:
     lw = log_weight.reshape(-1, n)
-    log_z = log_evidence + jax.nn.logsumexp(lw, axis=1) - jnp.log(n)
+    log_z = log_evidence + _prompt_logsumexp(log_weight, n) - jnp.log(n)
     choice_keys = _stream(keys.reshape(-1, n)[:, 0], CHOICE_STREAM)
     chosen = jax.vmap(jax.random.categorical)(choice_keys, lw)
-    return jax.nn.softmax(lw, axis=1), log_z, chosen
+    return _per_prompt(lambda w: jax.nn.softmax(w, axis=1), lw), log_z, chosen

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from .generation import GenState, SamplerSpec, _is_eos, _set, decode_step, generate, repeat_rows
+from .lens import span_sum
 from .model_api import CausalLM
 
 Array = jax.Array
@@ -166,11 +167,6 @@ def _sub_keys(keys: Array, n: int) -> Array:
     return jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(n)))(keys).reshape(-1)
 
 
-def _span_sum(values: Array, start: Array, end: Array) -> Array:
-    pos = jnp.arange(values.shape[1])[None]
-    return jnp.sum(jnp.where((pos >= start[:, None]) & (pos < end[:, None]), values, 0.0), axis=1)
-
-
 def _work(state: GenState) -> Array:
     return jnp.stack([state.n_generated, state.n_forward, state.n_probed])
 
@@ -192,7 +188,7 @@ def _sampled_candidates(model: CausalLM, params: Any, main: GenState, keys: Arra
     cands = generate(model, params, cands, jnp.repeat(end, L),
                      _sub_keys(_stream(keys, block, CANDIDATE_STREAM), L), sps.candidate_spec)
     start = jnp.repeat(main.length, L)
-    score = _span_sum(cands.logp, start, cands.length).reshape(P, L)
+    score = span_sum(cands.logp, start, cands.length).reshape(P, L)
     # Block tokens, -1 past the candidate's end; equal rows are the same block.
     window = start[:, None] + jnp.arange(sps.block_len)[None]
     block_tokens = jnp.where(window < cands.length[:, None],
@@ -255,7 +251,7 @@ def rollout_log_weights(model: CausalLM, params: Any, store: GenState, valid: Ar
     rolls = repeat_rows(store, M)
     rolls = generate(model, params, rolls, jnp.repeat(limit, M),
                      _sub_keys(_stream(keys, block, ROLLOUT_STREAM), K * M), sps.rollout_spec)
-    logp = _span_sum(rolls.logp, jnp.repeat(store.length, M), rolls.length).reshape(P, K, M)
+    logp = span_sum(rolls.logp, jnp.repeat(store.length, M), rolls.length).reshape(P, K, M)
     work = jnp.sum((_work(rolls) - jnp.repeat(_work(store), M, axis=1)).reshape(3, P, K * M), axis=-1)
     needs = needs.reshape(P, K)
     return log_rollout_weight(logp, sps.alpha), needs, work, M * jnp.sum(needs, axis=1)

