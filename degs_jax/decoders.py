@@ -43,7 +43,7 @@ from .generation import (GenState, SamplerSpec, completions, generate, generate_
 from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, Hyperparameters,
                               MCMCHyperparameters, ScalablePower, SMCHyperparameters,
                               hyperparameters_for)
-from .lens import mean_final_entropy, ordered_sum, sequence_depth
+from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
 from .model_api import CausalLM, TransformerLM, params_dtype
 from .smc import SMCConfig, final_weights, run_smc
@@ -117,14 +117,16 @@ class Decoded:
     chosen: Array  # [prompts] int32: the index j of each prompt's answer
 
 
-def candidate_scores(state: GenState, num_layers: int) -> tuple[Array, Array, Array]:
+def candidate_scores(state: GenState, num_layers: int,
+                     batch_invariant: bool = False) -> tuple[Array, Array, Array]:
     """(log p(x), D(x), mean final-layer entropy) of every row, [B] fp32 each, from the
-    per-token values stored during generation (a final EOS is not scored: DESIGN §3)."""
+    per-token values stored during generation (a final EOS is not scored: DESIGN §3).
+    batch_invariant: the model's (`CausalLM.batch_invariant`; `lens.masked_sum`)."""
     completion = state.completion_mask()
     scored = state.completion_mask(scored=True)
-    log_p = ordered_sum(state.logp, completion)
+    log_p = masked_sum(state.logp, completion, batch_invariant)
     return (log_p, sequence_depth(state.depth, scored, num_layers),
-            mean_final_entropy(state.final_entropy, scored))
+            mean_final_entropy(state.final_entropy, scored, batch_invariant))
 
 
 def choose(config: Hyperparameters, log_p: Array, depth: Array, final_entropy: Array) -> Array:
@@ -214,7 +216,7 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
                          plan.kernel)
         accepted = jnp.zeros((state.length.shape[0], 0), jnp.int32)
         ran = jnp.zeros((state.length.shape[0], 0), bool)
-    log_p, depth, final_entropy = candidate_scores(state, plan.model.num_layers)
+    log_p, depth, final_entropy = candidate_scores(state, plan.model.num_layers, plan.model.batch_invariant)
     return Decoded(state=state, accepted=accepted, ran=ran, log_p=log_p, depth=depth,
                    final_entropy=final_entropy, chosen=choose(config, log_p, depth, final_entropy))
 
@@ -318,7 +320,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
         bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
         particles = run_smc(model, params, state, keys, plan.kernel,
                             progress=lambda steps: bar.update(steps - bar.n))
-        weights, log_z, picked = jax.device_get(final_weights(particles, keys, n))
+        weights, log_z, picked = jax.device_get(final_weights(particles, keys, n, model.batch_invariant))
         ess, resamples, copied = jax.device_get((particles.ess, particles.resamples, particles.copied_rows))
         state = particles.gen
         diagnostics = [dict(log_evidence=float(log_z[i]), ess=[float(e) for e in ess[i] if np.isfinite(e)],
@@ -340,7 +342,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()
 
-    log_p, depth, final_entropy = candidate_scores(state, model.num_layers)
+    log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
     chosen = choose(config, log_p, depth, final_entropy) if picked is None else picked
     ended, log_p, depth, final_entropy, chosen = jax.device_get(
         (state.ended, log_p, depth, final_entropy, chosen))

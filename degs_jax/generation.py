@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .lens import SUM_ROWS, LensConfig, collapse_depth
+from .lens import LensConfig, collapse_depth, sum_rows
 from .model_api import CausalLM
 from .models.transformer import row_tiled
 
@@ -175,9 +175,9 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
 
 def _densities(logits: Array, spec: SamplerSpec):
     """Per row of logits [n, V]: log p over the vocabulary, the final-layer entropy H_L
-    and (when sampling) log q. `decode_step` runs this on tiles of SUM_ROWS rows
-    (`row_tiled`): a softmax over [B, V] is reduced in an order XLA picks for B, so a
-    row's log p would depend on its batch (issue 16)."""
+    and (when sampling) log q. Under batch invariance `decode_step` runs this on tiles of
+    `lens.SUM_ROWS` rows (`row_tiled`): a softmax over [B, V] is reduced in an order XLA
+    picks for B, so a row's log p would depend on its batch (issue 16)."""
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     logq_all = None if spec.temperature == 0.0 else proposal_log_density(logits, spec)
@@ -202,7 +202,8 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
     with jax.named_scope("model_step"):
         out = model.step(params, consumed, pos, state.cache, lens_layers)
     logits = out.logits[:, 0]  # [B, V] fp32
-    logp_all, h_final, logq_all = row_tiled(functools.partial(_densities, spec=spec), logits, SUM_ROWS)
+    logp_all, h_final, logq_all = row_tiled(functools.partial(_densities, spec=spec), logits,
+                                             sum_rows(model.batch_invariant))
     write_stats = active & (n - 1 >= fresh_from)
     final_entropy = _set(state.final_entropy, n - 1, h_final, write_stats)
     depth = state.depth

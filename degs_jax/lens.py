@@ -140,28 +140,39 @@ def collapse_depth(entropy: Array, lsub: Sequence[int], num_layers: int, tau) ->
     return jnp.min(candidates, axis=0)
 
 
-# `ordered_sum`: positions per block (fixed shapes: see there).
+# `masked_sum` under batch invariance: positions per block (fixed shapes: see there).
 SUM_BLOCK = 128
-# Rows per tile of the samplers' per-row reductions (`ordered_sum`, the vocabulary
-# densities of `generation.decode_step`, the per-prompt weights of SMC): each is compiled
-# for this many rows whatever the batch (`models.transformer.row_tiled`), so a row's
-# result does not depend on the others (issue 16).
+# Rows per tile of the samplers' per-row reductions under batch invariance (`masked_sum`,
+# the vocabulary densities of `generation.decode_step`, the per-prompt weights of SMC):
+# each is then compiled for this many rows whatever the batch
+# (`models.transformer.row_tiled`), so a row's result does not depend on the others
+# (issue 16). None (no tiles) otherwise.
 SUM_ROWS = 8
 
 
-def ordered_sum(values: Array, mask: Array) -> Array:
-    """Sum of `values` over the last axis where `mask` is True, in fp32, in an order fixed
-    by the positions alone: blocks of SUM_BLOCK positions are reduced for tiles of
-    SUM_ROWS rows (one compiled [SUM_ROWS, SUM_BLOCK] reduction) and added one block after
-    another (at least two trips: XLA inlines a loop of one). A row's sum is therefore bit
-    for bit the same whatever the other rows, their number and the buffer length (zeros
-    past the end add exactly nothing). `jnp.sum` over [B, N] is not: XLA picks the
-    reduction order for the compiled shape (measured on CPU: a DEGS-MCMC answer's mean
-    final entropy changed by an ulp between a prompt alone and in a batch of 8).
-    values: [..., N]; mask: [..., N] bool. Returns fp32 [...]."""
+def sum_rows(batch_invariant: bool):
+    """Rows per tile of the samplers' own reductions: SUM_ROWS under batch invariance
+    (`CausalLM.batch_invariant`), else None (one reduction over the whole batch)."""
+    return SUM_ROWS if batch_invariant else None
+
+
+def masked_sum(values: Array, mask: Array, batch_invariant: bool = False) -> Array:
+    """Sum of `values` over the last axis where `mask` is True, in fp32.
+    values: [..., N]; mask: [..., N] bool. Returns fp32 [...].
+
+    batch_invariant: sum in an order fixed by the positions alone: blocks of SUM_BLOCK
+    positions are reduced for tiles of SUM_ROWS rows (one compiled [SUM_ROWS, SUM_BLOCK]
+    reduction) and added one block after another (at least two trips: XLA inlines a loop
+    of one). A row's sum is then bit for bit the same whatever the other rows, their
+    number and the buffer length (zeros past the end add exactly nothing). A plain sum
+    over [B, N] is not: XLA picks the reduction order for the compiled shape (measured on
+    CPU: a DEGS-MCMC answer's mean final entropy changed by an ulp between a prompt alone
+    and in a batch of 8). Off, one `jnp.sum` (faster on CPU)."""
     from .models.transformer import row_tiled
 
     values = jnp.where(jnp.asarray(mask, bool), jnp.asarray(values, jnp.float32), 0.0)
+    if not batch_invariant:
+        return jnp.sum(values, axis=-1)
     N = values.shape[-1]
     blocks = max(2, -(-N // SUM_BLOCK))
     values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, blocks * SUM_BLOCK - N)])
@@ -174,20 +185,20 @@ def ordered_sum(values: Array, mask: Array) -> Array:
     return row_tiled(tile_sum, values, SUM_ROWS)
 
 
-def span_sum(values: Array, start: Array, end: Array) -> Array:
-    """sum_b values[b, start[b]:end[b]] of [B, S] values (an `ordered_sum`)."""
+def span_sum(values: Array, start: Array, end: Array, batch_invariant: bool = False) -> Array:
+    """sum_b values[b, start[b]:end[b]] of [B, S] values (a `masked_sum`)."""
     pos = jnp.arange(values.shape[1])[None]
-    return ordered_sum(values, (pos >= start[:, None]) & (pos < end[:, None]))
+    return masked_sum(values, (pos >= start[:, None]) & (pos < end[:, None]), batch_invariant)
 
 
-def masked_mean(values: Array, mask: Array) -> Array:
+def masked_mean(values: Array, mask: Array, batch_invariant: bool = False) -> Array:
     """Mean of `values` over the last axis where `mask` is True, 0 where nothing is.
 
     values: [..., N] (any real dtype, averaged in fp32); mask: [..., N] bool.
-    Returns fp32 [...].
+    batch_invariant: as in `masked_sum`. Returns fp32 [...].
     """
     mask = jnp.asarray(mask, bool)
-    total = ordered_sum(values, mask)
+    total = masked_sum(values, mask, batch_invariant)
     count = jnp.sum(mask, axis=-1)
     return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
 
@@ -211,10 +222,10 @@ def sequence_depth(depth: Array, mask: Array, num_layers: int) -> Array:
                      / (jnp.maximum(count, 1) * num_layers).astype(jnp.float32), 0.0)
 
 
-def mean_final_entropy(entropy: Array, mask: Array) -> Array:
+def mean_final_entropy(entropy: Array, mask: Array, batch_invariant: bool = False) -> Array:
     """Final-layer entropy H_L averaged like D(x) (Best-of-N-Entropy's score).
 
-    entropy: [..., N] fp32 H_L(t); mask: [..., N] bool as in `sequence_depth`.
-    Returns fp32 [...], 0 for an empty completion.
+    entropy: [..., N] fp32 H_L(t); mask: [..., N] bool as in `sequence_depth`;
+    batch_invariant: as in `masked_sum`. Returns fp32 [...], 0 for an empty completion.
     """
-    return masked_mean(entropy, mask)
+    return masked_mean(entropy, mask, batch_invariant)

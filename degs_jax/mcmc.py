@@ -112,11 +112,12 @@ def _depth_score(state: GenState, num_layers: int) -> Array:
 
 
 def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: MCMCConfig,
-                         num_layers: int) -> Array:
+                         num_layers: int, batch_invariant: bool = False) -> Array:
     """log r of DESIGN §4 for every row, [B] fp32, from stored per-token values only.
 
     current / proposal: the chain x and the proposal x', equal below `cut` ([B] slot of
-    the cut m). num_layers: L of the model (D(x) = mean d_t / L).
+    the cut m). num_layers: L of the model (D(x) = mean d_t / L). batch_invariant: sum
+    the suffixes in a fixed order (`lens.masked_sum`; the model's `batch_invariant`).
 
     Why the stored values give the exact ratio of the target to the proposal kernel:
     1. The stored suffix log q of x is the reverse proposal's density. A regeneration
@@ -137,10 +138,9 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: 
     x_end = current.length
     if mc.reference_quirks:
         x_end = jnp.minimum(current.length, proposal.length)
-    log_r = (mc.alpha * (span_sum(proposal.logp, cut, proposal.length)
-                         - span_sum(current.logp, cut, x_end))
-             + span_sum(current.logq, cut, x_end)
-             - span_sum(proposal.logq, cut, proposal.length))
+    suffix = functools.partial(span_sum, batch_invariant=batch_invariant)
+    log_r = (mc.alpha * (suffix(proposal.logp, cut, proposal.length) - suffix(current.logp, cut, x_end))
+             + suffix(current.logq, cut, x_end) - suffix(proposal.logq, cut, proposal.length))
     if mc.beta > 0:
         log_r += mc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
     if not mc.reference_quirks:
@@ -265,7 +265,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
         with jax.named_scope("accept_reject"):
             log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys(chain.step), ACCEPT_STREAM)))
             accept = done & (log_u < log_acceptance_ratio(chain.current, proposal, chain.cut, mc,
-                                                          model.num_layers))
+                                                          model.num_layers, model.batch_invariant))
             # Both states take the decided row (caches row by row above; select_rows' own
             # cache select is replaced, so XLA drops it); the proposal keeps the work
             # counters (work on rejected proposals counts in the compute accounting).

@@ -75,12 +75,17 @@ class CausalLM(abc.ABC):
     vocab_size: V, the size of the logits' last axis.
     max_context: longest sequence (prompt + completion) the model supports.
     cache_row_axis: the batch-row axis of every cache leaf (0 unless overridden).
+    batch_invariant: True when `step` gives each row results that do not depend on the
+      other rows of its batch (False unless overridden); the samplers' own per-row
+      reductions (sums over the token buffer, the vocabulary densities, SMC's per-prompt
+      weights) then run on fixed tiles too (`lens.masked_sum`, issue 16).
     """
 
     num_layers: int
     vocab_size: int
     max_context: int
     cache_row_axis: int = 0
+    batch_invariant: bool = False
 
     @abc.abstractmethod
     def step(self, params: Any, tokens: Array, positions: Array, cache: Any,
@@ -125,6 +130,10 @@ class TransformerLM(CausalLM):
     @property
     def max_context(self) -> int:
         return self.cfg.max_position_embeddings
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.cfg.batch_invariant
 
     def step(self, params: Params, tokens: Array, positions: Array, cache: Any,
              lens_layers: tuple[int, ...] = ()) -> StepOutput:

@@ -85,7 +85,7 @@ import jax
 import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
-from .lens import SUM_ROWS, LensConfig, ordered_sum, sequence_depth
+from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
 from .model_api import CausalLM
 from .models.transformer import row_tiled
 
@@ -195,19 +195,29 @@ def ramp_fraction(n_tokens: Array, ramp_tokens: int) -> Array:
     return jnp.minimum(n_tokens, ramp_tokens).astype(jnp.float32) / ramp_tokens
 
 
-def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int) -> Array:
+def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int,
+               batch_invariant: bool = False) -> Array:
     """log gamma of every row's current state, [B] fp32, from the stored per-token values:
     a_t·log p(x_{1:t}) + b_t·D_{t-1} for a live row, alpha·log p(x) + beta·D(x) for a
-    complete one (see the module docstring)."""
-    logp = ordered_sum(gen.logp, gen.completion_mask())
+    complete one (see the module docstring). batch_invariant: `lens.masked_sum`'s, and
+    the per-row arithmetic on fixed tiles of rows (`_per_prompt`): XLA compiles a [B]
+    multiply-add for B, and may fuse it into FMAs for one B and not for another (1 ulp
+    in a DEGS-SMC weight between a prompt alone and in a batch of 8, CPU)."""
+    logp = masked_sum(gen.logp, gen.completion_mask(), batch_invariant)
     r = jnp.where(live, ramp_fraction(gen.length - gen.prompt_len, smc.ramp_tokens), 1.0)
-    out = (1.0 + (smc.alpha - 1.0) * r) * logp
+    depth = jnp.zeros_like(logp)
     if smc.beta > 0:
         # Known d_t: the scored tokens, less the last one of a live row (not consumed yet).
         last = jnp.arange(gen.max_len)[None] == gen.length[:, None] - 1
         known = gen.completion_mask(scored=True) & ~(live[:, None] & last)
-        out += smc.beta * r * sequence_depth(gen.depth, known, num_layers)
-    return out
+        depth = sequence_depth(gen.depth, known, num_layers)
+
+    def combine(terms):  # [n, 3] (log p, r, D) -> [n]
+        logp, r, depth = terms[:, 0], terms[:, 1], terms[:, 2]
+        out = (1.0 + (smc.alpha - 1.0) * r) * logp
+        return out + smc.beta * r * depth if smc.beta > 0 else out
+
+    return _per_prompt(combine, jnp.stack([logp, r, depth], axis=1), batch_invariant)
 
 
 def log_weight_increment(old_log_target: Array, new_log_target: Array, log_q: Array) -> Array:
@@ -215,33 +225,35 @@ def log_weight_increment(old_log_target: Array, new_log_target: Array, log_q: Ar
     return new_log_target - old_log_target - log_q
 
 
-def _per_prompt(fn, *arrays):
-    """fn over prompts' rows ([P, ...] arrays), on tiles of SUM_ROWS prompts: a reduction
-    over [P, N] particles is compiled for P, so a prompt's weights would depend on how
-    many prompts share the batch (issue 16)."""
-    return row_tiled(lambda tile: fn(*tile), arrays, SUM_ROWS)
+def _per_prompt(fn, array: Array, batch_invariant: bool):
+    """fn over the rows of a [P, ...] array (prompts, or particles' rows); under batch
+    invariance on tiles of `lens.SUM_ROWS` rows: a reduction over [P, N] particles is
+    compiled for P, so a prompt's weights would depend on how many prompts share the
+    batch (issue 16)."""
+    return row_tiled(fn, array, sum_rows(batch_invariant))
 
 
-def _prompt_logsumexp(log_weight: Array, n: int) -> Array:
-    return _per_prompt(lambda lw: jax.nn.logsumexp(lw, axis=1), log_weight.reshape(-1, n))
+def _prompt_logsumexp(log_weight: Array, n: int, batch_invariant: bool) -> Array:
+    return _per_prompt(lambda lw: jax.nn.logsumexp(lw, axis=1), log_weight.reshape(-1, n), batch_invariant)
 
 
-def effective_sample_size(log_weight: Array, n: int) -> Array:
+def effective_sample_size(log_weight: Array, n: int, batch_invariant: bool = False) -> Array:
     """(Σ w)² / Σ w² per prompt, [P] fp32, from [P·N] log weights."""
     return _per_prompt(lambda lw: jnp.exp(2.0 * jax.nn.logsumexp(lw, axis=1) - jax.nn.logsumexp(2.0 * lw, axis=1)),
-                       log_weight.reshape(-1, n))
+                       log_weight.reshape(-1, n), batch_invariant)
 
 
-def systematic_ancestors(log_weight: Array, uniform: Array) -> Array:
+def systematic_ancestors(log_weight: Array, uniform: Array, batch_invariant: bool = False) -> Array:
     """Systematic resampling with stable placement, per prompt.
 
     log_weight: [P, N]; uniform: [P] in [0, 1). Particle j is drawn c_j times, c_j the
     number of points (u + m)/N, m = 0..N-1, in its slice of the weights' CDF. Returns
     ancestors [P, N] (indices into the prompt's particles): a particle with c_j >= 1 keeps
     row j, its c_j - 1 extra copies fill, in order, the rows of particles with c_j = 0.
+    batch_invariant: the CDF on fixed tiles of prompts (`_per_prompt`).
     """
     P, N = log_weight.shape
-    cdf = _per_prompt(lambda lw: jnp.cumsum(jax.nn.softmax(lw, axis=1), axis=1), log_weight)
+    cdf = _per_prompt(lambda lw: jnp.cumsum(jax.nn.softmax(lw, axis=1), axis=1), log_weight, batch_invariant)
     cdf = cdf.at[:, -1].set(1.0)  # rounding must not leave a point past the end
     points = (uniform[:, None] + jnp.arange(N)[None]) / N
     drawn = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cdf, points)
@@ -300,15 +312,16 @@ def _stream(keys: Array, *tags: int) -> Array:
     return keys
 
 
-def init_state(gen: GenState, smc: SMCConfig, num_layers: int) -> SMCState:
-    """SMC state of freshly prefilled rows (P prompts × N particles, prompt-major)."""
+def init_state(gen: GenState, smc: SMCConfig, num_layers: int, batch_invariant: bool = False) -> SMCState:
+    """SMC state of freshly prefilled rows (P prompts × N particles, prompt-major).
+    batch_invariant: the model's (`CausalLM.batch_invariant`)."""
     B = gen.length.shape[0]
     if B % smc.n_particles:
         raise ValueError(f"{B} rows are not a whole number of prompts × {smc.n_particles} particles")
     P = B // smc.n_particles
     live = ~gen.ended
     return SMCState(
-        gen=gen, log_weight=jnp.zeros((B,), jnp.float32), log_target=log_target(gen, live, smc, num_layers),
+        gen=gen, log_weight=jnp.zeros((B,), jnp.float32), log_target=log_target(gen, live, smc, num_layers, batch_invariant),
         live=live, step=jnp.zeros((), jnp.int32), log_evidence=jnp.zeros((P,), jnp.float32),
         ess=jnp.full((P, smc.num_checks), jnp.nan, jnp.float32),
         resamples=jnp.zeros((P,), jnp.int32), copied_rows=jnp.zeros((P,), jnp.int32))
@@ -331,7 +344,7 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
         gen, live = decode_step(model, params, s.gen, s.live, limit, token_keys, gen0.prompt_len, spec)
         sampled = gen.length > s.gen.length
         log_q = jnp.where(sampled, gen.logq[rows, jnp.minimum(s.gen.length, gen.max_len - 1)], 0.0)
-        target = log_target(gen, live, smc, model.num_layers)
+        target = log_target(gen, live, smc, model.num_layers, model.batch_invariant)
         inc = jnp.where(s.live, log_weight_increment(s.log_target, target, log_q), 0.0)
         return dataclasses.replace(s, gen=gen, live=live, log_target=target,
                                    log_weight=s.log_weight + inc, step=s.step + 1)
@@ -342,7 +355,7 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
     # branches return the whole state could make XLA copy the KV cache; here nothing is
     # copied unless rows are resampled (the copy loop then runs over those rows only).
     at_check = (state.step == stop) & (state.step // smc.resample_every <= smc.num_checks)
-    ess = effective_sample_size(state.log_weight, n)
+    ess = effective_sample_size(state.log_weight, n, model.batch_invariant)
     any_live = jnp.any(state.live.reshape(-1, n), axis=1)
     c = jnp.clip(state.step // smc.resample_every - 1, 0, max(smc.num_checks - 1, 0))
     record = jnp.where(any_live, ess, jnp.nan)
@@ -351,8 +364,8 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
     need = at_check & any_live & (ess < smc.ess_threshold * n)
     first_keys = keys.reshape(-1, n)[:, 0]
     uniform = jax.vmap(jax.random.uniform)(_stream(first_keys, RESAMPLE_STREAM, c))
-    ancestors = systematic_ancestors(state.log_weight.reshape(-1, n), uniform)
-    mean_w = _prompt_logsumexp(state.log_weight, n) - jnp.log(n)
+    ancestors = systematic_ancestors(state.log_weight.reshape(-1, n), uniform, model.batch_invariant)
+    mean_w = _prompt_logsumexp(state.log_weight, n, model.batch_invariant) - jnp.log(n)
     state = dataclasses.replace(state, log_evidence=state.log_evidence + jnp.where(need, mean_w, 0.0))
     return resample(state, need, ancestors, n)
 
@@ -362,7 +375,7 @@ def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCCo
     """The whole particle system from freshly prefilled rows (`repeat_rows` of a prefill,
     N consecutive rows per prompt) to every particle complete. keys: [B] row keys.
     `gen` is donated. progress: optional callable(loop steps done) after each interval."""
-    state = init_state(gen, smc, model.num_layers)
+    state = init_state(gen, smc, model.num_layers, model.batch_invariant)
     for _ in range(smc.num_checks + 1):
         state = smc_steps(model, params, state, keys, smc)
         if progress is not None:
@@ -372,19 +385,21 @@ def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCCo
     return state
 
 
-def final_weights(state: SMCState, keys: Array, n: int) -> tuple[Array, Array, Array]:
+def final_weights(state: SMCState, keys: Array, n: int,
+                  batch_invariant: bool = False) -> tuple[Array, Array, Array]:
     """(normalised weights [P, N], log Ẑ [P], chosen particle [P]) of a finished run; the
     chosen particle is drawn with probability proportional to its weight. Only the
     weights and the evidence enter the compiled program, never the state's KV cache
-    (a 7B-shape state at 64 prompts x 16 particles is ~41 GB)."""
-    return _final_weights(state.log_weight, state.log_evidence, keys, n)
+    (a 7B-shape state at 64 prompts x 16 particles is ~41 GB). batch_invariant: the
+    model's (`CausalLM.batch_invariant`)."""
+    return _final_weights(state.log_weight, state.log_evidence, keys, n, batch_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=("n",))
+@functools.partial(jax.jit, static_argnames=("n", "batch_invariant"))
 def _final_weights(log_weight: Array, log_evidence: Array, keys: Array,
-                   n: int) -> tuple[Array, Array, Array]:
+                   n: int, batch_invariant: bool) -> tuple[Array, Array, Array]:
     lw = log_weight.reshape(-1, n)
-    log_z = log_evidence + _prompt_logsumexp(log_weight, n) - jnp.log(n)
+    log_z = log_evidence + _prompt_logsumexp(log_weight, n, batch_invariant) - jnp.log(n)
     choice_keys = _stream(keys.reshape(-1, n)[:, 0], CHOICE_STREAM)
     chosen = jax.vmap(jax.random.categorical)(choice_keys, lw)
-    return _per_prompt(lambda w: jax.nn.softmax(w, axis=1), lw), log_z, chosen
+    return _per_prompt(lambda w: jax.nn.softmax(w, axis=1), lw, batch_invariant), log_z, chosen

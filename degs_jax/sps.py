@@ -188,7 +188,7 @@ def _sampled_candidates(model: CausalLM, params: Any, main: GenState, keys: Arra
     cands = generate(model, params, cands, jnp.repeat(end, L),
                      _sub_keys(_stream(keys, block, CANDIDATE_STREAM), L), sps.candidate_spec)
     start = jnp.repeat(main.length, L)
-    score = span_sum(cands.logp, start, cands.length).reshape(P, L)
+    score = span_sum(cands.logp, start, cands.length, model.batch_invariant).reshape(P, L)
     # Block tokens, -1 past the candidate's end; equal rows are the same block.
     window = start[:, None] + jnp.arange(sps.block_len)[None]
     block_tokens = jnp.where(window < cands.length[:, None],
@@ -251,7 +251,7 @@ def rollout_log_weights(model: CausalLM, params: Any, store: GenState, valid: Ar
     rolls = repeat_rows(store, M)
     rolls = generate(model, params, rolls, jnp.repeat(limit, M),
                      _sub_keys(_stream(keys, block, ROLLOUT_STREAM), K * M), sps.rollout_spec)
-    logp = span_sum(rolls.logp, jnp.repeat(store.length, M), rolls.length).reshape(P, K, M)
+    logp = span_sum(rolls.logp, jnp.repeat(store.length, M), rolls.length, model.batch_invariant).reshape(P, K, M)
     work = jnp.sum((_work(rolls) - jnp.repeat(_work(store), M, axis=1)).reshape(3, P, K * M), axis=-1)
     needs = needs.reshape(P, K)
     return log_rollout_weight(logp, sps.alpha), needs, work, M * jnp.sum(needs, axis=1)

@@ -158,7 +158,7 @@ def _decoded(method: str, dtype_name: str, size: int, batch_invariant: bool = Tr
     prompts, keys = _batch(size)
     states = []
     scores = decoders.candidate_scores
-    decoders.candidate_scores = lambda state, num_layers: states.append(state) or scores(state, num_layers)
+    decoders.candidate_scores = lambda state, *args: states.append(state) or scores(state, *args)
     try:
         result = decode(model, params, prompts, method, keys=keys, eos_ids=DECODER_EOS,
                         **DECODER_SETTINGS[method])
@@ -188,13 +188,7 @@ DECODE_TOKENS_CASES = [(m, d) for m in METHODS if m not in SMC_METHODS + ("scala
                        for d in ("float32", "bfloat16") if FULL_MATRIX or m in BATCH_3_IN_CI]
 
 
-DEGS_SMC_OPEN = pytest.mark.xfail(strict=True, reason=(
-    "issue 16, open: DEGS-SMC's final particle weights differ by 1 ulp between a prompt alone "
-    "and in a batch of 8 (every per-token value and the tokens are equal); cause not found"))
-
-
-@pytest.mark.parametrize("method, dtype_name", [pytest.param(*case, marks=DEGS_SMC_OPEN) if case[0] == "degs_smc"
-                                                else case for case in DECODE_CASES])
+@pytest.mark.parametrize("method, dtype_name", DECODE_CASES)
 def test_a_prompts_decoding_does_not_depend_on_its_batch(method, dtype_name):
     output, rows = _decoded(method, dtype_name, 1)
     for size in (3, 8) if FULL_MATRIX or method in BATCH_3_IN_CI else (8,):
@@ -257,19 +251,19 @@ def test_sequence_depth_is_exact_in_any_layout():
 
 
 def test_samplers_row_reductions_do_not_depend_on_batch_or_buffer():
-    """The samplers' float reductions: a row's `ordered_sum` (log p / log q / H_L sums)
+    """The samplers' float reductions under batch invariance: a row's `masked_sum` (log p / log q / H_L sums)
     and its vocabulary densities (`generation._densities` on row tiles) alone equal, bit
     for bit, the same row inside a batch of 8 with a longer buffer / other rows. (Plain
     `jnp.sum` and an untiled softmax differ here on XLA CPU: the control below.)"""
     from degs_jax.generation import SamplerSpec, _densities
-    from degs_jax.lens import SUM_ROWS, ordered_sum
+    from degs_jax.lens import SUM_ROWS, masked_sum
     from degs_jax.models.transformer import row_tiled
 
     rng = np.random.default_rng(3)
     values = rng.standard_normal((8, 700)).astype(np.float32) * 7
     mask = rng.random((8, 700)) < 0.8
-    alone = np.asarray(ordered_sum(values[:1, :300], mask[:1, :300]))
-    together = np.asarray(ordered_sum(values * (np.arange(700) < 300)[None], mask))
+    alone = np.asarray(masked_sum(values[:1, :300], mask[:1, :300], batch_invariant=True))
+    together = np.asarray(masked_sum(values * (np.arange(700) < 300)[None], mask, batch_invariant=True))
     assert alone.view(np.uint32)[0] == together.view(np.uint32)[0]
 
     logits = rng.standard_normal((8, 512)).astype(np.float32) * 4

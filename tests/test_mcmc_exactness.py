@@ -207,16 +207,16 @@ def test_tv_falls_with_more_steps(model, depth_setup, case):
     assert tvs[1] < 0.6 * tvs[0], tvs
 
 
-def _no_cut_ratio(current, proposal, cut, mc, num_layers):
+def _no_cut_ratio(current, proposal, cut, mc, num_layers, *invariance):
     n_x = (current.length - current.prompt_len).astype(jnp.float32)
     n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
-    return CORRECT_RATIO(current, proposal, cut, mc, num_layers) - (jnp.log(n_x) - jnp.log(n_y))
+    return CORRECT_RATIO(current, proposal, cut, mc, num_layers, *invariance) - (jnp.log(n_x) - jnp.log(n_y))
 
 
-def _q_sign_flipped(current, proposal, cut, mc, num_layers):
+def _q_sign_flipped(current, proposal, cut, mc, num_layers, *invariance):
     dq = (span_sum(current.logq, cut, current.length)
           - span_sum(proposal.logq, cut, proposal.length))
-    return CORRECT_RATIO(current, proposal, cut, mc, num_layers) - 2 * dq
+    return CORRECT_RATIO(current, proposal, cut, mc, num_layers, *invariance) - 2 * dq
 
 
 CORRECT_RATIO = mcmc_mod.log_acceptance_ratio

@@ -147,14 +147,14 @@ def _q_sign_flipped(old, new, log_q):
     return CORRECT_INCREMENT(old, new, -log_q)
 
 
-def _no_final_exponent_jump(gen, live, smc, num_layers):
+def _no_final_exponent_jump(gen, live, smc, num_layers, *invariance):
     """A completed particle keeps the ramp's exponent instead of jumping to alpha (the power
     case: beta = 0, so only the exponent differs)."""
-    return CORRECT_TARGET(gen, jnp.ones_like(live), smc, num_layers)
+    return CORRECT_TARGET(gen, jnp.ones_like(live), smc, num_layers, *invariance)
 
 
-def _depth_increment_dropped(gen, live, smc, num_layers):
-    return CORRECT_TARGET(gen, live, dataclasses.replace(smc, beta=0.0), num_layers)
+def _depth_increment_dropped(gen, live, smc, num_layers, *invariance):
+    return CORRECT_TARGET(gen, live, dataclasses.replace(smc, beta=0.0), num_layers, *invariance)
 
 
 def _weights_not_reset(state, need, ancestors, n):
