@@ -5,7 +5,7 @@ decode loop (`generation.generate` with the default L_sub lens) and one MCMC blo
 
 Layouts: `list` (layers unrolled into the program, the layout `load` returns) and
 `stacked` (one `lax.scan` over the layers: `degs_jax.models.stack_layers`). kv_read: the
-attention read (`auto` = `loop` on CPU, `buckets` elsewhere). With --persistent-cache
+attention read (`auto` = `loop` on CPU and for prefills, `buckets` for decode steps elsewhere). With --persistent-cache
 DIR each program is compiled twice: cold (written to DIR) and again after
 `jax.clear_caches()` (read back from DIR), the cost of a later process.
 

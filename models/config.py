@@ -71,7 +71,9 @@ class ModelConfig:
         stacked layers (`params.stack_layers`) where compile time matters;
       "all": every slot of the allocated buffer (the cost before live-length reads;
         for comparisons);
-      "auto" (default): "loop" on CPU, "buckets" on other backends.
+      "auto" (default): "loop" on CPU, "buckets" on other backends for one-token calls
+        (decode steps), "loop" for calls of several tokens (prefills: a switch reserves
+        its largest window's memory).
     `batch_invariant`: a row's results do not depend on the other rows of its batch (nor
       on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
       (padded; one program per tile shape, so the same kernel and reduction order for any

@@ -23,12 +23,16 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
 
 - "loop" (the CPU default): per layer, a `lax.while_loop` over C-slot chunks
   (C = `cfg.kv_chunk`) up to the longest live length; cost exactly proportional.
-- "buckets" (the default elsewhere): one `lax.switch` per call, around the whole
-  layer stack, over static windows of 0, C, 2C, 4C, ... slots and S; cost at most
-  twice the live length. On GPUs every iteration of a `while_loop` whose trip count is
-  data-dependent waits for the host (it reads the loop condition back), so a loop per
-  layer would stall the device L times per step; the switch does it once per call. It
-  compiles the layer stack once per window: use stacked layers.
+- "buckets" (the default elsewhere for one-token calls, i.e. decode steps): one
+  `lax.switch` per call, around the whole layer stack, over static windows of 0, C, 2C,
+  4C, ... slots and S; cost at most twice the live length. On GPUs every iteration of a
+  `while_loop` whose trip count is data-dependent waits for the host (it reads the loop
+  condition back), so a loop per layer would stall the device L times per step; the
+  switch does it once per call. It compiles the layer stack once per window: use stacked
+  layers. Calls of several tokens (prefills) "loop" under "auto": a switch reserves the
+  temporary memory of its largest branch, and the [B, T, S] scores of the whole-buffer
+  window made a 1024-token prefill at batch 64 (7B shape, 3072 new-token slots) ask for
+  48 GiB on an H100 and fail; a prefill's few loop trips cost little.
 - "all": every slot of the buffer (the cost before live-length reads, for comparisons).
 
 Numerics: scores and softmax statistics are fp32; the probabilities are cast to the
@@ -536,12 +540,13 @@ def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
     return tuple(windows) + (max_len,)
 
 
-def _read_mode(cfg: ModelConfig) -> str:
+def _read_mode(cfg: ModelConfig, tokens: int) -> str:
+    """The cache read of a call of `tokens` tokens per row (module docstring)."""
     if cfg.batch_invariant:  # fixed chunks in a fixed order, whatever the other rows
         return "loop"
     if cfg.kv_read != "auto":
         return cfg.kv_read
-    return "loop" if jax.default_backend() == "cpu" else "buckets"
+    return "buckets" if tokens == 1 and jax.default_backend() != "cpu" else "loop"
 
 
 def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Optional[KVCache],
@@ -553,7 +558,7 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
     if remat:
         raise ValueError("remat recomputes blocks for a backward pass; run it without a KV cache")
     S = cache.max_len
-    mode = _read_mode(cfg)
+    mode = _read_mode(cfg, x.shape[1])
     live = _live_lengths(positions, S, deferred=mode == "buckets")
     if mode == "all":
         return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, window=S), keep)[:3]

@@ -135,3 +135,20 @@ def test_read_settings_are_checked():
         dataclasses.replace(CFG, kv_read="paged")
     with pytest.raises(ConfigError, match="kv_chunk must be a positive integer"):
         dataclasses.replace(CFG, kv_chunk=0)
+
+
+@pytest.mark.parametrize("backend, tokens, expected", [
+    ("cpu", 1, "loop"), ("cpu", 64, "loop"),
+    ("gpu", 1, "buckets"),  # decode steps: one switch per call instead of a loop per layer
+    ("gpu", 64, "loop"),  # prefills: a switch reserves its largest (whole-buffer) window's memory
+])
+def test_auto_read_by_backend_and_call_length(monkeypatch, backend, tokens, expected):
+    """`kv_read="auto"`: the GPU decode step uses the buckets read, a multi-token call the
+    loop (a 1024-token prefill at batch 64 ran out of memory on an H100 with buckets);
+    an explicit setting and batch invariance are kept whatever the call."""
+    from degs_jax.models import transformer
+
+    monkeypatch.setattr(transformer.jax, "default_backend", lambda: backend)
+    assert transformer._read_mode(CFG, tokens) == expected
+    assert transformer._read_mode(dataclasses.replace(CFG, kv_read="buckets"), tokens) == "buckets"
+    assert transformer._read_mode(dataclasses.replace(CFG, batch_invariant=True), tokens) == "loop"
