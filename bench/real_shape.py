@@ -196,6 +196,8 @@ def main():
                          "cost before issue 17, to save about a third of the part)")
     ap.add_argument("--no-stacked", action="store_true",
                     help="decode part: skip the stacked-layer (lax.scan) runs")
+    ap.add_argument("--mcmc-problems", type=int, default=None,
+                    help="mcmc part: problems decoded as one batch (default: the plan's, 64 at the 7B shape)")
     ap.add_argument("--probe-batches", nargs="+", type=int, default=None,
                     help="probe part: batch sizes (default: the plan's, 64 and 128 at the 7B shape; "
                          "128 ran out of memory in the prefill on an 80 GB H100)")
@@ -206,6 +208,8 @@ def main():
     plan = PLANS["tiny" if args.tiny else "full"]
     if args.probe_batches:
         plan = {**plan, "probe": {**plan["probe"], "batches": args.probe_batches}}
+    if args.mcmc_problems:
+        plan = {**plan, "mcmc": {**plan["mcmc"], "problems": args.mcmc_problems}}
     if "hf" in parts:  # before JAX allocates the GPU
         run_hf(plan)
     cache_dir = enable_compilation_cache(tempfile.mkdtemp(prefix="degs_real_shape_xla_"))
