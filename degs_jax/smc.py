@@ -200,9 +200,9 @@ def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int,
     """log gamma of every row's current state, [B] fp32, from the stored per-token values:
     a_t·log p(x_{1:t}) + b_t·D_{t-1} for a live row, alpha·log p(x) + beta·D(x) for a
     complete one (see the module docstring). batch_invariant: `lens.masked_sum`'s, and
-    the per-row arithmetic on fixed tiles of rows (`_per_prompt`): XLA compiles a [B]
-    multiply-add for B, and may fuse it into FMAs for one B and not for another (1 ulp
-    in a DEGS-SMC weight between a prompt alone and in a batch of 8, CPU)."""
+    the per-row arithmetic on fixed tiles of rows (`_per_prompt`): XLA compiles the [B]
+    multiply-add below for B and fused it differently for 4 rows and for 32 (1 ulp in a
+    DEGS-SMC weight between a prompt alone and in a batch of 8, CPU; tiles fixed it)."""
     logp = masked_sum(gen.logp, gen.completion_mask(), batch_invariant)
     r = jnp.where(live, ramp_fraction(gen.length - gen.prompt_len, smc.ramp_tokens), 1.0)
     depth = jnp.zeros_like(logp)
