@@ -5,7 +5,7 @@ decode loop (`generation.generate` with the default L_sub lens) and one MCMC blo
 
 Layouts: `list` (layers unrolled into the program, the layout `load` returns) and
 `stacked` (one `lax.scan` over the layers: `degs_jax.models.stack_layers`). kv_read: the
-attention read (`auto` = `loop` on CPU and for prefills, `buckets` for decode steps elsewhere). With --persistent-cache
+attention read (`auto` = `loop` on CPU and for prefills, the Pallas `kernel` for GPU decode steps with list layers, `buckets` for other decode steps). With --persistent-cache
 DIR each program is compiled twice: cold (written to DIR) and again after
 `jax.clear_caches()` (read back from DIR), the cost of a later process.
 
@@ -56,7 +56,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen2.5-7b"])
     ap.add_argument("--layouts", nargs="+", default=["list", "stacked"], choices=["list", "stacked"])
-    ap.add_argument("--kv-reads", nargs="+", default=["auto"], choices=["auto", "loop", "buckets", "all"])
+    ap.add_argument("--kv-reads", nargs="+", default=["auto"], choices=["auto", "kernel", "loop", "buckets", "all"])
     ap.add_argument("--programs", nargs="+", default=["generate", "mcmc_block"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)

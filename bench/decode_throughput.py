@@ -39,7 +39,7 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--buffer", type=int, default=BUFFER_NEW, help="cache slots after the prompt")
-    ap.add_argument("--kv-read", default="auto", choices=["auto", "loop", "buckets", "all"])
+    ap.add_argument("--kv-read", default="auto", choices=["auto", "kernel", "loop", "buckets", "all"])
     ap.add_argument("--copy-gib", type=float, default=4.0,
                     help="size of the array of the bandwidth measurement (GiB; small for CPU smoke tests)")
     args = ap.parse_args()

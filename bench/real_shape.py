@@ -17,10 +17,11 @@ Parts (--parts, default with --all: all of them, in this order):
 hf       HF transformers `generate` (bench/hf_baseline.py) in a subprocess, run first, before
          JAX takes the GPU: Qwen2.5-0.5B and 7B shapes, batch 64, prompt 256, 512 new
          tokens, greedy, EOS suppressed, static and dynamic cache.
-decode   Ours, same settings, buffer prompt + 3072: `kv_read="buckets"` (the GPU default:
-         attention reads the live length) against `kv_read="all"` (every slot of the
-         buffer: the cost before issue 17), list layers; plus stacked layers (one
-         `lax.scan`) with buckets. Each record has the first call (compilation included)
+decode   Ours, same settings, buffer prompt + 3072, for each --kv-reads entry (default:
+         `kv_read="auto"`, the GPU default: the Pallas decode kernel reads each row's
+         live slots, and "buckets", the GPU default before it; "all", every slot of the
+         buffer, is the cost before issue 17), list layers; plus stacked layers (one
+         `lax.scan`) with the first entry. Each record has the first call (compilation included)
          and the timed call, and the share of the HBM roofline (weights + live KV cache).
 probe    Decode steps with the fused K = 7 lens against without, 7B shape, batch 64 and 128,
          prompt 1024 (a mid-chain length), 64 steps: the DEGS probe's share of a step.
@@ -95,7 +96,7 @@ def run_hf(plan):
 
 def run_decode(plan, bw: float, kv_reads: list[str], stacked: bool):
     runs = [(s, b, "list", r) for s, b in plan["decode"] for r in kv_reads]
-    runs += [(s, b, "stacked", "buckets") for s, b in plan["stacked"]] if stacked else []
+    runs += [(s, b, "stacked", kv_reads[0]) for s, b in plan["stacked"]] if stacked else []
     models = {}
     for shape, _, _, _ in runs:
         if shape not in models:
@@ -191,9 +192,13 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--mcmc-cap", type=int, default=768,
                     help="longest completion of the MCMC workload (tokens; 3072 = the full tail)")
-    ap.add_argument("--kv-reads", nargs="+", default=["buckets", "all"], choices=["buckets", "all"],
-                    help="decode part: attention reads of the list-layout runs (drop `all`, the "
-                         "cost before issue 17, to save about a third of the part)")
+    ap.add_argument("--kv-reads", nargs="+", default=["auto", "buckets"], choices=["auto", "kernel", "buckets", "all"],
+                    help="decode part: attention reads of the list-layout runs; the stacked runs use "
+                         "the first (default: auto, i.e. the decode kernel on GPUs, and buckets, the "
+                         "GPU default before it; `all` is the cost before issue 17)")
+    ap.add_argument("--decode-runs", nargs="+", default=None, metavar="SHAPE:BATCH",
+                    help="decode part: the list-layout runs (default: the plan's, e.g. qwen2.5-7b:64); "
+                         "the stacked runs then use the same")
     ap.add_argument("--no-stacked", action="store_true",
                     help="decode part: skip the stacked-layer (lax.scan) runs")
     ap.add_argument("--mcmc-problems", type=int, default=None,
@@ -208,6 +213,9 @@ def main():
     plan = PLANS["tiny" if args.tiny else "full"]
     if args.probe_batches:
         plan = {**plan, "probe": {**plan["probe"], "batches": args.probe_batches}}
+    if args.decode_runs:
+        runs = [(name, int(batch)) for name, batch in (run.rsplit(":", 1) for run in args.decode_runs)]
+        plan = {**plan, "decode": runs, "stacked": runs}
     if args.mcmc_problems:
         plan = {**plan, "mcmc": {**plan["mcmc"], "problems": args.mcmc_problems}}
     if "hf" in parts:  # before JAX allocates the GPU

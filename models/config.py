@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 _FAMILY = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-KV_READS = ("auto", "loop", "buckets", "all")
+KV_READS = ("auto", "kernel", "loop", "buckets", "all")
 
 
 class ConfigError(ValueError):
@@ -69,11 +69,16 @@ class ModelConfig:
         length; for GPUs, where each iteration of a data-dependent `while_loop` waits
         for the host); compiles the layer stack once per window, so pair it with
         stacked layers (`params.stack_layers`) where compile time matters;
+      "kernel": one-token calls (decode steps) read each row's own live slots in a
+        Pallas flash-decoding kernel (`decode_kernel`; Triton on GPUs, Pallas'
+        interpreter elsewhere, which is slow); calls of several tokens use "loop";
       "all": every slot of the allocated buffer (the cost before live-length reads;
         for comparisons);
-      "auto" (default): "loop" on CPU, "buckets" on other backends for one-token calls
-        (decode steps), "loop" for calls of several tokens (prefills: a switch reserves
-        its largest window's memory).
+      "auto" (default): "loop" on CPU and for calls of several tokens (prefills: a
+        switch reserves its largest window's memory); for decode steps, "kernel" on a
+        GPU (head size a power of two >= 16; layers in a list: inside a scan over
+        stacked layers it measured slower than "buckets"; no device mesh: XLA cannot
+        split the kernel over devices), else "buckets".
     `batch_invariant`: a row's results do not depend on the other rows of its batch (nor
       on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
       (padded; one program per tile shape, so the same kernel and reduction order for any

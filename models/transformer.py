@@ -23,7 +23,8 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
 
 - "loop" (the CPU default): per layer, a `lax.while_loop` over C-slot chunks
   (C = `cfg.kv_chunk`) up to the longest live length; cost exactly proportional.
-- "buckets" (the default elsewhere for one-token calls, i.e. decode steps): one
+- "buckets" (the default for one-token calls, i.e. decode steps, where the kernel is
+  not used: accelerators without Triton, stacked layers, a device mesh): one
   `lax.switch` per call, around the whole layer stack, over static windows of 0, C, 2C,
   4C, ... slots and S; cost at most twice the live length. On GPUs every iteration of a
   `while_loop` whose trip count is data-dependent waits for the host (it reads the loop
@@ -33,6 +34,14 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
   temporary memory of its largest branch, and the [B, T, S] scores of the whole-buffer
   window made a 1024-token prefill at batch 64 (7B shape, 3072 new-token slots) ask for
   48 GiB on an H100 and fail; a prefill's few loop trips cost little.
+- "kernel" (the default on GPUs for one-token calls with the layers in a list): each
+  layer's keys and values are written, then one Pallas flash-decoding kernel reads each
+  row's own live slots (`decode_kernel`): no bucket rounding, no other row's length,
+  scores kept on chip. Measured on an H100 at the 7B shape, batch 64 (docs/benchmarks.md,
+  run 28): 7.7 ms per step against 10.1 ms with "buckets", and a fifth of the compile
+  time. Inside the `lax.scan` of stacked layers the same kernel measured 14.8 ms per
+  step at batch 1 (5.9 ms unrolled; the cause was not found), so "auto" keeps
+  "buckets" for stacked layers.
 - "all": every slot of the buffer (the cost before live-length reads, for comparisons).
 
 Numerics: scores and softmax statistics are fp32; the probabilities are cast to the
@@ -66,6 +75,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from . import decode_kernel
 from .config import ModelConfig
 from .params import LayerParams, Params, param_shapes
 from .sharding import CACHE, FFN, HEADS, HIDDEN, constrain
@@ -253,13 +263,14 @@ def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "live", "chunks"],
-                   meta_fields=["window", "chunk", "deferred", "row_tile"])
+                   meta_fields=["window", "chunk", "deferred", "row_tile", "kernel"])
 @dataclasses.dataclass(frozen=True)
 class _CacheRead:
     """How one call reads the cache. `live` [B] int32: each row reads slots below it.
     Either `window` > 0 (static): the first `window` slots are read as one block; or
     `chunks` (a traced scalar): that many C-slot chunks (C = `chunk`) are read one by
-    one in a `while_loop`.
+    one in a `while_loop`; or `kernel`: one-token queries read each row's own live
+    slots in the Pallas decode kernel (`decode_kernel`).
 
     Two orders of reading and writing, picked for XLA to keep the cache update in place
     (no copy of the cache per step): by default each layer writes this call's keys and
@@ -275,6 +286,7 @@ class _CacheRead:
     chunk: int = 0
     deferred: bool = False
     row_tile: int = 0  # > 0: chunks read for tiles of this many rows at a time (batch-invariant numerics)
+    kernel: bool = False
 
 
 def _masked_partial(qg: Array, keys: Array, values: Array, visible: Array, scale: float) -> SoftmaxState:
@@ -352,6 +364,20 @@ def _cache_chunks_rows(qg, positions, live, rows: Optional[Array], read: _CacheR
     return jax.lax.fori_loop(0, read.chunks, body, (empty, read.cache))
 
 
+def _kernel_read(qg: Array, read: _CacheRead, layer, scale: float) -> SoftmaxState:
+    """The partial of one-token queries qg [B, Hkv, g, 1, Dh] over each row's live slots
+    of layer `layer`, from the decode kernel's pieces merged in one step (each piece's
+    terms rescaled to the largest piece max; a piece with no slot has m = -inf and
+    weight 0). Off GPUs the kernel runs in Pallas' interpreter (tests)."""
+    o, m, l = decode_kernel.decode_partials(qg[:, :, :, 0], read.cache.k, read.cache.v, layer, read.live,
+                                            scale, interpret=jax.default_backend() != "gpu")
+    top = jnp.max(m, axis=0)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp(m - shift)
+    return SoftmaxState(m=top[..., None], l=jnp.sum(weight * l, axis=0)[..., None],
+                        o=jnp.sum(weight[..., None] * o, axis=0)[:, :, :, None])
+
+
 def _attention(q: Array, k: Array, v: Array, positions: Array, read: Optional[_CacheRead],
                layer) -> tuple[Array, Optional[_CacheRead]]:
     """Grouped-query causal attention by position.
@@ -371,6 +397,8 @@ def _attention(q: Array, k: Array, v: Array, positions: Array, read: Optional[_C
         state = _masked_partial(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), visible, scale)
         if read is not None and read.window:  # cache slots below the first position, then own keys
             state = _combine(_cache_window(qg, positions, read, layer, scale), state)
+    elif read.kernel:
+        state = _kernel_read(qg, read, layer, scale)
     elif read.chunks is not None:
         state, cache = _cache_chunks(qg, positions, read, layer, scale)
         read = dataclasses.replace(read, cache=cache)
@@ -540,13 +568,27 @@ def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
     return tuple(windows) + (max_len,)
 
 
-def _read_mode(cfg: ModelConfig, tokens: int) -> str:
-    """The cache read of a call of `tokens` tokens per row (module docstring)."""
+def _read_mode(cfg: ModelConfig, tokens: int, slots: int, stacked: bool = False) -> str:
+    """The cache read of a call of `tokens` tokens per row into a `slots`-slot cache,
+    with the layers in a list or `stacked` (module docstring)."""
     if cfg.batch_invariant:  # fixed chunks in a fixed order, whatever the other rows
         return "loop"
+    if cfg.kv_read == "kernel":
+        return "kernel" if tokens == 1 else "loop"
     if cfg.kv_read != "auto":
         return cfg.kv_read
-    return "buckets" if tokens == 1 and jax.default_backend() != "cpu" else "loop"
+    backend = jax.default_backend()
+    if tokens != 1 or backend == "cpu":
+        return "loop"
+    if backend == "gpu" and not stacked and decode_kernel.supported(cfg.head_dim, slots) and not _under_mesh():
+        return "kernel"
+    return "buckets"
+
+
+def _under_mesh() -> bool:
+    """Tracing under a device mesh: the kernel is one custom call, which XLA cannot split
+    over devices (it would gather the cache), so "auto" reads with "buckets" there."""
+    return not jax.sharding.get_abstract_mesh().empty
 
 
 def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Optional[KVCache],
@@ -558,10 +600,12 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
     if remat:
         raise ValueError("remat recomputes blocks for a backward pass; run it without a KV cache")
     S = cache.max_len
-    mode = _read_mode(cfg, x.shape[1])
+    mode = _read_mode(cfg, x.shape[1], S, stacked=isinstance(layers, LayerParams))
     live = _live_lengths(positions, S, deferred=mode == "buckets")
     if mode == "all":
         return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, window=S), keep)[:3]
+    if mode == "kernel":
+        return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, kernel=True), keep)[:3]
     C = cfg.kv_chunk if cfg.batch_invariant and S % cfg.kv_chunk == 0 else min(cfg.kv_chunk, S)
     if mode == "loop":
         chunks = (jnp.max(live) + C - 1) // C

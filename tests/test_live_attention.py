@@ -20,7 +20,7 @@ from hf_reference import tiny_config
 
 CFG = tiny_config("Qwen2ForCausalLM")  # 3 layers, 2 KV heads of 8
 S = 40  # not a multiple of the chunks below: the last chunk is moved back and masked
-READS = ("loop", "buckets", "all")
+READS = ("loop", "buckets", "kernel", "all")  # "kernel" on CPU: Pallas' interpreter
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +64,13 @@ def _poisoned(cache: KVCache, from_slot: int) -> KVCache:
     return KVCache(k=cache.k.at[:, :, :, from_slot:].set(jnp.nan), v=cache.v.at[..., from_slot:].set(jnp.nan))
 
 
-@pytest.mark.parametrize("read, unread_from", [("loop", 16), ("buckets", 16), ("all", None)])
+@pytest.mark.parametrize("read, unread_from", [("loop", 16), ("buckets", 16), ("kernel", 14), ("all", None)])
 def test_slots_past_the_live_chunks_are_never_read(params, read, unread_from):
     """A step of rows at positions 13 and 9 with 8-slot chunks: the loop reads chunks 0 and
     1 (slots < 16, covering position 13), the buckets read the 16-slot window (windows 0,
-    8, 16, 32, 40); with NaN in every later slot the result is still exact. Reading the
+    8, 16, 32, 40), the kernel each row's own slots (< 14 and < 10; the rest of its 32-slot
+    block is loaded but masked, values included); with NaN in every later slot the
+    result is still exact. Reading the
     whole buffer ("all") is poisoned: the test notices any read past the live chunks."""
     cfg = dataclasses.replace(CFG, kv_read=read, kv_chunk=8)
     tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, cfg.vocab_size)
@@ -107,7 +109,8 @@ def _cache_sized_copies(hlo: str, cache_elements: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("read", READS)
+@pytest.mark.parametrize("read", [r for r in READS if r != "kernel"])  # interpreted here: not
+# the program a GPU runs (bench/decode_breakdown.py checks the kernel's HLO on the GPU)
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
 def test_decode_loop_updates_the_cache_in_place(read, stacked):
     """The compiled `generate` holds exactly two cache-sized copies, k and v, made once on
@@ -131,7 +134,7 @@ def test_decode_loop_updates_the_cache_in_place(read, stacked):
 def test_read_settings_are_checked():
     from degs_jax.models import ConfigError
 
-    with pytest.raises(ConfigError, match="kv_read must be one of auto, loop, buckets, all"):
+    with pytest.raises(ConfigError, match="kv_read must be one of auto, kernel, loop, buckets, all"):
         dataclasses.replace(CFG, kv_read="paged")
     with pytest.raises(ConfigError, match="kv_chunk must be a positive integer"):
         dataclasses.replace(CFG, kv_chunk=0)
@@ -139,16 +142,40 @@ def test_read_settings_are_checked():
 
 @pytest.mark.parametrize("backend, tokens, expected", [
     ("cpu", 1, "loop"), ("cpu", 64, "loop"),
-    ("gpu", 1, "buckets"),  # decode steps: one switch per call instead of a loop per layer
+    ("gpu", 1, "kernel"),  # decode steps: the Pallas kernel reads each row's own slots
+    ("tpu", 1, "buckets"),  # no Triton: one switch per call instead of a loop per layer
     ("gpu", 64, "loop"),  # prefills: a switch reserves its largest (whole-buffer) window's memory
 ])
 def test_auto_read_by_backend_and_call_length(monkeypatch, backend, tokens, expected):
-    """`kv_read="auto"`: the GPU decode step uses the buckets read, a multi-token call the
-    loop (a 1024-token prefill at batch 64 ran out of memory on an H100 with buckets);
-    an explicit setting and batch invariance are kept whatever the call."""
+    """`kv_read="auto"`: the GPU decode step uses the kernel, other accelerators the
+    buckets, a multi-token call the loop (a 1024-token prefill at batch 64 ran out of
+    memory on an H100 with buckets); an explicit setting and batch invariance are kept
+    whatever the call (an explicit "kernel" loops for several tokens)."""
     from degs_jax.models import transformer
 
     monkeypatch.setattr(transformer.jax, "default_backend", lambda: backend)
-    assert transformer._read_mode(CFG, tokens) == expected
-    assert transformer._read_mode(dataclasses.replace(CFG, kv_read="buckets"), tokens) == "buckets"
-    assert transformer._read_mode(dataclasses.replace(CFG, batch_invariant=True), tokens) == "loop"
+    cfg = dataclasses.replace(CFG, head_dim=16)  # a head size the kernel takes
+    assert transformer._read_mode(cfg, tokens, S) == expected
+    assert transformer._read_mode(dataclasses.replace(cfg, kv_read="buckets"), tokens, S) == "buckets"
+    assert transformer._read_mode(dataclasses.replace(cfg, kv_read="kernel"), tokens, S) == (
+        "kernel" if tokens == 1 else "loop")
+    assert transformer._read_mode(dataclasses.replace(cfg, batch_invariant=True), tokens, S) == "loop"
+
+
+def test_auto_read_keeps_the_kernel_off_where_it_cannot_run(monkeypatch):
+    """On a GPU, "auto" decodes with "buckets" when the kernel cannot take the shape (a
+    head size that is not a power of two >= 16, a cache of < 16 slots), for stacked
+    layers (the kernel measured 2.5x slower inside the layers' scan) or under a device
+    mesh (one custom call: XLA would gather the cache onto every device)."""
+    from degs_jax.models import transformer
+    from degs_jax.models.sharding import make_mesh
+
+    monkeypatch.setattr(transformer.jax, "default_backend", lambda: "gpu")
+    wide = dataclasses.replace(CFG, head_dim=16)
+    assert transformer._read_mode(wide, 1, S) == "kernel"
+    assert transformer._read_mode(CFG, 1, S) == "buckets"  # head size 8
+    assert transformer._read_mode(dataclasses.replace(CFG, head_dim=24), 1, S) == "buckets"
+    assert transformer._read_mode(wide, 1, 8) == "buckets"
+    assert transformer._read_mode(wide, 1, S, stacked=True) == "buckets"  # measured slower in a scan
+    with jax.set_mesh(make_mesh(data=1, model=1)):
+        assert transformer._read_mode(wide, 1, S) == "buckets"
