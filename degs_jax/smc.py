@@ -200,7 +200,7 @@ def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int,
     """log gamma of every row's current state, [B] fp32, from the stored per-token values:
     a_t·log p(x_{1:t}) + b_t·D_{t-1} for a live row, alpha·log p(x) + beta·D(x) for a
     complete one (see the module docstring). batch_invariant: `lens.masked_sum`'s, and
-    the per-row arithmetic on fixed tiles of rows (`_per_prompt`): XLA compiles the [B]
+    the per-row arithmetic on fixed tiles of rows (`_row_tiles`): XLA compiles the [B]
     multiply-add below for B and fused it differently for 4 rows and for 32 (1 ulp in a
     DEGS-SMC weight between a prompt alone and in a batch of 8, CPU; tiles fixed it)."""
     logp = masked_sum(gen.logp, gen.completion_mask(), batch_invariant)
@@ -217,7 +217,7 @@ def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int,
         out = (1.0 + (smc.alpha - 1.0) * r) * logp
         return out + smc.beta * r * depth if smc.beta > 0 else out
 
-    return _per_prompt(combine, jnp.stack([logp, r, depth], axis=1), batch_invariant)
+    return _row_tiles(combine, jnp.stack([logp, r, depth], axis=1), batch_invariant)
 
 
 def log_weight_increment(old_log_target: Array, new_log_target: Array, log_q: Array) -> Array:
@@ -225,7 +225,7 @@ def log_weight_increment(old_log_target: Array, new_log_target: Array, log_q: Ar
     return new_log_target - old_log_target - log_q
 
 
-def _per_prompt(fn, array: Array, batch_invariant: bool):
+def _row_tiles(fn, array: Array, batch_invariant: bool):
     """fn over the rows of a [P, ...] array (prompts, or particles' rows); under batch
     invariance on tiles of `lens.SUM_ROWS` rows: a reduction over [P, N] particles is
     compiled for P, so a prompt's weights would depend on how many prompts share the
@@ -234,12 +234,12 @@ def _per_prompt(fn, array: Array, batch_invariant: bool):
 
 
 def _prompt_logsumexp(log_weight: Array, n: int, batch_invariant: bool) -> Array:
-    return _per_prompt(lambda lw: jax.nn.logsumexp(lw, axis=1), log_weight.reshape(-1, n), batch_invariant)
+    return _row_tiles(lambda lw: jax.nn.logsumexp(lw, axis=1), log_weight.reshape(-1, n), batch_invariant)
 
 
 def effective_sample_size(log_weight: Array, n: int, batch_invariant: bool = False) -> Array:
     """(Σ w)² / Σ w² per prompt, [P] fp32, from [P·N] log weights."""
-    return _per_prompt(lambda lw: jnp.exp(2.0 * jax.nn.logsumexp(lw, axis=1) - jax.nn.logsumexp(2.0 * lw, axis=1)),
+    return _row_tiles(lambda lw: jnp.exp(2.0 * jax.nn.logsumexp(lw, axis=1) - jax.nn.logsumexp(2.0 * lw, axis=1)),
                        log_weight.reshape(-1, n), batch_invariant)
 
 
@@ -250,10 +250,10 @@ def systematic_ancestors(log_weight: Array, uniform: Array, batch_invariant: boo
     number of points (u + m)/N, m = 0..N-1, in its slice of the weights' CDF. Returns
     ancestors [P, N] (indices into the prompt's particles): a particle with c_j >= 1 keeps
     row j, its c_j - 1 extra copies fill, in order, the rows of particles with c_j = 0.
-    batch_invariant: the CDF on fixed tiles of prompts (`_per_prompt`).
+    batch_invariant: the CDF on fixed tiles of prompts (`_row_tiles`).
     """
     P, N = log_weight.shape
-    cdf = _per_prompt(lambda lw: jnp.cumsum(jax.nn.softmax(lw, axis=1), axis=1), log_weight, batch_invariant)
+    cdf = _row_tiles(lambda lw: jnp.cumsum(jax.nn.softmax(lw, axis=1), axis=1), log_weight, batch_invariant)
     cdf = cdf.at[:, -1].set(1.0)  # rounding must not leave a point past the end
     points = (uniform[:, None] + jnp.arange(N)[None]) / N
     drawn = jax.vmap(lambda c, u: jnp.searchsorted(c, u, side="right"))(cdf, points)
@@ -402,4 +402,4 @@ def _final_weights(log_weight: Array, log_evidence: Array, keys: Array,
     log_z = log_evidence + _prompt_logsumexp(log_weight, n, batch_invariant) - jnp.log(n)
     choice_keys = _stream(keys.reshape(-1, n)[:, 0], CHOICE_STREAM)
     chosen = jax.vmap(jax.random.categorical)(choice_keys, lw)
-    return _per_prompt(lambda w: jax.nn.softmax(w, axis=1), lw, batch_invariant), log_z, chosen
+    return _row_tiles(lambda w: jax.nn.softmax(w, axis=1), lw, batch_invariant), log_z, chosen

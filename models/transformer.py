@@ -738,13 +738,22 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     return logits, entropy, top, 1.0 / s, m + jnp.log(s)
 
 
+# A multi-token call with a cache of more than this many tokens (rows x tokens per row)
+# runs in `kv_chunk`-token chunks (`_forward_in_chunks`), which bounds a prefill's
+# temporaries: at the 7B shape one call of 128 rows x 1024 tokens asked for a 61.8 GiB
+# temporary and did not fit an 80 GB H100 (docs/benchmarks.md), 64 x 1024 did.
+CHUNKED_PREFILL_TOKENS = 65536
+
+
 def _forward_in_chunks(params: Params, cfg: ModelConfig, tokens: Array, positions: Array, cache: KVCache,
                        capture, lens_layers, lens_chunk, logits_at, lens_translators) -> ForwardOutput:
-    """`forward` of a multi-token call under `cfg.batch_invariant`: the tokens run in
-    chunks of `cfg.kv_chunk` (a `lax.scan` carrying the cache), so that every program
-    sees [B, kv_chunk] tokens whatever the batch's longest prompt. One call of T tokens
-    would compile its attention products for that T, and a row's numerics would depend
-    on the longest prompt it is padded to (measured on CPU: 4e-5 in float32). The last
+    """`forward` of a multi-token call under `cfg.batch_invariant` or of more than
+    CHUNKED_PREFILL_TOKENS tokens: the tokens run in chunks of `cfg.kv_chunk` (a
+    `lax.scan` carrying the cache), so that every program sees [B, kv_chunk] tokens
+    whatever the batch's longest prompt, and holds one chunk's temporaries. Under batch
+    invariance that is the point: one call of T tokens would compile its attention
+    products for that T, and a row's numerics would depend on the longest prompt it is
+    padded to (measured on CPU: 4e-5 in float32). The last
     chunk is padded with positions past each row's last one: their keys land in slots
     no query of this call sees (the slots beyond a right-padded prompt already hold
     padding), or past the buffer, where writes are dropped."""
@@ -812,7 +821,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
         if bad:
             raise ValueError(f"{name} layers {bad} out of range 0..{L}")
     B, T = tokens.shape
-    if cfg.batch_invariant and cache is not None and T > 1 and not remat:
+    if cache is not None and T > 1 and not remat and (cfg.batch_invariant or B * T > CHUNKED_PREFILL_TOKENS):
         return _forward_in_chunks(params, cfg, tokens, positions, cache, capture, lens_layers, lens_chunk,
                                   logits_at, lens_translators)
     return _forward_call(params, cfg, tokens, positions, cache, capture, lens_layers, lens_chunk, logits_at,

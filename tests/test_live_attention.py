@@ -179,3 +179,28 @@ def test_auto_read_keeps_the_kernel_off_where_it_cannot_run(monkeypatch):
     assert transformer._read_mode(wide, 1, S, stacked=True) == "buckets"  # measured slower in a scan
     with jax.set_mesh(make_mesh(data=1, model=1)):
         assert transformer._read_mode(wide, 1, S) == "buckets"
+
+
+def test_large_prefill_runs_in_chunks_with_the_same_result(params, monkeypatch):
+    """A multi-token call of more than CHUNKED_PREFILL_TOKENS rows x tokens runs in
+    kv_chunk-token chunks (bounded temporaries: the 7B prefill of 128 x 1024 tokens did
+    not fit an H100 in one call) and gives the one-call logits and cache (fp32, other
+    blocking of the same sums: ~1e-6)."""
+    from degs_jax.models import transformer
+
+    cfg = dataclasses.replace(CFG, kv_chunk=8)
+    tokens = jax.random.randint(jax.random.key(5), (2, 21), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(21), (2, 21))
+    run = lambda: forward(params, cfg, tokens, positions, init_cache(cfg, 2, S, jnp.float32))
+    whole = run()
+    calls = []
+    chunked = transformer._forward_in_chunks
+    monkeypatch.setattr(transformer, "_forward_in_chunks", lambda *a: calls.append(1) or chunked(*a))
+    monkeypatch.setattr(transformer, "CHUNKED_PREFILL_TOKENS", 2 * 21 - 1)
+    jax.clear_caches()  # `forward` reads the threshold when traced
+    got = run()
+    assert calls == [1]
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(whole.logits), atol=1e-5, rtol=0)
+    # the prompt's slots (the last chunk's padding writes slots 21..23, read by no query)
+    np.testing.assert_allclose(got.cache.k[:, :, :, :21], whole.cache.k[:, :, :, :21], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got.cache.v[..., :21], whole.cache.v[..., :21], atol=1e-5, rtol=0)
