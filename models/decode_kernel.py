@@ -9,26 +9,26 @@ to a power-of-two bucket of the batch's longest row ("buckets" read). Measured o
 H100 at the 7B shape, batch 64, that came to ~3.8 ms of a 10.1 ms step whose weights
 alone take 6.2 ms (docs/benchmarks.md, run 27). This kernel reads each row's slots
 once, below that row's own live length (no bucket, no other row's length), and keeps
-scores in registers.
+scores in registers: the same step takes 7.7 ms (run 28).
 
-What it computes. Grid (B, Hkv, splits). Program (b, h, j) takes the j-th of `splits`
-equal pieces (rounded up to whole blocks) of row b's live slots [0, live[b]) and walks
-them in blocks of `block_k` slots with the online softmax: per block, scores
-s = (q·K^T)·scale in fp32 (bf16 products accumulated in fp32, as the einsum path),
-running max m, l = sum exp(s - m), and o = sum exp(s - m)·V with the probabilities cast
-to the value dtype and accumulated in fp32 (as in the einsum path and HF). It returns
-the unnormalised partials (o, m, l) of every piece; `combine_pieces` merges them in
-piece order and the caller divides o by l. A piece with no slot returns m = -inf,
-l = 0, o = 0, which merges as an exact identity. Splitting a row over several programs
-keeps the GPU busy at small batch (flash decoding); the number of pieces is static,
-chosen from B·Hkv, so each row's rounding depends on the batch size only through it.
+What it computes. Grid (B, Hkv, P). Program (b, h, j) takes the j-th of P equal pieces
+(rounded up to whole blocks) of row b's live slots [0, live[b]) and walks them in blocks
+of `block` slots with the online softmax: per block, scores s = (q·K^T)·scale in fp32
+(bf16 products accumulated in fp32, as the einsum path), running max m,
+l = sum exp(s - m), and o = sum exp(s - m)·V with the probabilities cast to the value
+dtype and accumulated in fp32 (as in the einsum path and HF). It returns the
+unnormalised partials (o, m, l) of every piece; the caller (`transformer._kernel_read`)
+rescales them to their common max, sums them and divides o by l. A piece with no slot
+returns m = -inf, l = 0, o = 0, which adds nothing. Splitting a row over several
+programs keeps the GPU busy at small batch (flash decoding); P is static, chosen from
+B·Hkv (`pieces_for`), so a row's rounding depends on the batch size only through P.
 
 Layout. The cache stays as the model allocates it: K [L, B, Hkv, S, Dh], V
-[L, B, Hkv, Dh, S] (V transposed; its block is loaded as [Dh, block_k] and used
+[L, B, Hkv, Dh, S] (V transposed; its block is loaded as [Dh, block] and used
 transposed in the P·V product). The layer index is a kernel input, so a layer inside
 a `lax.scan` over stacked layers is read where it lies: slicing `cache[layer]` outside
 the kernel would make XLA copy the whole layer's buffer every step. A block that would
-reach past S starts at S - block_k instead, with its already-read slots masked, so no
+reach past S starts at S - block instead, with its already-read slots masked, so no
 load leaves the buffer.
 
 Requirements on GPUs (`supported`): Dh a power of two >= 16 (Triton's dot), S >= 16.
@@ -48,7 +48,7 @@ from jax.experimental.pallas import triton as pallas_triton
 Array = jax.Array
 _F32 = jnp.float32
 
-# Slots per block: [block_k, Dh] bf16 tiles of K and V (16 KiB each at Dh = 128).
+# Slots per block: [block, Dh] bf16 tiles of K and V (16 KiB each at Dh = 128).
 MAX_BLOCK = 64
 # Pieces per row are chosen so that about this many programs run (B · Hkv · pieces):
 # a few per SM of an H100 (132 SMs), so that rows of unequal length still fill the card.
