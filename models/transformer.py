@@ -24,7 +24,7 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
 - "loop" (the CPU default): per layer, a `lax.while_loop` over C-slot chunks
   (C = `cfg.kv_chunk`) up to the longest live length; cost exactly proportional.
 - "buckets" (the default for one-token calls, i.e. decode steps, where the kernel is
-  not used: accelerators without Triton, stacked layers, a device mesh): one
+  not used: accelerators without Triton, a device mesh): one
   `lax.switch` per call, around the whole layer stack, over static windows of 0, C, 2C,
   4C, ... slots and S; cost at most twice the live length. On GPUs every iteration of a
   `while_loop` whose trip count is data-dependent waits for the host (it reads the loop
@@ -34,14 +34,11 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
   temporary memory of its largest branch, and the [B, T, S] scores of the whole-buffer
   window made a 1024-token prefill at batch 64 (7B shape, 3072 new-token slots) ask for
   48 GiB on an H100 and fail; a prefill's few loop trips cost little.
-- "kernel" (the default on GPUs for one-token calls with the layers in a list): each
-  layer's keys and values are written, then one Pallas flash-decoding kernel reads each
-  row's own live slots (`decode_kernel`): no bucket rounding, no other row's length,
-  scores kept on chip. Measured on an H100 at the 7B shape, batch 64 (docs/benchmarks.md,
-  run 28): 7.7 ms per step against 10.1 ms with "buckets", and a fifth of the compile
-  time. Inside the `lax.scan` of stacked layers the same kernel measured 14.8 ms per
-  step at batch 1 (5.9 ms unrolled; the cause was not found), so "auto" keeps
-  "buckets" for stacked layers.
+- "kernel" (the default on GPUs for one-token calls): each layer's keys and values are
+  written, then one Pallas flash-decoding kernel reads each row's own live slots
+  (`decode_kernel`): no bucket rounding, no other row's length, scores kept on chip.
+  Measured on an H100 at the 7B shape, batch 64 (docs/benchmarks.md, run 28): 7.7 ms per
+  step against 10.1 ms with "buckets", and a fifth of the compile time.
 - "all": every slot of the buffer (the cost before live-length reads, for comparisons).
 
 Numerics: scores and softmax statistics are fp32; the probabilities are cast to the
@@ -568,9 +565,9 @@ def _window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
     return tuple(windows) + (max_len,)
 
 
-def _read_mode(cfg: ModelConfig, tokens: int, slots: int, stacked: bool = False) -> str:
-    """The cache read of a call of `tokens` tokens per row into a `slots`-slot cache,
-    with the layers in a list or `stacked` (module docstring)."""
+def _read_mode(cfg: ModelConfig, tokens: int, slots: int) -> str:
+    """The cache read of a call of `tokens` tokens per row into a `slots`-slot cache
+    (module docstring)."""
     if cfg.batch_invariant:  # fixed chunks in a fixed order, whatever the other rows
         return "loop"
     if cfg.kv_read == "kernel":
@@ -580,7 +577,7 @@ def _read_mode(cfg: ModelConfig, tokens: int, slots: int, stacked: bool = False)
     backend = jax.default_backend()
     if tokens != 1 or backend == "cpu":
         return "loop"
-    if backend == "gpu" and not stacked and decode_kernel.supported(cfg.head_dim, slots) and not _under_mesh():
+    if backend == "gpu" and decode_kernel.supported(cfg.head_dim, slots) and not _under_mesh():
         return "kernel"
     return "buckets"
 
@@ -600,7 +597,7 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
     if remat:
         raise ValueError("remat recomputes blocks for a backward pass; run it without a KV cache")
     S = cache.max_len
-    mode = _read_mode(cfg, x.shape[1], S, stacked=isinstance(layers, LayerParams))
+    mode = _read_mode(cfg, x.shape[1], S)
     live = _live_lengths(positions, S, deferred=mode == "buckets")
     if mode == "all":
         return _layer_stack(layers, cfg, x, positions, _CacheRead(cache, live, window=S), keep)[:3]

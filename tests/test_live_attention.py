@@ -164,8 +164,7 @@ def test_auto_read_by_backend_and_call_length(monkeypatch, backend, tokens, expe
 
 def test_auto_read_keeps_the_kernel_off_where_it_cannot_run(monkeypatch):
     """On a GPU, "auto" decodes with "buckets" when the kernel cannot take the shape (a
-    head size that is not a power of two >= 16, a cache of < 16 slots), for stacked
-    layers (the kernel measured 2.5x slower inside the layers' scan) or under a device
+    head size that is not a power of two >= 16, a cache of < 16 slots) or under a device
     mesh (one custom call: XLA would gather the cache onto every device)."""
     from degs_jax.models import transformer
     from degs_jax.models.sharding import make_mesh
@@ -176,7 +175,6 @@ def test_auto_read_keeps_the_kernel_off_where_it_cannot_run(monkeypatch):
     assert transformer._read_mode(CFG, 1, S) == "buckets"  # head size 8
     assert transformer._read_mode(dataclasses.replace(CFG, head_dim=24), 1, S) == "buckets"
     assert transformer._read_mode(wide, 1, 8) == "buckets"
-    assert transformer._read_mode(wide, 1, S, stacked=True) == "buckets"  # measured slower in a scan
     with jax.set_mesh(make_mesh(data=1, model=1)):
         assert transformer._read_mode(wide, 1, S) == "buckets"
 
