@@ -1,9 +1,11 @@
-"""Speed at the shapes users run (issue 17), on one H100/H200, in calls of under ~9 minutes
-(times estimated from the H200 records in bench/results/, not measured with this script yet):
+"""Speed at the shapes users run (issue 17), on one H100/H200 (times from the H100 runs
+28-33 in bench/results/; one device call may last 10 minutes):
 
-    python bench/real_shape.py --parts hf decode   # ~6-8 min (HF ~3-4, ours ~3-4); ratios from one call
-    python bench/real_shape.py --parts probe       # ~2-3 min
-    python bench/real_shape.py --parts mcmc        # ~5-7 min (--mcmc-cap 576 to cut it)
+    python bench/real_shape.py --parts hf decode   # > 10 min on an H100: run 28 (HF 5.3 min)
+                                                   # was cut after the batch-64 runs of both reads
+    python bench/real_shape.py --parts decode --decode-runs qwen2.5-7b:1 --no-stacked
+    python bench/real_shape.py --parts probe       # ~1.5 min
+    python bench/real_shape.py --parts mcmc --mcmc-cap 576   # ~3.5 min at 64 problems
     python bench/real_shape.py --all               # every part in one call: ~15 min, too long for one
     python bench/real_shape.py --all --tiny        # CPU smoke test: the same code at a tiny shape
 
@@ -56,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, default_mcmc, emit,
+from common import (BUFFER_NEW, SHAPES, copy_bandwidth, decode_seconds, decode_step_bytes, default_mcmc, emit,
                     environment, forced_eos_model, shape_config, target_lengths)
 from degs_jax.decoders import decode
 from degs_jax.hyperparameters import hyperparameters_for
@@ -214,7 +216,12 @@ def main():
     if args.probe_batches:
         plan = {**plan, "probe": {**plan["probe"], "batches": args.probe_batches}}
     if args.decode_runs:
-        runs = [(name, int(batch)) for name, batch in (run.rsplit(":", 1) for run in args.decode_runs)]
+        runs = []
+        for run in args.decode_runs:
+            name, _, batch = run.rpartition(":")
+            if name not in SHAPES or not batch.isdigit() or int(batch) < 1:
+                ap.error(f"--decode-runs takes SHAPE:BATCH with SHAPE one of {', '.join(SHAPES)}, got {run!r}")
+            runs.append((name, int(batch)))
         plan = {**plan, "decode": runs, "stacked": runs}
     if args.mcmc_problems:
         plan = {**plan, "mcmc": {**plan["mcmc"], "problems": args.mcmc_problems}}
