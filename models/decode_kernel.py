@@ -17,8 +17,8 @@ of `block` slots with the online softmax: per block, scores s = (q·K^T)·scale 
 (bf16 products accumulated in fp32, as the einsum path), running max m,
 l = sum exp(s - m), and o = sum exp(s - m)·V with the probabilities cast to the value
 dtype and accumulated in fp32 (as in the einsum path and HF). It returns the
-unnormalised partials (o, m, l) of every piece; the caller (`transformer._kernel_read`)
-rescales them to their common max, sums them and divides o by l. A piece with no slot
+unnormalised partials (o, m, l) of every piece; `merge_pieces` rescales them to their
+common max and sums them, and the caller divides o by l. A piece with no slot
 returns m = -inf, l = 0, o = 0, which adds nothing. Splitting a row over several
 programs keeps the GPU busy at small batch (flash decoding); P is static, chosen from
 B·Hkv (`pieces_for`), so a row's rounding depends on the batch size only through P.
@@ -149,3 +149,13 @@ def decode_partials(q: Array, cache_k: Array, cache_v: Array, layer, live: Array
         name="decode_attention",
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), live.astype(jnp.int32), q, cache_k, cache_v)
     return o[:, :, :, :g], m[..., :g], l[..., :g]
+
+
+def merge_pieces(o: Array, m: Array, l: Array) -> tuple[Array, Array, Array]:
+    """The pieces' partials ([P, ...] each, from `decode_partials`) as one: each piece's
+    terms rescaled to the largest piece max and summed (a piece with no slot has
+    m = -inf and weight 0; with no slot at all the max is -inf and l = 0). Returns
+    (o [...], m [...], l [...])."""
+    top = jnp.max(m, axis=0)
+    weight = jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
+    return jnp.sum(weight[..., None] * o, axis=0), top, jnp.sum(weight * l, axis=0)

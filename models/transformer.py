@@ -363,16 +363,12 @@ def _cache_chunks_rows(qg, positions, live, rows: Optional[Array], read: _CacheR
 
 def _kernel_read(qg: Array, read: _CacheRead, layer, scale: float) -> SoftmaxState:
     """The partial of one-token queries qg [B, Hkv, g, 1, Dh] over each row's live slots
-    of layer `layer`, from the decode kernel's pieces merged in one step (each piece's
-    terms rescaled to the largest piece max; a piece with no slot has m = -inf and
-    weight 0). Off GPUs the kernel runs in Pallas' interpreter (tests)."""
-    o, m, l = decode_kernel.decode_partials(qg[:, :, :, 0], read.cache.k, read.cache.v, layer, read.live,
-                                            scale, interpret=jax.default_backend() != "gpu")
-    top = jnp.max(m, axis=0)
-    shift = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.exp(m - shift)
-    return SoftmaxState(m=top[..., None], l=jnp.sum(weight * l, axis=0)[..., None],
-                        o=jnp.sum(weight[..., None] * o, axis=0)[:, :, :, None])
+    of layer `layer`, from the decode kernel's pieces (`decode_kernel.merge_pieces`).
+    Off GPUs the kernel runs in Pallas' interpreter (tests)."""
+    o, m, l = decode_kernel.merge_pieces(*decode_kernel.decode_partials(
+        qg[:, :, :, 0], read.cache.k, read.cache.v, layer, read.live, scale,
+        interpret=jax.default_backend() != "gpu"))
+    return SoftmaxState(m=m[..., None], l=l[..., None], o=o[:, :, :, None])
 
 
 def _attention(q: Array, k: Array, v: Array, positions: Array, read: Optional[_CacheRead],

@@ -1,7 +1,7 @@
 """The Pallas decode kernel (`models/decode_kernel.py`) on its own, through Pallas'
 interpreter (the GPU runs the same program compiled by Triton; its parity at real shapes
 is bench/decode_breakdown.py's, docs/benchmarks.md runs 28a and 34): its pieces, merged
-as `transformer._kernel_read` merges them, give the softmax-weighted values of every
+by `merge_pieces`, give the softmax-weighted values of every
 row's live slots, for rows of any length (1 slot, a block's worth, the whole buffer
 with the last block moved back), with the grouped queries padded to 16 rows."""
 
@@ -24,9 +24,9 @@ def _reference(q, cache_k, cache_v, layer, live, scale):
 
 
 def _merged(o, m, l):
-    top = jnp.max(m, axis=0)
-    weight = jnp.exp(m - top)
-    return jnp.sum(weight[..., None] * o, axis=0) / jnp.sum(weight * l, axis=0)[..., None]
+    """The attention output from the pieces, as `transformer._kernel_read` forms it."""
+    o, _, l = decode_kernel.merge_pieces(o, m, l)
+    return o / l[..., None]
 
 
 @pytest.mark.parametrize("dtype, atol", [
