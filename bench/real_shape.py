@@ -39,6 +39,8 @@ mcmc     The MATH500-shaped MCMC workload at realistic lengths, 7B shape: 64 pro
          persistent cache the run then reads).
 
     python bench/real_shape.py --parts mcmc --mcmc-cap 3072   # the full tail (long: see docs)
+    python bench/real_shape.py --parts mcmc --mcmc-problems 128 --mcmc-cap 960 --lens-rows live all
+        # degs_mcmc with the lens of live rows (the default) and of all rows: H200 run 36, ~10 min
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # 7B at batch 128 + caches
 
 import argparse
+import dataclasses
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -135,7 +139,7 @@ def run_probe(plan):
               "ratio": times["probed"] / times["plain"]}, OUT)
 
 
-def run_mcmc(plan, cap: int):
+def run_mcmc(plan, cap: int, lens_rows: list[str]):
     spec = plan["mcmc"]
     cfg = shape_config(spec["shape"])
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
@@ -147,8 +151,11 @@ def run_mcmc(plan, cap: int):
     cap = min(cap, base.max_new_tokens)
     targets = target_lengths(spec["problems"], spec["median"], spec["sigma"], cap)
     eos = cfg.vocab_size - 1  # never in a prompt
-    model = forced_eos_model(cfg, targets, [len(p) for p in prompts], eos)
-    for method, beta in (("power_mcmc", 0.0), ("degs_mcmc", 5.0)):
+    runs = [("power_mcmc", 0.0, None)] + [("degs_mcmc", 5.0, rows) for rows in lens_rows]
+    for method, beta, rows in runs:
+        # lens_rows "all": the lens of every row of a decode step, as before the live-rows lens.
+        model = forced_eos_model(dataclasses.replace(cfg, lens_rows=rows or "live"), targets,
+                                 [len(p) for p in prompts], eos)
         compile_s = compile_mcmc_block(model, params, prompts, method, beta, sizes, eos)
         t = time.perf_counter()
         res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), beta=beta, **sizes)
@@ -156,7 +163,7 @@ def run_mcmc(plan, cap: int):
         lengths = np.array([len(o.chosen.tokens) for o in res.outputs])
         acc = [a for o in res.outputs for a in (o.chosen.acceptance or [])]
         emit({"bench": "mcmc_realistic", "method": method, "shape": spec["shape"], "problems": len(prompts),
-              **sizes, "buffer_slots": max(len(p) for p in prompts) + base.max_new_tokens,
+              **sizes, "lens_rows": rows, "buffer_slots": max(len(p) for p in prompts) + base.max_new_tokens,
               "target_lengths": dict(distribution=f"lognormal(median {spec['median']}, sigma {spec['sigma']})",
                                      cap=cap, median=float(np.median(targets)),
                                      mean=float(targets.mean()), max=int(targets.max())),
@@ -165,7 +172,11 @@ def run_mcmc(plan, cap: int):
               "generated_tokens": res.counters["generated_tokens"],
               "generated_tokens_per_s": res.counters["generated_tokens"] / sec,
               "forward_equivalents": res.forward_equivalents(cfg.num_layers),
-              "mean_acceptance": float(np.mean(acc)) if acc else None}, OUT)
+              "mean_acceptance": float(np.mean(acc)) if acc else None,
+              # equal digests: the same chains (e.g. degs_mcmc with the lens of live rows and of all rows)
+              "chosen_tokens_sha256": hashlib.sha256(
+                  np.concatenate([np.asarray(o.chosen.tokens, np.int64) for o in res.outputs]).tobytes()).hexdigest()},
+             OUT)
 
 
 def compile_mcmc_block(model, params, prompts, method, beta, sizes, eos) -> float:
@@ -205,9 +216,13 @@ def main():
                     help="decode part: skip the stacked-layer (lax.scan) runs")
     ap.add_argument("--mcmc-problems", type=int, default=None,
                     help="mcmc part: problems decoded as one batch (default: the plan's, 64 at the 7B shape)")
+    ap.add_argument("--lens-rows", nargs="+", default=["live"], choices=["live", "all"],
+                    help="mcmc part: degs_mcmc runs, one per entry, with ModelConfig.lens_rows = `live` "
+                         "(the default: a decode step's lens runs on its live rows only) or `all` (every "
+                         "row's, as before)")
     ap.add_argument("--probe-batches", nargs="+", type=int, default=None,
                     help="probe part: batch sizes (default: the plan's, 64 and 128 at the 7B shape; "
-                         "128 ran out of memory in the prefill on an 80 GB H100)")
+                         "128 fits an 80 GB H100 since prefills run in chunks, run 33)")
     args = ap.parse_args()
     parts = ["hf", "decode", "probe", "mcmc"] if args.all else args.parts
     if not parts:
@@ -236,7 +251,7 @@ def main():
     if "probe" in parts:
         run_probe(plan)
     if "mcmc" in parts:
-        run_mcmc(plan, args.mcmc_cap)
+        run_mcmc(plan, args.mcmc_cap, args.lens_rows)
 
 
 if __name__ == "__main__":

@@ -295,7 +295,10 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     t0 = time.perf_counter()
     state = prefill(model, params, jnp.asarray(tokens), jnp.asarray(lengths),
                     tokens.shape[1] + max_new, cache_dtype)
-    state = repeat_rows(state, n)
+    if n > 1:  # one chain per prompt: no copy. A copied cache leaves a hole of its size: at
+        # the 7B shape, 128 rows, the MCMC block's 24.6 GiB temporary fit in neither that
+        # hole nor the rest of an 80 GB H100 (docs/benchmarks.md, run 38)
+        state = repeat_rows(state, n)
     jax.block_until_ready(state.length)
     t1 = time.perf_counter()
     rows = state.length.shape[0]

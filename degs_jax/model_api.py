@@ -23,7 +23,9 @@ The contract `step` must honour (the samplers' bookkeeping relies on each point)
    sampler truncates a row by lowering its length without clearing the cache (the MH
    chain regenerates from a cut this way; the next tokens overwrite the slots).
 3. A position >= the cache's slot count writes nothing. Samplers park rows that sit a
-   step out at position `max_len`; the outputs of such entries are ignored.
+   step out at position `max_len`; the outputs of such entries are ignored (a model
+   may skip their work: `TransformerLM` leaves their lens entropies NaN in large decode
+   steps rather than compute them).
 4. `logits` are [B, T, V] float32 at every given position (log p is computed from them
    in fp32). Calls inside a jitted sampler whose logits nobody reads (the prefill) cost
    no unembedding: XLA removes unused outputs.

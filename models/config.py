@@ -21,6 +21,7 @@ from typing import Any, Mapping
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 _FAMILY = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 KV_READS = ("auto", "kernel", "loop", "buckets", "all")
+LENS_ROWS = ("live", "all")
 
 
 class ConfigError(ValueError):
@@ -87,6 +88,13 @@ class ModelConfig:
       prompt) and the lens streams a fixed vocabulary chunk. Costs speed (1.55x to 1.83x
       per 7B decode step on an H100 at batch 1 to 128, docs/benchmarks.md); off by
       default. What it guarantees: the README's Reproducibility section.
+    `lens_rows`: the rows of a decode step (one token per row, at least
+      `transformer.LENS_LIVE_ROWS_MIN_BATCH` rows, no device mesh) whose lens is computed --
+      "live" (default): the rows whose position is inside the cache (an idle row's lens
+      statistics are NaN); the live rows are gathered and the lens runs on the smallest of
+      8 static row counts that holds them, in one `lax.switch`. Under `jax.vmap` with a
+      live count that differs between the mapped instances a switch runs every branch
+      (4.5x the lens of all rows): use "all" there. "all": every row's lens.
     `row_tile`: rows per tile under `batch_invariant`; None (default): 64 on GPUs and
       TPUs (a decode step reads the weights once per tile, and 64 rows cost about what
       one does: 1.55-1.83x the plain step on an H100 at batch 1-128, against 1.65-6.6x
@@ -115,6 +123,7 @@ class ModelConfig:
     kv_read: str = "auto"
     batch_invariant: bool = False
     row_tile: int | None = None
+    lens_rows: str = "live"
 
     def __post_init__(self):
         self.validate()
@@ -147,6 +156,8 @@ class ModelConfig:
             raise ConfigError(f"row_tile must be a positive integer or None, got {self.row_tile!r}")
         if self.kv_read not in KV_READS:
             raise ConfigError(f"kv_read must be one of {', '.join(KV_READS)}, got {self.kv_read!r}")
+        if self.lens_rows not in LENS_ROWS:
+            raise ConfigError(f"lens_rows must be one of {', '.join(LENS_ROWS)}, got {self.lens_rows!r}")
 
     @property
     def family(self) -> str:

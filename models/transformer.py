@@ -14,7 +14,9 @@ positions in one call must be increasing and contiguous). A padded entry may wri
 garbage into a slot, but every later real token at that position overwrites it before
 any query can read it, and queries never see slots beyond their own position. A row
 whose positions are all >= S (an idle row of a batch) writes nothing and reads only
-slot 0 (its output is garbage, but finite).
+slot 0 (its output is garbage, but finite; in a decode step of at least
+`LENS_LIVE_ROWS_MIN_BATCH` rows its lens is not computed and its lens statistics are NaN,
+unless `cfg.lens_rows` is "all").
 
 Attention cost follows the live length. The cache is allocated for the whole
 generation, but a call reads only the slots below the batch's longest live length
@@ -731,6 +733,63 @@ def streamed_head(w_u: Array, h_out: Optional[Array], h_lens: Array, chunk: Opti
     return logits, entropy, top, 1.0 / s, m + jnp.log(s)
 
 
+# Decode steps (one token per row, with a cache) of at least this many rows compute the
+# lens of live rows only (`_live_rows_head`; `cfg.lens_rows`): a row whose position is
+# past the cache (an idle row) has no use for its entropies. The lens GEMM is the one
+# compute-bound part of a large-batch decode step (K·B rows x D x V: 0.84 TFLOP per step
+# at the 7B shape, B = 128, six probed layers besides the last), and MCMC batches carry
+# many idle rows (chains that finished their MH steps or their completion wait for the
+# batch's longest; docs/benchmarks.md, runs 35-36).
+LENS_LIVE_ROWS_MIN_BATCH = 16
+# The live rows' lens runs on the smallest of this many static row counts (B/8, 2B/8,
+# ..., B, each a multiple of 8) that holds them: one `lax.switch` branch per count.
+LENS_ROW_GROUPS = 8
+
+
+def _lens_row_counts(batch: int) -> tuple[int, ...]:
+    """The static row counts of `_live_rows_head` for a batch of `batch` rows."""
+    step = -(-batch // LENS_ROW_GROUPS)
+    step = -(-step // 8) * 8
+    return tuple(range(step, batch, step)) + (batch,)
+
+
+def _live_rows_head(w_u: Array, h_out: Array, lensed: Array, live: Array, chunk: Optional[int],
+                    out_stats: bool, row_tile: Optional[int]):
+    """`streamed_head(w_u, h_out, lensed rows, ...)` with the lens rows of live rows only.
+
+    h_out: [B, D] output rows (all rows: their logits and, with out_stats, statistics);
+    lensed: [K, B, D] final-normed lens rows; live: [B] bool. The live rows' lens rows are
+    gathered to the front (stable order) and the head runs on the smallest static row
+    count of `_lens_row_counts(B)` that holds them, in a `lax.switch`; their statistics
+    are scattered back. Returns what `streamed_head` returns for all rows, except that an
+    idle row's lens statistics are NaN (top-1: -1). A live row's values are the ones of
+    the full head up to the GEMM's rounding, which may depend on its row count (as it
+    depends on the batch); under `row_tile` (batch-invariant numerics) they are equal bit
+    for bit.
+    """
+    K, B, D = lensed.shape
+    counts = _lens_row_counts(B)
+    order = jnp.argsort(~live, stable=True).astype(jnp.int32)  # live rows first
+    n_out = B if out_stats else 0
+    fills = (jnp.nan, -1, jnp.nan, jnp.nan)  # entropy, top1, top1_prob, logsumexp
+
+    def branch(count):
+        def run(w_u, h_out, lensed, order, live):
+            rows = order[:count]
+            logits, *stats = streamed_head(w_u, h_out, lensed[:, rows].reshape(K * count, D), chunk,
+                                           out_stats, row_tile)
+            placed = []
+            for stat, fill in zip(stats, fills):  # idle rows in the count are filled too
+                lens_stat = jnp.where(live[rows], stat[n_out:].reshape(K, count), fill)
+                full = jnp.full((K, B), fill, stat.dtype).at[:, rows].set(lens_stat)
+                placed.append(jnp.concatenate([stat[:n_out], full.reshape(-1)]))
+            return (logits, *placed)
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(counts, jnp.int32), jnp.sum(live, dtype=jnp.int32), side="left")
+    return jax.lax.switch(index, [branch(c) for c in counts], w_u, h_out, lensed, order, live)
+
+
 # A multi-token call with a cache of more than this many tokens (rows x tokens per row)
 # runs in `kv_chunk`-token chunks (`_forward_in_chunks`), which bounds a prefill's
 # temporaries: at the 7B shape one call of 128 rows x 1024 tokens asked for a 61.8 GiB
@@ -857,9 +916,15 @@ def _forward_call(params: Params, cfg: ModelConfig, tokens: Array, positions: Ar
                     rows = list(translate_residuals(jnp.stack(rows), lens_translators))
                 lensed = jnp.stack([final_norm(r) for r in rows]
                                    ) if others else jnp.zeros((0, B, T, h.shape[-1]), h.dtype)
-                flat_logits, *stats = streamed_head(
-                    w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]), lens_chunk,
-                    out_stats=shared, row_tile=_tile(cfg))
+                if (cfg.lens_rows == "live" and cache is not None and T == 1 and B >= LENS_LIVE_ROWS_MIN_BATCH
+                        and others and not _under_mesh()):
+                    flat_logits, *stats = _live_rows_head(
+                        w_u, h[:, 0], lensed[:, :, 0], positions[:, 0] < cache.max_len, lens_chunk, shared,
+                        _tile(cfg))
+                else:
+                    flat_logits, *stats = streamed_head(
+                        w_u, h.reshape(-1, h.shape[-1]), lensed.reshape(len(others) * B * T, h.shape[-1]),
+                        lens_chunk, out_stats=shared, row_tile=_tile(cfg))
                 stats = [x.reshape(-1, B, T) for x in stats]  # [K, B, T] each, rows as listed
                 order = ([L] if shared else []) + others
                 index = jnp.asarray([order.index(l) for l in lens_layers])

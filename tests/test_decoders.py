@@ -303,6 +303,24 @@ def test_mcmc_batch_equals_chains_one_by_one(eos_model):
     assert moved, "no MH step was accepted: the comparison would not cover the MH part"
 
 
+def test_one_chain_per_prompt_keeps_the_prefill_cache(model, monkeypatch):
+    """With one chain per prompt `decode` runs on the prefill's own state: no copy of the
+    cache (a copy left a hole that the MCMC block's temporary did not fit into at 128 rows
+    of the 7B shape on an H100, docs/benchmarks.md run 39); with more chains it repeats rows."""
+    import degs_jax.decoders as decoders
+
+    calls = []
+    repeat = decoders.repeat_rows
+    monkeypatch.setattr(decoders, "repeat_rows", lambda state, n: calls.append(n) or repeat(state, n))
+    hp = {**HP["power_mcmc"], "n_chains": 1}
+    cfg, params = model
+    one = decode(TransformerLM(cfg), params, PROMPTS, "power_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
+    assert calls == [] and len(one.outputs) == len(PROMPTS)
+    decode(TransformerLM(cfg), params, PROMPTS, "power_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids,
+           **HP["power_mcmc"])
+    assert calls == [HP["power_mcmc"]["n_chains"]]
+
+
 def test_mcmc_chains_keep_the_models_statistics(model):
     """Many MH steps with both decisions, rows finishing proposals at different times:
     every chain's stored log p, final entropy and D(x) equal a fresh teacher-forced pass.

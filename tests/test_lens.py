@@ -1,6 +1,8 @@
 """Lens tests on tiny random models (fast, CPU): streamed entropy vs a naive full
 softmax, collapse depth and D(x) by hand, validation, trajectories and the plot."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -390,3 +392,93 @@ def test_auto_chunk_matches_streaming_and_single_block():
         np.testing.assert_array_equal(np.asarray(other[2]), np.asarray(single[2]))
         for i, t in tol.items():
             assert np.all(np.abs(np.asarray(other[i]) - np.asarray(single[i])) <= t), i
+
+
+# ---------------------------------------------------------------- decode steps: live rows only
+
+
+def test_lens_row_counts():
+    """The static row counts of the live-rows lens: about B/8 apart, multiples of 8, B last."""
+    from degs_jax.models.transformer import _lens_row_counts
+
+    assert _lens_row_counts(16) == (8, 16)
+    assert _lens_row_counts(17) == (8, 16, 17)
+    assert _lens_row_counts(64) == (8, 16, 24, 32, 40, 48, 56, 64)
+    assert _lens_row_counts(100) == (16, 32, 48, 64, 80, 96, 100)
+    assert _lens_row_counts(128) == tuple(range(16, 129, 16))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_decode_step_lens_of_live_rows_only(batch_invariant):
+    """A decode step of 20 rows (>= LENS_LIVE_ROWS_MIN_BATCH: the lens runs on the live
+    rows only, in a switch over 8, 16 or 20 rows) with 1, 8, 9, 17 or 20 live rows in
+    scattered places: every live row's lens statistics and logits are those of the step
+    in which all rows are live, and an idle row's (position past the cache) lens
+    statistics are NaN / -1, except at the last layer, whose statistics are the output
+    rows'. Lens layers out of order check the scatter of each layer's rows."""
+    from degs_jax.models import init_cache
+    from degs_jax.models.transformer import LENS_LIVE_ROWS_MIN_BATCH
+
+    cfg = dataclasses.replace(tiny_config("Qwen2ForCausalLM"), batch_invariant=batch_invariant)  # 3 layers
+    B, P, S, layers = 20, 6, 12, (2, 3, 1)
+    assert B >= LENS_LIVE_ROWS_MIN_BATCH
+    params = sharp_params(cfg)
+    tokens, positions = tokens_positions(cfg, B=B, T=P)
+    cache = forward(params, cfg, tokens, positions, init_cache(cfg, B, S, jnp.float32)).cache
+    step = jax.random.randint(jax.random.PRNGKey(3), (B, 1), 0, cfg.vocab_size)
+
+    def run(live):
+        # Idle rows sit at the cache's slot count (rounded up under batch-invariant numerics).
+        out = forward(params, cfg, step, jnp.where(live, P, cache.max_len)[:, None], cache, lens_layers=layers)
+        return (np.asarray(out.logits[:, 0]),
+                [np.asarray(x[:, :, 0]) for x in (out.lens.entropy, out.lens.top1, out.lens.top1_prob,
+                                                   out.lens.logsumexp)])
+
+    all_logits, all_stats = run(jnp.ones(B, bool))
+    assert np.isfinite(all_stats[0]).all()
+    # fp32: the head's GEMM has another row count when fewer rows are live, and XLA's CPU
+    # dot may block its sums differently (the logits reach ~100 here: 1e-4 is ~1e-6
+    # relative). Under batch-invariant numerics the rows run on fixed tiles: bitwise.
+    tol = dict(atol=0, rtol=0) if batch_invariant else dict(atol=1e-4, rtol=1e-5)
+    rng = np.random.default_rng(0)
+    for n_live in (1, 8, 9, 17, 20):
+        live = np.zeros(B, bool)
+        live[rng.choice(B, n_live, replace=False)] = True
+        logits, stats = run(jnp.asarray(live))
+        np.testing.assert_allclose(logits[live], all_logits[live], **tol)
+        for got, want in zip(stats, all_stats):
+            np.testing.assert_allclose(got[:, live], want[:, live], **tol, err_msg=f"{n_live} live rows")
+        idle = ~live
+        last = layers.index(cfg.num_layers)
+        others = [k for k in range(len(layers)) if k != last]
+        assert np.isnan(stats[0][others][:, idle]).all() and (stats[1][others][:, idle] == -1).all()
+        assert np.isfinite(stats[0][last]).all()
+
+
+def test_generate_with_idle_rows_matches_the_whole_batch_lens():
+    """Greedy generation of 16 rows that stop at different lengths, recording collapse
+    depth: the same tokens, depths and log-probabilities with the live-rows lens
+    (lens_rows="live", the default) as with the lens of every row ("all")."""
+    from degs_jax.generation import SamplerSpec, generate, prefill
+
+    cfg = tiny_config("Qwen2ForCausalLM")
+    params = sharp_params(cfg)
+    B, P = 16, 5
+    tokens, _ = tokens_positions(cfg, B=B, T=P, seed=4)
+    spec = SamplerSpec(temperature=0.0, lens=lens.LensConfig.default(cfg.num_layers, lsub=(1, 2, 3), tau=1.0))
+    limit = P + 1 + jnp.arange(B, dtype=jnp.int32) % 9  # rows go idle after 1..9 new tokens
+
+    def run(lens_rows):
+        lm = TransformerLM(dataclasses.replace(cfg, lens_rows=lens_rows))
+        state = prefill(lm, params, tokens, jnp.full((B,), P, jnp.int32), P + 12, jnp.float32)
+        out = generate(lm, params, state, limit, jax.vmap(jax.random.PRNGKey)(jnp.arange(B)), spec)
+        return tuple(np.asarray(x) for x in (out.tokens, out.depth, out.logp, out.length))
+
+    assert cfg.lens_rows == "live"
+    live_rows, whole = run("live"), run("all")
+    np.testing.assert_array_equal(live_rows[3], np.asarray(limit))
+    np.testing.assert_array_equal(live_rows[0], whole[0])
+    np.testing.assert_array_equal(live_rows[1], whole[1])
+    depths = np.concatenate([live_rows[1][r, P:live_rows[3][r] - 1] for r in range(B)])
+    assert len(set(depths.tolist())) > 1, depths  # tau 1.0 here: the depths are not all alike
+    np.testing.assert_allclose(live_rows[2], whole[2], atol=1e-5, rtol=0)

@@ -138,6 +138,8 @@ def test_read_settings_are_checked():
         dataclasses.replace(CFG, kv_read="paged")
     with pytest.raises(ConfigError, match="kv_chunk must be a positive integer"):
         dataclasses.replace(CFG, kv_chunk=0)
+    with pytest.raises(ConfigError, match="lens_rows must be one of live, all, got 'idle'"):
+        dataclasses.replace(CFG, lens_rows="idle")
 
 
 @pytest.mark.parametrize("backend, tokens, expected", [
