@@ -297,7 +297,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
                     tokens.shape[1] + max_new, cache_dtype)
     if n > 1:  # one chain per prompt: no copy. A copied cache leaves a hole of its size: at
         # the 7B shape, 128 rows, the MCMC block's 24.6 GiB temporary fit in neither that
-        # hole nor the rest of an 80 GB H100 (docs/benchmarks.md, run 38)
+        # hole nor the rest of an 80 GB H100 (docs/benchmarks.md, runs 37-39)
         state = repeat_rows(state, n)
     jax.block_until_ready(state.length)
     t1 = time.perf_counter()
