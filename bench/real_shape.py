@@ -68,8 +68,9 @@ from degs_jax.decoders import decode
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import mcmc_block_donating
-from degs_jax.models import init_params, stack_layers
+from degs_jax.models import ModelConfig, init_params, stack_layers
 from degs_jax.models.compilation import enable_compilation_cache
+from degs_jax.models.config import LENS_ROWS
 
 OUT = "real_shape.jsonl"
 
@@ -84,7 +85,7 @@ PLANS = {
     "tiny": dict(hf=["tiny:4"], prompt=16, new=24, buffer=BUFFER_NEW,
                  decode=[("tiny", 4), ("tiny", 1)], stacked=[("tiny", 4)],
                  probe=dict(shape="tiny", batches=[4], prompt=64, steps=8),
-                 mcmc=dict(shape="tiny", problems=4, median=20, sigma=0.7,
+                 mcmc=dict(shape="tiny", problems=16, median=20, sigma=0.7,
                            sizes=dict(block_len=8, num_blocks=6, mh_steps=3))),
 }
 
@@ -154,8 +155,8 @@ def run_mcmc(plan, cap: int, lens_rows: list[str]):
     runs = [("power_mcmc", 0.0, None)] + [("degs_mcmc", 5.0, rows) for rows in lens_rows]
     for method, beta, rows in runs:
         # lens_rows "all": the lens of every row of a decode step, as before the live-rows lens.
-        model = forced_eos_model(dataclasses.replace(cfg, lens_rows=rows or "live"), targets,
-                                 [len(p) for p in prompts], eos)
+        run_cfg = cfg if rows is None else dataclasses.replace(cfg, lens_rows=rows)
+        model = forced_eos_model(run_cfg, targets, [len(p) for p in prompts], eos)
         compile_s = compile_mcmc_block(model, params, prompts, method, beta, sizes, eos)
         t = time.perf_counter()
         res = decode(model, params, prompts, method, jax.random.key(0), eos_ids=(eos,), beta=beta, **sizes)
@@ -216,7 +217,7 @@ def main():
                     help="decode part: skip the stacked-layer (lax.scan) runs")
     ap.add_argument("--mcmc-problems", type=int, default=None,
                     help="mcmc part: problems decoded as one batch (default: the plan's, 64 at the 7B shape)")
-    ap.add_argument("--lens-rows", nargs="+", default=["live"], choices=["live", "all"],
+    ap.add_argument("--lens-rows", nargs="+", default=[ModelConfig.lens_rows], choices=LENS_ROWS,
                     help="mcmc part: degs_mcmc runs, one per entry, with ModelConfig.lens_rows = `live` "
                          "(the default: a decode step's lens runs on its live rows only) or `all` (every "
                          "row's, as before)")
