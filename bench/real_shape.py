@@ -243,16 +243,17 @@ def main():
         plan = {**plan, "mcmc": {**plan["mcmc"], "problems": args.mcmc_problems}}
     if "hf" in parts:  # before JAX allocates the GPU
         run_hf(plan)
-    cache_dir = enable_compilation_cache(tempfile.mkdtemp(prefix="degs_real_shape_xla_"))
-    bw = copy_bandwidth(gib=0.25 if args.tiny else 4.0)
-    emit({"bench": "environment", **environment(), "copy_bandwidth_GBps": bw / 1e9, "parts": parts,
-          "plan": "tiny" if args.tiny else "full", "compilation_cache": str(cache_dir)}, OUT)
-    if "decode" in parts:
-        run_decode(plan, bw, args.kv_reads, not args.no_stacked)
-    if "probe" in parts:
-        run_probe(plan)
-    if "mcmc" in parts:
-        run_mcmc(plan, args.mcmc_cap, args.lens_rows)
+    with tempfile.TemporaryDirectory(prefix="degs_real_shape_xla_") as scratch:  # removed at exit
+        cache_dir = enable_compilation_cache(scratch)
+        bw = copy_bandwidth(gib=0.25 if args.tiny else 4.0)
+        emit({"bench": "environment", **environment(), "copy_bandwidth_GBps": bw / 1e9, "parts": parts,
+              "plan": "tiny" if args.tiny else "full", "compilation_cache": str(cache_dir)}, OUT)
+        if "decode" in parts:
+            run_decode(plan, bw, args.kv_reads, not args.no_stacked)
+        if "probe" in parts:
+            run_probe(plan)
+        if "mcmc" in parts:
+            run_mcmc(plan, args.mcmc_cap, args.lens_rows)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     # The kernel inherits the environment: the session's converted-weights cache
     # ($DEGS_JAX_CACHE, set by conftest), CPU JAX, and this interpreter's site-packages.
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # a notebook's tempfile work dirs go with tmp_path
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     book = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(book, timeout=600, kernel_name="python3",

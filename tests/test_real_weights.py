@@ -4,6 +4,7 @@ Both sides dequantise the same file to fp32, so the only differences left are th
 q/k un-permutation (gross if wrong), the config mapping and fp32 kernel order.
 """
 
+import shutil
 import time
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def loads(request, tmp_path_factory):
         second = load(request.param, "float32", cache_dir=cache, progress=False)
     end = time.perf_counter()
     print(f"\n{request.param}: first load {mid - start:.1f}s, cached load {end - mid:.1f}s")
-    return first, second, cache
+    yield first, second, cache
+    shutil.rmtree(cache)  # a converted float32 Qwen entry is 2.5 GB; CI's disk is shared
 
 
 def test_builtin_resolves_verifies_and_caches(loads):
