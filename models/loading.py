@@ -34,6 +34,10 @@ seconds, so its result is cached as an ordinary HF directory (fp32 `model.safete
     exclusive lock (`<entry>.lock`, flock) so that concurrent loads of the same file
     convert once: the others wait, then read the finished entry. Temporaries whose
     lock is free belong to dead conversions and are removed.
+
+Folders of other cache-format versions (`gguf-v<M>`, M != N, left by an older degs_jax)
+are never read; a conversion names them with their size on stderr, and leaves them: an
+older install may still use them.
 """
 
 from __future__ import annotations
@@ -510,6 +514,10 @@ def _load_gguf(source, sha256: str, dtype, cache_dir: Path, progress: bool, name
                 if entry.exists():
                     print(f"degs_jax: the cached conversion {entry} is damaged ({problem}); "
                           f"converting {path.name} again", file=sys.stderr)
+                for stale, size in _stale_conversions(cache_dir):
+                    print(f"degs_jax: {stale} ({size / 1e9:.1f} GB) holds conversions of an older "
+                          f"degs_jax (cache format v{GGUF_CACHE_VERSION} is current) and is no longer "
+                          f"read; delete it to free the space", file=sys.stderr)
                 model = _convert(path, entry, dtype, progress, name, mesh)
                 return dataclasses.replace(model, source=str(entry) if callable(source) else str(source))
     _note(f"using converted fp32 weights cached in {entry}", progress)
@@ -522,6 +530,18 @@ def _load_gguf(source, sha256: str, dtype, cache_dir: Path, progress: bool, name
                       f"{' '.join(str(e).split())}") from e
     model = _load_hf_dir(entry, dtype, progress, name=name, mesh=mesh, tokenizer=tokenizer)
     return dataclasses.replace(model, source=str(entry) if callable(source) else str(source))
+
+
+def _stale_conversions(cache_dir: Path) -> list[tuple[Path, int]]:
+    """(folder, bytes in it) of each `gguf-v<N>` folder in `cache_dir` of another format
+    version than GGUF_CACHE_VERSION: left by an older degs_jax, never read by this one. They
+    are named, not deleted: an older install may still be using them."""
+    stale = []
+    for folder in sorted(cache_dir.glob("gguf-v*")):
+        version = folder.name[len("gguf-v"):]
+        if folder.is_dir() and version.isdigit() and int(version) != GGUF_CACHE_VERSION:
+            stale.append((folder, sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())))
+    return stale
 
 
 def _entry_problem(entry: Path) -> Optional[str]:

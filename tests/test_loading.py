@@ -187,6 +187,25 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     assert second.tokenizer(text)["input_ids"] == first.tokenizer(text)["input_ids"]
 
 
+def test_a_conversion_names_the_stale_cache_folders_of_older_versions(tmp_path, capsys):
+    """Folders of other cache-format versions are never read again: a conversion names them
+    with their size, once each, and leaves them (and anything else in the cache) in place."""
+    cfg, params = tiny()
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
+    cache = tmp_path / "cache"
+    (cache / "gguf-v1" / "abc").mkdir(parents=True)
+    (cache / "gguf-v1" / "abc" / "model.safetensors").write_bytes(b"x" * 3_000_000)
+    (cache / "gguf-vX").mkdir()  # not a version: not ours to name
+    (cache / "builtin").mkdir()
+    load(path, "float32", cache_dir=cache, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{cache / 'gguf-v1'} (0.0 GB)" in err and "older degs_jax" in err
+    assert (cache / "gguf-v1" / "abc" / "model.safetensors").is_file()
+    load(path, "float32", cache_dir=cache, progress=False)  # cached: nothing converted, nothing said
+    assert capsys.readouterr().err == ""
+    assert loading._stale_conversions(cache) == [(cache / "gguf-v1", 3_000_000)]
+
+
 def test_sha256_reads_the_content_not_a_stamp(tmp_path):
     """A change that keeps size and mtime (the tamper a size/mtime stamp misses) changes
     the hash: every call reads the whole file."""
