@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import time
 
 import jax
@@ -41,6 +40,7 @@ from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_byte
                     random_model, shape_config)
 from degs_jax.generation import prefill
 from degs_jax.model_api import TransformerLM
+from degs_jax.models.compilation import large_copies
 
 OUT = "decode_breakdown.jsonl"
 
@@ -116,8 +116,6 @@ def parity(cfg_all, cfg_read, params, batch: int, prompt: int, steps: int) -> di
 
 def cache_copies(cfg, params, batch: int, prompt: int) -> list[str]:
     """Cache-sized copies in the compiled `generate` (tests/test_live_attention.py's check)."""
-    import re
-
     from degs_jax.generation import SamplerSpec, generate
     model = TransformerLM(cfg)
     state = prefill(model, params, jnp.ones((batch, prompt), jnp.int32), jnp.full((batch,), prompt, jnp.int32),
@@ -125,10 +123,7 @@ def cache_copies(cfg, params, batch: int, prompt: int) -> list[str]:
     hlo = generate.lower(model, params, state, jnp.full((batch,), 8, jnp.int32),
                          jax.random.split(jax.random.key(0), batch), SamplerSpec(temperature=0.0, eos_ids=())
                          ).compile().as_text()
-    half = state.cache.k.size // 2
-    return [f"{m.group(2)}[{m.group(1)}]"
-            for m in re.finditer(r"= \(?[a-z0-9]+\[([\d,]*)\][^=]*? (copy|transpose|concatenate)\(", hlo)
-            if math.prod(int(d) for d in m.group(1).split(",") if d) >= half]
+    return large_copies(hlo, state.cache.k.size // 2)
 
 
 def matmul_seconds(cfg, params, batch: int, steps: int, repeats: int) -> float:

@@ -11,10 +11,16 @@ a cache directory (the `JAX_COMPILATION_CACHE_DIR` environment variable or
 `jax.config.update("jax_compilation_cache_dir", ...)`), which is then kept. Entries are
 keyed by the program and the versions; stale ones are never used, and the directory can
 be deleted at any time.
+
+:func:`large_copies` reads a compiled program's HLO text for the copies an in-place update
+should not make (a decode loop that copies its KV cache each step, say); the tests and
+`bench/decode_breakdown.py` check generate's programs with it.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -42,3 +48,16 @@ def enable_compilation_cache(directory: Optional[str | Path] = None) -> Path:
         jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return path
+
+
+# An HLO instruction that makes a new array out of another: `%name = f32[4,2,256]{...} copy(...`
+# (also inside a tuple-shaped fusion's result, hence the optional parenthesis).
+_HLO_COPY = re.compile(r"= \(?[a-z0-9]+\[([\d,]*)\][^=]*? (copy|transpose|concatenate)\(")
+
+
+def large_copies(hlo_text: str, min_elements: int) -> list[str]:
+    """The copies, transposes and concatenations of at least `min_elements` elements in the
+    HLO text of a compiled program (`jitted.lower(...).compile().as_text()`), each as
+    `"copy[2,4,2,16,256]"` (the operation and the result's shape), in program order."""
+    return [f"{m.group(2)}[{m.group(1)}]" for m in _HLO_COPY.finditer(hlo_text)
+            if math.prod(int(d) for d in m.group(1).split(",") if d) >= min_elements]

@@ -5,7 +5,6 @@ length are never read, a row's result does not depend on the other rows' lengths
 every mode and layout (no cache-sized copy per step)."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import KVCache, forward, init_cache, init_params, stack_layers
+from degs_jax.models.compilation import large_copies
 from hf_reference import tiny_config
 
 CFG = tiny_config("Qwen2ForCausalLM")  # 3 layers, 2 KV heads of 8
@@ -100,15 +100,6 @@ def test_loop_read_row_result_does_not_depend_on_the_other_rows_lengths(params):
     np.testing.assert_array_equal(rows[0], rows[1])
 
 
-def _cache_sized_copies(hlo: str, cache_elements: int) -> list[str]:
-    """Copies, transposes and concatenations at least half a cache array large."""
-    found = []
-    for m in re.finditer(r"= \(?[a-z0-9]+\[([\d,]*)\][^=]*? (copy|transpose|concatenate)\(", hlo):
-        if np.prod([int(d) for d in m.group(1).split(",") if d] or [1]) >= cache_elements // 2:
-            found.append(f"{m.group(2)}[{m.group(1)}]")
-    return found
-
-
 @pytest.mark.parametrize("read", [r for r in READS if r != "kernel"])  # interpreted here: not
 # the program a GPU runs (bench/decode_breakdown.py checks the kernel's HLO on the GPU)
 @pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
@@ -127,7 +118,7 @@ def test_decode_loop_updates_the_cache_in_place(read, stacked):
     spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=LensConfig(lsub=(1, 2)))
     hlo = generate.lower(model, p, state, jnp.full((B,), 200, jnp.int32), jax.random.split(jax.random.key(0), B),
                          spec).compile().as_text()
-    copies = _cache_sized_copies(hlo, cfg.num_layers * B * cfg.num_kv_heads * max_len * cfg.head_dim)
+    copies = large_copies(hlo, cfg.num_layers * B * cfg.num_kv_heads * max_len * cfg.head_dim // 2)
     assert sorted(copies) == ["copy[2,4,2,16,256]", "copy[2,4,2,256,16]"], copies
 
 
