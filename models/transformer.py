@@ -69,7 +69,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -615,8 +615,7 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
             return x, kept, ks, vs
         return run
 
-    index = jnp.searchsorted(jnp.asarray(windows, jnp.int32), jnp.max(live), side="left")
-    x, kept, ks, vs = jax.lax.switch(index, [branch(w) for w in windows], layers, x, positions, cache, live)
+    x, kept, ks, vs = _switch_on_size(windows, jnp.max(live), branch, layers, x, positions, cache, live)
     # Every layer's keys and values at once, after every read (the switch's outputs).
     return x, kept, _write(cache, slice(None), positions, ks.transpose(1, 2, 0, 3, 4), vs.transpose(1, 2, 0, 3, 4))
 
@@ -786,8 +785,14 @@ def _live_rows_head(w_u: Array, h_out: Array, lensed: Array, live: Array, chunk:
             return (logits, *placed)
         return run
 
-    index = jnp.searchsorted(jnp.asarray(counts, jnp.int32), jnp.sum(live, dtype=jnp.int32), side="left")
-    return jax.lax.switch(index, [branch(c) for c in counts], w_u, h_out, lensed, order, live)
+    return _switch_on_size(counts, jnp.sum(live, dtype=jnp.int32), branch, w_u, h_out, lensed, order, live)
+
+
+def _switch_on_size(sizes: Sequence[int], needed: Array, branch, *operands):
+    """`branch(size)(*operands)` for the smallest of the increasing static `sizes` that is
+    at least the traced `needed` (at most sizes[-1]), in one `lax.switch`."""
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), needed, side="left")
+    return jax.lax.switch(index, [branch(size) for size in sizes], *operands)
 
 
 # A multi-token call with a cache of more than this many tokens (rows x tokens per row)
