@@ -51,7 +51,7 @@ def main():
     state = generate(lm, params, state, state.prompt_len + args.new_tokens, keys, spec)
     depth, length, prompt_len = (np.asarray(x) for x in (state.depth, state.length, state.prompt_len))
     # d_t of a generated token comes from the step that consumed it: every generated token
-    # but each row's last (DESIGN §3), EOS included here (what the lens computed).
+    # but each row's last (docs/design.md §3), EOS included here (what the lens computed).
     scored = np.concatenate([depth[r, prompt_len[r]:length[r] - 1] for r in range(len(prompts))])
     share = {int(layer): float(np.mean(scored == layer)) for layer in lens.lsub}
     emit({"bench": "collapse_depths", **environment(), "model": args.model, "problems": len(prompts),

@@ -1,4 +1,4 @@
-"""The paper's analyses of collapse depth as a predictor of correctness (DESIGN §5).
+"""The paper's analyses of collapse depth as a predictor of correctness (docs/design.md §5).
 
 Statistics over a pool of graded candidates, each with a score ``D(x)`` and a verdict:
 
@@ -408,7 +408,7 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
 
 def parse_lsub_sweep(spec: str, num_layers: int) -> list[tuple[int, ...]]:
     """``"4,8,12;16,20,24,28;all;default"`` -> probe sets (``all`` = 1..L, ``default`` =
-    the default grid of DESIGN §3). Each set is validated against ``num_layers``."""
+    the default grid of docs/design.md §3). Each set is validated against ``num_layers``."""
     from degs_jax.lens import default_lsub, validate_lsub
 
     sets = []

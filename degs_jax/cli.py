@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 METHOD_HELP = """decoders: greedy, temperature, best_of_n, best_of_n_entropy, degs_rerank,
-power_mcmc, degs_mcmc, power_smc, degs_smc, scalable_power (DESIGN §4). Hyperparameters a
+power_mcmc, degs_mcmc, power_smc, degs_smc, scalable_power (docs/design.md §4). Hyperparameters a
 method does not take are rejected."""
 
 

@@ -1,4 +1,4 @@
-"""The decoders of DESIGN §4 on token ids, host-driven (`decode`) or as one pure jitted
+"""The decoders of docs/design.md §4 on token ids, host-driven (`decode`) or as one pure jitted
 program (`decode_tokens`). The text API (`sample`) is in `degs_jax.text`.
 
 | method              | what it returns                                               |
@@ -97,7 +97,7 @@ class DecodeResult:
         return self.config.to_dict()
 
     def forward_equivalents(self, num_layers: int) -> float:
-        """Token forwards with probing charged K/L of a forward per probed token (DESIGN §5)."""
+        """Token forwards with probing charged K/L of a forward per probed token (docs/design.md §5)."""
         return self.counters["forward_tokens"] + self.counters["probed_token_layers"] / num_layers
 
 
@@ -120,7 +120,7 @@ class Decoded:
 def candidate_scores(state: GenState, num_layers: int,
                      batch_invariant: bool = False) -> tuple[Array, Array, Array]:
     """(log p(x), D(x), mean final-layer entropy) of every row, [B] fp32 each, from the
-    per-token values stored during generation (a final EOS is not scored: DESIGN §3).
+    per-token values stored during generation (a final EOS is not scored: docs/design.md §3).
     batch_invariant: the model's (`CausalLM.batch_invariant`; `lens.masked_sum`)."""
     completion = state.completion_mask()
     scored = state.completion_mask(scored=True)

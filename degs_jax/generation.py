@@ -8,7 +8,7 @@ state records, at the token's own slot:
 - `logp[t]  = log p(x_t | x_<t)` from the raw logits (fp32, full vocabulary);
 - `logq[t]` = the log density x_t was actually sampled from (temperature, top-k/p);
 - `depth[t]` = collapse depth d_t and `final_entropy[t]` = H_L(t), both from the
-  step that *consumes* x_t (DESIGN §3), so they exist for every generated token
+  step that *consumes* x_t (docs/design.md §3), so they exist for every generated token
   except a final EOS (which is never scored).
 
 One loop step, for an active row of length n: consume x_{n-1} (write its KV at slot
@@ -73,7 +73,7 @@ class GenState:
         return self.tokens.shape[1]
 
     def completion_mask(self, scored: bool = False) -> Array:
-        """[B, S] bool: completion slots; `scored=True` also drops a final EOS (DESIGN §3)."""
+        """[B, S] bool: completion slots; `scored=True` also drops a final EOS (docs/design.md §3)."""
         pos = jnp.arange(self.max_len)[None]
         mask = (pos >= self.prompt_len[:, None]) & (pos < self.length[:, None])
         if scored:

@@ -1,7 +1,7 @@
 """The decoding methods' hyperparameters: one typed, frozen dataclass per method,
 documented per field. This module is the one home of every default: `decode`, the
 CLI (its --help is generated from these fields), `degs eval`'s run configuration and
-the analyses all read them here (DESIGN §4 for the values).
+the analyses all read them here (docs/design.md §4 for the values).
 
     greedy             Greedy
     temperature        Temperature
@@ -57,7 +57,7 @@ class Hyperparameters:
     tau: float = _field(DEFAULT_TAU, "collapse threshold in nats: d_t is the first probed layer "
                         "whose logit-lens entropy is <= tau")
     lsub: Optional[tuple[int, ...]] = _field(
-        None, "probed layers L_sub, comma-separated (default: the grid of DESIGN §3 for the "
+        None, "probed layers L_sub, comma-separated (default: the grid of docs/design.md §3 for the "
         "model's depth)")
     top_k: int = _field(NO_TOP_K, "truncate the sampling / proposal distribution to its top_k "
                         "most likely tokens (0 = off; log q is the truncated density)")
@@ -186,7 +186,7 @@ class DegsRerank(BestOfN):
 
 @dataclasses.dataclass(frozen=True)
 class MCMCHyperparameters(Hyperparameters):
-    """The Metropolis-Hastings chain (DESIGN §4)."""
+    """The Metropolis-Hastings chain (docs/design.md §4)."""
 
     alpha: float = _field(DEFAULT_ALPHA, "power of the target p(x)^alpha; the proposal samples "
                           "at temperature 1/alpha (>= 1)")

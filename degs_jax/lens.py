@@ -1,4 +1,4 @@
-"""Logit lens and collapse depth (DESIGN.md section 3).
+"""Logit lens and collapse depth (docs/design.md §3).
 
 Layer entropy `H_l(t)` is the entropy, in nats, of `softmax(W_U · RMSNorm_final(h_l(t)))`
 where `h_l(t)` is the residual after block `l` at the position of token `x_t` (layer
@@ -25,7 +25,7 @@ import numpy as np
 
 Array = jax.Array
 
-DEFAULT_TAU = 0.25  # nats: the collapse threshold of DESIGN §3 (the one home of this default)
+DEFAULT_TAU = 0.25  # nats: the collapse threshold of docs/design.md §3 (the one home of this default)
 
 # The paper's probe sets for its 28-layer (Qwen2.5-7B) and 30-layer (DeepSeek-Math-7B)
 # models; they are not exactly round(j·L/7) (e.g. 13 vs 14 for L = 30).

@@ -1,4 +1,4 @@
-"""Metropolis-Hastings power sampling (beta = 0) and DEGS-MCMC (beta > 0), DESIGN §4.
+"""Metropolis-Hastings power sampling (beta = 0) and DEGS-MCMC (beta > 0), docs/design.md §4.
 
 Target pi(x) ∝ p(x)^alpha · exp(beta · D(x)) over completions, built block by block.
 For block k a chain first extends its completion with the proposal
@@ -113,7 +113,7 @@ def _depth_score(state: GenState, num_layers: int) -> Array:
 
 def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: MCMCConfig,
                          num_layers: int, batch_invariant: bool = False) -> Array:
-    """log r of DESIGN §4 for every row, [B] fp32, from stored per-token values only.
+    """log r of docs/design.md §4 for every row, [B] fp32, from stored per-token values only.
 
     current / proposal: the chain x and the proposal x', equal below `cut` ([B] slot of
     the cut m). num_layers: L of the model (D(x) = mean d_t / L). batch_invariant: sum

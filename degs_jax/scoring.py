@@ -138,7 +138,7 @@ def score_candidate(model: CausalLM, params: Any, tokens: Array, prompt_len: Arr
 
     tokens: [T] int32 prompt + completion, right-padded; prompt_len, length: int32
     scalars (completion = slots prompt_len..length-1); ended: bool scalar, the last
-    token is EOS (not scored: DESIGN §3). Pure and traceable: `jax.vmap` it over a pool
+    token is EOS (not scored: docs/design.md §3). Pure and traceable: `jax.vmap` it over a pool
     ([N, T] tokens, [N] lengths) inside your own jitted code; it equals the batched
     `token_stats` path.
     """

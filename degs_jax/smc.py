@@ -4,13 +4,13 @@ Monte Carlo for
     pi(x)  ∝  gamma(x) = p(x)^alpha · exp(beta · D(x))
 
 over completions x of at most T = `max_new_tokens` tokens (ending in EOS, or exactly T
-tokens without EOS), with D(x) the mean collapse depth of DESIGN §3. Power-SMC is Azizi
+tokens without EOS), with D(x) the mean collapse depth of docs/design.md §3. Power-SMC is Azizi
 et al. 2026 (arXiv 2602.10273); the depth term is new (the DEGS paper's "integration with
 efficient samplers such as Power-SMC").
 
 Particles. Each prompt runs N particles in lock-step: one loop step is one decode step
 of every live particle (`generation.decode_step`), which consumes the particle's last
-token (writing its d_t, DESIGN §3) and samples the next one from the proposal
+token (writing its d_t, docs/design.md §3) and samples the next one from the proposal
 q = softmax(alpha · log p) (optionally top-k/top-p truncated; log q is then the
 truncated density). A particle is *complete* once it has sampled EOS, or once it has
 consumed its T-th token (the extra step that makes d_T known); a complete particle is
@@ -52,7 +52,7 @@ for the step that samples EOS, (alpha - a_{t-1})·log p(x_{<t}) + alpha·log p(E
 budget, (alpha - a_T)·log p(x) + beta·D_T - b_T·D_{T-1}. Without resampling the
 product over a particle's steps telescopes to gamma(x) / q(x) (gamma of the empty
 prefix is 1). With beta = 0, no ramp and no truncation every live increment is
-log Σ_w p(w)^alpha, the per-position normaliser (DESIGN §4's cross-check).
+log Σ_w p(w)^alpha, the per-position normaliser (docs/design.md §4's cross-check).
 
 Resampling. Every `resample_every` loop steps each prompt with a live particle computes
 ESS = (Σ w)² / Σ w² of its weights since the last resampling; if ESS < `ess_threshold`·N
@@ -112,7 +112,7 @@ class SMCConfig:
       for every power-sampling baseline; Power-SMC's MATH500 script sets alpha = 1/0.25
       (its config default is 2).
     beta: weight of D(x); 0 is Power-SMC (no probing), > 0 DEGS-SMC (needs `lens`).
-      Default 5 for degs_smc (DEGS-MCMC's beta, DESIGN §4).
+      Default 5 for degs_smc (DEGS-MCMC's beta, docs/design.md §4).
     n_particles: N per prompt. Default 16: the DEGS paper's Power-SMC budget (its Table 1
       "N=16") and the issue's matched budget (the Power-SMC code uses 32 / 64).
     max_new_tokens: the budget T. Default 3072: Power-SMC's config and MATH500 script,

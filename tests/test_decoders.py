@@ -426,7 +426,7 @@ def hand_state(logp, logq, depth, length, prompt_len, ended, S):
 
 @pytest.mark.parametrize("quirks", [False, True])
 def test_log_acceptance_ratio_by_hand(model, quirks):
-    """log r on hand-made states against the formula of DESIGN §4: whole suffixes of both
+    """log r on hand-made states against the formula of docs/design.md §4: whole suffixes of both
     states, D with the final EOS excluded, the cut-index ratio log n_x − log n_x'.
     Row 0: current ended with EOS (n_x = 5), the proposal crosses the old EOS position and
     runs to the boundary (n_x' = 8). Row 1: current at the boundary, the proposal ends early
@@ -558,7 +558,7 @@ def test_empty_prompt_rejected(model, prompts):
 
 
 def test_defaults_match_design():
-    """DESIGN §4 defaults: MCMC alpha 4, beta 5, 16 blocks of 192, 10 MH steps; power_mcmc
+    """docs/design.md §4 defaults: MCMC alpha 4, beta 5, 16 blocks of 192, 10 MH steps; power_mcmc
     beta 0; temperature 0.25; best-of-N at temperature 1.0 (top-p 1.0); tau 0.25."""
     for m in MCMC_METHODS:
         hp = resolve_hyperparameters(m, {})

@@ -3,7 +3,7 @@
 What is checked against an independent teacher-forced forward (one uncached pass over
 the finished sequence, `forward(..., cache=None)`):
 - the normaliser identity alpha·log p(v) − log q(v) = log Σ_w p(w)^alpha on the values
-  *recorded* during generation (DESIGN §4, exactness notes);
+  *recorded* during generation (docs/design.md §4, exactness notes);
 - greedy = argmax at every step; temperature with top_k = 1 = greedy; log q under
   top-k / top-p is the truncated density; log p is always the raw full-vocabulary one;
 - token x_t of row b is the categorical draw with fold_in(key_b, t) (absolute position);

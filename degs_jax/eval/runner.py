@@ -1,4 +1,4 @@
-"""`degs eval`: run a decoder over a benchmark, grade, and record everything (DESIGN §5).
+"""`degs eval`: run a decoder over a benchmark, grade, and record everything (docs/design.md §5).
 
 A run directory holds
 

@@ -1,6 +1,6 @@
 """`degs reproduce`: the paper's study for one model, resumable, into one directory.
 
-What runs (DESIGN §5; the paper's Table 1, predictive-validity section, L_sub table,
+What runs (docs/design.md §5; the paper's Table 1, predictive-validity section, L_sub table,
 compute accounting and Figure 1):
 
 - **Table 1**: each decoder on each benchmark is a ``degs eval`` run
@@ -102,7 +102,7 @@ def available_methods() -> tuple[str, ...]:
 
 
 def method_defaults(method: str) -> dict[str, Any]:
-    """The decoder's resolved default hyperparameters (the paper's, DESIGN §4)."""
+    """The decoder's resolved default hyperparameters (the paper's, docs/design.md §4)."""
     from degs_jax.hyperparameters import resolve_hyperparameters
 
     return dict(resolve_hyperparameters(method, {}))
@@ -664,7 +664,7 @@ def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
     multiple of ``bucket``, as many per call as fit in ``row_budget`` lens rows, default
     LENS_ROW_BUDGET) through :func:`degs_jax.scoring.layer_entropies`. Scored tokens are the
     completion's, its final EOS excluded when ``ended``, each read at its own position
-    (DESIGN §3) — the tokens and positions :func:`degs_jax.scoring.score_sequences` and
+    (docs/design.md §3) — the tokens and positions :func:`degs_jax.scoring.score_sequences` and
     generation score. Returns ``{"n_scored", "entropy": [L+1] (None if nothing is
     scored), "D": [one per set]}`` per sequence, in order.
     """
