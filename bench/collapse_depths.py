@@ -8,7 +8,7 @@ layer (d_t = the first layer of L_sub whose lens entropy is <= tau; L when none 
 It tells what a lens that stops at a row's first collapse could skip: a row needs every
 probed layer up to its d_t, so only the layers past it. Prints one JSON record (and
 appends it to $OUT/collapse_depths.jsonl); needs the model's weights (`degs_jax.models.load`)
-and the MATH500 file (DEGS_JAX_DATA or ../shared/data).
+and the MATH500 file (the copy installed with degs_jax, or $DEGS_JAX_DATA).
 """
 
 from __future__ import annotations

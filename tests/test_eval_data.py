@@ -92,14 +92,42 @@ def test_checksum_mismatch_is_an_error_with_opt_out(tmp_path):
 
 
 def test_data_dir_resolution(tmp_path, monkeypatch):
-    shutil.copy(default_data_dir() / "deepmind500.jsonl", tmp_path)
+    """The files installed with the package are the default; $DEGS_JAX_DATA overrides them;
+    a file missing from the chosen directory is an error naming it and the override."""
+    monkeypatch.delenv(bm.DATA_ENV_VAR, raising=False)
+    assert default_data_dir() == bm.packaged_data_dir()
+    shutil.copy(bm.packaged_data_dir() / "deepmind500.jsonl", tmp_path)
     monkeypatch.setenv(bm.DATA_ENV_VAR, str(tmp_path))
     assert default_data_dir() == tmp_path
     assert len(load_benchmark("deepmind500")) == 500
-    monkeypatch.delenv(bm.DATA_ENV_VAR)
-    monkeypatch.setattr(bm, "__file__", str(tmp_path / "a" / "b" / "c" / "benchmarks.py"))
-    with pytest.raises(FileNotFoundError, match="DEGS_JAX_DATA"):
-        default_data_dir()
+    with pytest.raises(FileNotFoundError, match=r"math500\.jsonl not found.*DEGS_JAX_DATA"):
+        load_benchmark("math500")
+
+
+def _readme_table() -> dict[str, tuple[int, str]]:
+    """file -> (bytes, sha256) from the table of degs_jax/data/README.md."""
+    rows = {}
+    for line in (bm.packaged_data_dir() / "README.md").read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0] and (bm.packaged_data_dir() / cells[0]).is_file():
+            rows[cells[0]] = (int(cells[2].replace(",", "")), cells[3])
+    return rows
+
+
+def test_the_packaged_files_are_the_documented_ones():
+    """Every benchmark file (and GSM8K train) ships with the package, byte for byte the file
+    its README names: size and sha256 as in the README's table and in the loaders' table;
+    each has a licence file."""
+    from degs_jax.train.data import GSM8K_TRAIN_FILE, GSM8K_TRAIN_SHA256
+
+    table = _readme_table()
+    expected = dict(bm.SHA256, **{GSM8K_TRAIN_FILE: GSM8K_TRAIN_SHA256})
+    assert set(table) == set(expected) == set(bm.FILES.values()) | {GSM8K_TRAIN_FILE}
+    for name, (size, sha) in table.items():
+        data = (bm.packaged_data_dir() / name).read_bytes()
+        assert len(data) == size and bm.sha256_bytes(data) == sha == expected[name], name
+    licences = bm.packaged_data_dir() / "LICENSES"
+    assert len([f for f in licences.iterdir() if f.stat().st_size > 200]) >= 4
 
 
 def test_unknown_benchmark_and_hub_without_copy():
@@ -245,3 +273,27 @@ def test_humaneval_solution_assembly():
     assert solution.startswith(he.question) and solution.rstrip().endswith("return number % 1.0")
     unindented = humaneval_solution(he, "```python\nreturn number % 1.0\n```", chat=True)
     assert unindented == he.question + "    return number % 1.0\n"
+
+
+@pytest.mark.parametrize("command", ["eval", "reproduce"])
+def test_a_tampered_data_file_is_refused_in_one_line(command, tmp_path, capsys):
+    """One flipped byte in a benchmark file: `degs eval` / `degs reproduce` stop before
+    loading a model, with one `degs: error:` line naming the file, and write no results."""
+    from degs_jax import cli
+
+    data = tmp_path / "data"
+    shutil.copytree(bm.packaged_data_dir(), data)
+    target = data / "gsm8k_test.jsonl"
+    raw = bytearray(target.read_bytes())
+    raw[100] ^= 0x01
+    target.write_bytes(bytes(raw))
+    out = tmp_path / "run"
+    argv = (["eval", "--benchmark", "gsm8k", "--limit", "2"] if command == "eval"
+            else ["reproduce", "--benchmarks", "gsm8k", "--limit", "2"])
+    rc = cli.main([*argv, "--out", str(out), "--data-dir", str(data), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("degs: error: "), err
+    assert str(target) in lines[0] and "sha256" in lines[0] and "Traceback" not in err
+    assert not (out / "results.jsonl").exists()

@@ -20,18 +20,17 @@ from __future__ import annotations
 import functools
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 import regex
 
+from degs_jax.eval.benchmarks import default_data_dir
 from degs_jax.models import load
 from degs_jax.models.gguf_io import open_gguf, tokenizer_from_gguf
 from degs_jax.models.loading import builtin_gguf
 
 pytestmark = pytest.mark.slow
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 EDGE_CASES = [
     "", " ", "  ", "\n\n\n", "\t\t1", "12 * 13 = 156", "  1", "a  1", "   12  34\n\n 5", "x²+½ Ⅻ ٣",
     "héllo wörld 日本語 😀 \u200b", "don't I'LL WE'VE", "1,000,000.50", "$\\frac{1}{2}$",
@@ -42,7 +41,7 @@ EDGE_CASES = [
 
 def corpus() -> list[str]:
     texts = list(EDGE_CASES)
-    data = Path(__import__("os").environ.get("DEGS_JAX_DATA") or DATA)
+    data = default_data_dir()
     for name in ("math500.jsonl", "gsm8k_test.jsonl", "deepmind500.jsonl"):
         for line in (data / name).read_text().splitlines()[:60]:
             texts += [v for v in json.loads(line).values() if isinstance(v, str)]

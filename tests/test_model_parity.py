@@ -181,6 +181,15 @@ def test_built_wheel_ships_models_inside_degs_jax(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(extracted), "PATH": "/usr/bin:/bin"}, check=True)
     assert out.stdout.strip().startswith(str(extracted))
+    # The benchmark files ship inside the package and load from the installed copy.
+    for name in ("math500.jsonl", "gsm8k_train.jsonl", "gpqa_dataset.zip", "README.md",
+                 "LICENSES/CC-BY-4.0-gpqa.txt"):
+        assert f"degs_jax/data/{name}" in names, name
+    code = ("from degs_jax.eval.benchmarks import load_benchmark, default_data_dir; "
+            "print(default_data_dir()); print(len(load_benchmark('gsm8k')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(extracted), "PATH": "/usr/bin:/bin"}, check=True)
+    assert out.stdout.split() == [str(extracted / "degs_jax" / "data"), "1319"]
 
 
 def test_qwen3_gguf_loads_and_matches_the_transformers_gguf_loader(tmp_path):

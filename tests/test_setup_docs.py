@@ -31,3 +31,29 @@ def test_ci_runs_the_readme_commands_verbatim():
     changed = subprocess.run(checker + [ci["FIRST_COMMAND"] + " --seed 1", ci["TEST_COMMAND"]],
                              capture_output=True, text=True)
     assert changed.returncode == 1 and "disagree" in changed.stderr
+
+
+def tracked_files() -> list[Path]:
+    """The repository's tracked files (`git ls-files`; every file but build and cache
+    folders when the tree is not a git checkout)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode == 0:
+        return [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+    skip = {".git", ".venv", "__pycache__", ".pytest_cache", "build"}
+    return [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)]
+
+
+def test_no_tracked_file_names_a_folder_beside_the_repository():
+    """A clone is the whole product: no code, test, notebook or document refers to the
+    workspace folder that sat beside the repository while it was written."""
+    names = [".." + "/shared", "shared" + "/DESIGN", "shared" + "/data"]  # spelled apart: not in this file
+    offenders = []
+    for path in tracked_files():
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # binary data (compressed benchmarks, images)
+        if any(name in text for name in names):
+            offenders.append(str(path.relative_to(ROOT)))
+    assert len(tracked_files()) > 100
+    assert not offenders, offenders

@@ -1,7 +1,8 @@
 """Benchmark loaders: MATH500, DeepMind500, GSM8K, HumanEval, GPQA Diamond.
 
-Every loader returns a list of :class:`Problem` in file order. Local files are
-checked against the sha256 table of ``shared/data/README.md`` before use.
+Every loader returns a list of :class:`Problem` in file order. The files ship inside the
+package (``degs_jax/data``: sources, licences and checksums in its ``README.md``) and are
+checked against the sha256 values below before use, wherever they are read from.
 
 GPQA is distributed as a password-protected zip and its authors ask that the
 questions never appear in plain text online. The zip is decrypted in memory
@@ -15,6 +16,7 @@ from __future__ import annotations
 import csv
 import gzip
 import hashlib
+import importlib.resources
 import io
 import json
 import os
@@ -38,7 +40,7 @@ FILES = {
     "gpqa_diamond": "gpqa_dataset.zip",
 }
 
-# From shared/data/README.md (sha256 of the file as stored on disk).
+# sha256 of each file as stored on disk (the table of degs_jax/data/README.md).
 SHA256 = {
     "math500.jsonl": "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132",
     "deepmind500.jsonl": "001c294aac90fd70920df791d1a63634c1a5032e54a708ffa137dec40888e63b",
@@ -92,17 +94,15 @@ class Problem:
     metadata: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
 
 
+def packaged_data_dir() -> Path:
+    """The benchmark files installed with the package (``degs_jax/data``)."""
+    return Path(str(importlib.resources.files("degs_jax") / "data"))
+
+
 def default_data_dir() -> Path:
-    """``$DEGS_JAX_DATA`` if set, else ``<repo>/../shared/data`` next to the source tree."""
+    """``$DEGS_JAX_DATA`` if set, else the files installed with the package."""
     env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        return Path(env)
-    candidate = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-    if candidate.is_dir():
-        return candidate
-    raise FileNotFoundError(
-        f"benchmark data directory not found (looked for ${DATA_ENV_VAR} and {candidate}); "
-        f"set {DATA_ENV_VAR} or pass path=... / data_dir=... to load_benchmark")
+    return Path(env) if env else packaged_data_dir()
 
 
 def canonical_name(name: str) -> str:
@@ -125,9 +125,9 @@ def check_sha256(data: bytes, expected: str, what: str, verify: bool = True) -> 
     actual = sha256_bytes(data)
     if actual != expected:
         raise ChecksumError(
-            f"{what}: sha256 {actual} does not match the data README ({expected}); "
-            "the file is corrupt or a different version. Pass verify_checksum=False "
-            "to load it anyway (results will not be comparable).")
+            f"{what}: sha256 {actual} is not that of the published file ({expected}); "
+            "the file is damaged or another version (in Python, verify_checksum=False "
+            "loads it anyway; results will not be comparable)")
 
 
 def load_benchmark(
@@ -148,7 +148,7 @@ def load_benchmark(
         data_dir: directory holding the files; default :func:`default_data_dir`.
         verify_checksum: compare the file's sha256 with the data README and
             raise :class:`ChecksumError` on mismatch. The expected hash is that
-            of the shared file whatever ``path`` is, so a modified copy needs
+            of the published file whatever ``path`` is, so a modified copy needs
             ``verify_checksum=False``.
         source: ``"local"`` or ``"hub"``. ``"hub"`` downloads the same benchmark
             with the ``datasets`` package (imported lazily, not a dependency:
@@ -164,7 +164,13 @@ def load_benchmark(
         if path is None:
             base = Path(data_dir) if data_dir is not None else default_data_dir()
             path = base / FILES[key]
-        data = Path(path).read_bytes()
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"benchmark file {path} not found (the data directory is --data-dir / "
+                f"data_dir=..., else ${DATA_ENV_VAR}, else the package's own "
+                f"{packaged_data_dir()})")
+        data = path.read_bytes()
         check_sha256(data, SHA256[FILES[key]], str(path), verify_checksum)
         problems = _LOCAL_LOADERS[key](data, verify_checksum)
     else:

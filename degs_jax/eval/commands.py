@@ -70,8 +70,8 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
                    help=BATCH_SIZE_HELP.format(what="problems"))
     g.add_argument("--keep-candidates", action="store_true",
                    help="grade and store every candidate (tokens, log p, D, final entropy, verdict)")
-    g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA or "
-                                                    "../shared/data)")
+    g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA, else "
+                                                    "the copies installed with degs_jax)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     d = e.add_argument_group("several processes (jax.distributed; see above)")
     d.add_argument("--coordinator", metavar="HOST:PORT",

@@ -92,8 +92,8 @@ def add_command(sub, add_model_args, load_model) -> None:
     m.add_argument("--export", metavar="DEST", default=None,
                    help="write a compact copy of the study (no candidate tokens) and its report "
                         "into DEST, for committing (no model)")
-    m.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA or "
-                                                    "../shared/data)")
+    m.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA, else "
+                                                    "the copies installed with degs_jax)")
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.set_defaults(func=lambda args: cmd_reproduce(args, load_model))
 
@@ -205,6 +205,10 @@ def cmd_reproduce(args, load_model) -> int:
     if args.plan:
         print(format_plan(plan_table(out, request, data_dir=args.data_dir)))
         return 0
+    from degs_jax.eval.benchmarks import load_benchmark
+
+    for benchmark in {**request.benchmarks, **request.pool_benchmarks}:
+        load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
     _compilation_cache(args.compilation_cache)
     model = load_model(args)
     if args.lsub_sets != "paper":

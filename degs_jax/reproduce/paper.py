@@ -1,4 +1,4 @@
-"""The paper's reported numbers, quoted from ``degs.tex`` (for side-by-side tables only).
+"""The paper's reported numbers, for side-by-side tables only (the paper is named in docs/design.md).
 
 Every value here is copied from the LaTeX source of "Depth-Entropy Guided Sampling for
 Training-Free LLM Reasoning"; the comment above each constant names the table or

@@ -97,7 +97,7 @@ def add_commands(sub, add_model_args, load_model) -> None:
     g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     g.add_argument("--steps", type=int, required=True, help="train up to this many steps in total")
     g.add_argument("--data", default=None,
-                   help="training JSONL with GSM8K's fields (default: the shared gsm8k_train.jsonl)")
+                   help="training JSONL with GSM8K's fields (default: the gsm8k_train.jsonl installed with degs_jax)")
     g.add_argument("--limit", type=int, default=None, help="only the first N training problems")
     g.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (10)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept (2)")
@@ -114,7 +114,7 @@ def add_commands(sub, add_model_args, load_model) -> None:
                    help="lens file (default: the cache entry `--lens tuned` reads for this model)")
     t.add_argument("--corpus", default=None,
                    help="GSM8K-format JSONL whose question + solution texts are the corpus "
-                        "(default: the shared gsm8k_train.jsonl)")
+                        "(default: the gsm8k_train.jsonl installed with degs_jax)")
     t.add_argument("--layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="layers to translate, comma-separated (default 0..L-1)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -7,8 +7,8 @@ fresh permutation every epoch, drawn by numpy's PCG64 from `(seed, epoch)`. The 
 of a step are therefore a pure function of (tasks, seed, step): a resumed run sees the
 prompts an uninterrupted one would, without storing a data cursor.
 
-The default training set is GSM8K's *train* split (`gsm8k_train.jsonl` of the shared data
-directory, sha256-checked); the prompt is the evaluation harness's math template through
+The default training set is GSM8K's *train* split (`gsm8k_train.jsonl` of the benchmark
+data directory, by default the copy installed with the package; sha256-checked); the prompt is the evaluation harness's math template through
 the tokenizer's chat template, so a trained policy is asked exactly what `degs eval`
 asks. The test split is refused.
 """
@@ -83,7 +83,7 @@ def gsm8k_train_tasks(tokenizer, path: Optional[str | os.PathLike] = None, *, ch
                       verify_checksum: bool = True) -> list[Task]:
     """GSM8K training problems as tasks, in file order (ids `gsm8k_train/<row>`).
 
-    path: default the shared `gsm8k_train.jsonl`, checked against its sha256 (a modified
+    path: default `gsm8k_train.jsonl` of the data directory, checked against its sha256 (a modified
     copy needs verify_checksum=False). The GSM8K test split is refused whatever its path.
     max_prompt_len: drop problems whose prompt is longer (their number is in the error
     when nothing is left). limit: the first `limit` problems.
