@@ -108,6 +108,25 @@ def test_worst_case_cost_by_hand():
     assert study.worst_case_cost("degs_smc", {"max_new_tokens": 512}) == (16 * 512, 512)
 
 
+def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():
+    """DEGS-MCMC's first batch is estimated from power MCMC's (same benchmark, batch and
+    worst case), so a budget that cannot hold another batch does not start it (on the GPU
+    a 400 s DEGS batch started with 128 s of a 540 s budget left, before this)."""
+    def job(method, benchmark="math500", batch=64, **hp):
+        return study.Job(kind="decoder", benchmark=benchmark, method=method, hyperparameters=hp,
+                         limit=None, batch_size=batch, keep_candidates=False,
+                         directory=study.run_directory(benchmark, method))
+
+    rates = study._Rates()
+    rates.add(study._job_rate_keys(job("power_mcmc")), 390.0, 64)
+    assert rates.per_unit(study._job_rate_keys(job("degs_mcmc"))) == pytest.approx(390.0 / 64)
+    for other in (job("degs_mcmc", benchmark="gsm8k"), job("degs_mcmc", batch=32),
+                  job("degs_mcmc", num_blocks=4), job("greedy")):
+        assert rates.per_unit(study._job_rate_keys(other)) is None
+    rates.add(study._job_rate_keys(job("degs_mcmc")), 400.0, 64)  # its own measurement wins
+    assert rates.per_unit(study._job_rate_keys(job("degs_mcmc"))) == pytest.approx(400.0 / 64)
+
+
 def test_budget():
     import time
 

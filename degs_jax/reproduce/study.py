@@ -440,8 +440,17 @@ class _Rates:
         return None
 
 
-def _job_rate_keys(job: Job) -> tuple[str, str]:
-    return (f"job:{job.directory}", f"method:{job.kind}:{job.method}")
+def _job_rate_keys(job: Job) -> tuple[str, ...]:
+    """Where a job's cost per problem is looked up, the most specific first: the job itself,
+    its method elsewhere, then any job of the same benchmark, batch size and worst-case
+    shape (e.g. DEGS-MCMC from power MCMC's batches: a batch lasts as long as its slowest
+    chain, and both chains have the same worst case), so that a job never measured does
+    not start a batch the budget cannot hold."""
+    keys = (f"job:{job.directory}", f"method:{job.kind}:{job.method}")
+    worst = worst_case_cost(job.method, job.hyperparameters)
+    if worst is None:
+        return keys
+    return keys + (f"shape:{job.kind}:{job.benchmark}:{job.batch_size}:{worst[0]}:{worst[1]}",)
 
 
 # --------------------------------------------------------------------------- running
