@@ -387,15 +387,41 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     assert claims["D(x) predi"]["verdict"] == ("problem-demeaned AUC interval above 0.5 in 1, "
                                                "below 0.5 in 0 of 1 pools")
 
+    deviations = {r["setting"]: r for r in result["deviations"]}
+    assert deviations["model"]["deviates"] and deviations["model"]["used"] == (
+        "`toy`; ToyForCausalLM, 4 layers, float32 weights; prompts through its chat template "
+        "(run configuration chat = true)")
+    assert "HumanEval prompt" not in deviations  # no HumanEval run
+    cap = deviations["completion token cap"]
+    assert cap["deviates"] and cap["paper"] == "3072, 3072 (16 blocks of 192)"
+    assert cap["used"] == ("3072: best_of_n, pool on gsm8k; 768 (4 blocks of 192): degs_mcmc on "
+                           "gsm8k; 3072 (16 blocks of 192): power_mcmc on gsm8k")
+    assert cap["effect"].endswith("gsm8k 0–17%")  # one DEGS-MCMC completion of six cut
+    bon = deviations["Best-of-N pool (Best-of-N and its selections)"]
+    assert bon["deviates"] and bon["used"] == "N = 16, T = 1, top-p 1: gsm8k"
+    # candidates of problems 0 and 1 (the pool's): 3 of 6 correct; the pool's 2 of 4
+    assert bon["effect"] == ("mean candidate accuracy on the 2 gsm8k problems both drew: 0.500 at "
+                             "N = 16, T = 1, top-p 1 vs 0.500 at N = 2, T = 1, top-p 1 (the "
+                             "predictive-validity pool)")
+    assert deviations["predictive-validity pool"]["used"] == "N = 2, T = 1, top-p 1: gsm8k"
+    assert (deviations["mh_steps"]["paper"], deviations["mh_steps"]["used"]) == (10, "2: degs_mcmc on gsm8k")
+    assert "num_blocks" not in deviations  # part of the token cap
+    assert deviations["problems per benchmark"]["used"] == "gsm8k 4–6 (not in the paper's Table 1)"
+    assert deviations["Table 1 cells"]["used"] == (
+        "not run: Base (greedy), Low-temperature, Scalable Power Sampling, Power-SMC; MATH500, "
+        "DeepMind500, HumanEval pass@1, GPQA-Diamond")
+    assert deviations["L_sub ablation"]["deviates"]
+
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
+    assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
     assert "**5 comparisons**" in text and report.CRN_STATEMENT in text
     assert paired["common_random_numbers_note"] == report.CRN_STATEMENT
     assert "**1.000 [1.000, 1.000]** | 0.750 [0.750, 1.000]" in text
     for name in ("table1", "paired", "predictive_validity_gsm8k", "trajectory_gsm8k"):
         png = Path(result["figures"][name])
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"figures/{png.name}" in text
-    for name in ("status", "table1", "paired", "predictive_validity", "lsub",
+    for name in ("status", "deviations", "table1", "paired", "predictive_validity", "lsub",
                  "trajectories", "compute", "claims"):
         assert json.loads((tmp_path / "out" / "tables" / f"{name}.json").read_text())
 
@@ -452,7 +478,7 @@ def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_pa
     exported = report.export_study(synthetic_study, tmp_path / "export")
     for line in (tmp_path / "export/runs/gsm8k/best_of_n/results.jsonl").read_text().splitlines():
         assert all("tokens" not in c for c in json.loads(line)["candidates"])
-    for name in ("table1", "paired", "predictive_validity", "lsub", "trajectories",
+    for name in ("deviations", "table1", "paired", "predictive_validity", "lsub", "trajectories",
                  "compute", "claims"):
         assert json.loads(json.dumps(exported[name])) == json.loads(json.dumps(full[name])), name
     with pytest.raises(ValueError, match="not an exported study"):
@@ -563,6 +589,12 @@ def test_study_end_to_end_interrupted_and_resumed(degs, tmp_path, monkeypatch):
     rescored = [c["D"][1] for r in layers for c in r["candidates"]]
     recorded = [c["D"] for r in pool for c in r["candidates"]]
     assert sum(abs(a - b) < 1e-6 for a, b in zip(rescored, recorded)) >= len(recorded) / 2
+    # the invocation records what the deviations table needs of the model: its source and
+    # whether the prompts went through a chat template (SmolLM2-Instruct has one)
+    assert inv["model"]["chat_template"] is True and inv["model"]["source"]
+    deviations = {r["setting"]: r for r in json.loads((whole / "tables/deviations.json").read_text())}
+    assert deviations["model"]["used"].endswith("prompts through its chat template")
+    assert deviations["HumanEval prompt"]["deviates"]
     report_md = (whole / "report.md").read_text()
     assert "## Table 1" in report_md and "Partial results" not in report_md
     assert {p.name for p in (whole / "figures").iterdir()} >= {

@@ -3,8 +3,10 @@
 Reads a `degs reproduce` directory (:mod:`degs_jax.reproduce.study`) and writes
 
 - ``tables/*.json``: ``status`` (what ran, per job: target and finished problems, per
-  invocation: device, time, why it stopped), ``table1`` (accuracy with a 95% Wilson
-  interval per row and benchmark), ``paired`` (paired comparisons on the problems both rows answered:
+  invocation: device, time, why it stopped), ``deviations`` (every setting where the
+  study could differ from the paper's, from its recorded configuration, with the effect
+  the records measure), ``table1`` (accuracy with a 95% Wilson interval per row and
+  benchmark), ``paired`` (paired comparisons on the problems both rows answered:
   accuracy difference with Newcombe's 95% paired score interval, the exact McNemar test
   and its Holm adjustment over the table's comparisons; the sign test over benchmarks of
   beta = 5 vs beta = 0; the common random numbers of each beta pair, with how many final
@@ -443,6 +445,214 @@ def compute_table(study: Study) -> dict:
                     f"probing K/L of a forward per probed token (L = {L})"}
 
 
+# --------------------------------------------------------------------------- deviations
+
+# Settings reported as the completion token cap (an MCMC chain's is num_blocks · block_len).
+_CAP_SETTINGS = ("max_new_tokens", "num_blocks", "block_len")
+_SAMPLING = tuple(paper.CANDIDATE_SAMPLING)  # n, temperature, top_p
+
+
+def _token_cap(hyperparameters: Mapping[str, Any]) -> Optional[tuple[int, Optional[str]]]:
+    """(token cap, how an MCMC chain makes it up) of a run's hyperparameters."""
+    hp = hyperparameters
+    if "num_blocks" in hp and "block_len" in hp:
+        return hp["num_blocks"] * hp["block_len"], f"{hp['num_blocks']} blocks of {hp['block_len']}"
+    return (hp["max_new_tokens"], None) if "max_new_tokens" in hp else None
+
+
+def _range(low: float, high: float) -> str:
+    return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}–{high:.0f}"
+
+
+def _cap_text(cap: tuple[int, Optional[str]]) -> str:
+    return f"{cap[0]}" + (f" ({cap[1]})" if cap[1] else "")
+
+
+def _where(items) -> str:
+    """(label, benchmark) pairs as ``"a, b on gsm8k, math500; c on humaneval"``."""
+    by_label: dict[str, set] = {}
+    for label, benchmark in items:
+        by_label.setdefault(label, set()).add(benchmark)
+    groups: dict[tuple, list] = {}
+    for label, benchmarks in by_label.items():
+        groups.setdefault(tuple(sorted(benchmarks)), []).append(label)
+    return "; ".join(f"{', '.join(labels)} on {', '.join(bs)}" for bs, labels in groups.items())
+
+
+def _mean_candidate_accuracy(records, indices) -> float:
+    return float(np.mean([bool(c["correct"]) for r in records if r["index"] in indices
+                          for c in r.get("candidates", [])]))
+
+
+def _all_runs(study: Study) -> dict[tuple[str, str, str], dict]:
+    """Every run of the study by (``"runs"`` or ``"pool"``, benchmark, decoder)."""
+    runs = {("runs", b, m): data for (b, m), data in study.runs.items()}
+    runs.update({("pool", b, "best_of_n"): data for b, data in study.pools.items()})
+    return runs
+
+
+def _deviation(setting, paper_value, used, deviates, effect=None) -> dict:
+    return {"setting": setting, "paper": paper_value, "used": used, "deviates": bool(deviates),
+            "effect": effect}
+
+
+def _model_rows(study: Study, configs: Mapping) -> list[dict]:
+    """The model and how it was prompted; HumanEval's prompt."""
+    from degs_jax.models.loading import BUILTIN_MODELS
+
+    name = study.meta["model"]["name"]
+    cfg = next(iter(configs.values()), {}).get("model", {})
+    recorded = [inv["model"] for inv in study.meta["invocations"] if inv.get("model")]
+    sources = sorted({Path(inv["model_source"]).name for data in _all_runs(study).values()
+                      for inv in data["run"].get("invocations", []) if inv.get("model_source")}
+                     | {Path(m["source"]).name for m in recorded})
+    chat = sorted({bool(c.get("chat")) for c in configs.values()})
+    template = sorted({m["chat_template"] for m in recorded})  # empty: not recorded
+    described = [f"`{name}`"]
+    if name in BUILTIN_MODELS:
+        described.append(BUILTIN_MODELS[name].description)
+    described.append(f"{cfg.get('architecture', '?')}, {study.num_layers} layers, "
+                     f"{cfg.get('dtype', '?')} weights"
+                     + (f" from {', '.join(sources)}" if sources else ""))
+    if chat == [True]:
+        described.append("chat requested, but the tokenizer has no chat template: raw prompts"
+                         if template == [False] else "prompts through its chat template"
+                         + ("" if template else " (run configuration chat = true)"))
+    elif chat == [False]:
+        described.append("raw prompts (no chat template)")
+    rows = [_deviation("model", f"{', '.join(paper.MODELS)}: 7B base and math models",
+                       "; ".join(described),
+                       not any(m.lower() in name.lower() for m in paper.MODELS))]
+    humaneval = [c for (kind, b, m), c in configs.items() if b == "humaneval"]
+    if humaneval:
+        as_chat = any(c.get("chat") for c in humaneval) and template != [False]
+        rows.append(_deviation(
+            "HumanEval prompt", paper.HUMANEVAL_PROMPT,
+            "a chat turn asking for the whole function in a code block" if as_chat
+            else paper.HUMANEVAL_PROMPT, as_chat))
+    return rows
+
+
+def _token_cap_rows(runs: Mapping, configs: Mapping) -> list[dict]:
+    """The completion token cap of every run against its decoder's default (the paper's),
+    with how many final completions ran into it."""
+    caps: dict[str, list] = {}
+    paper_caps, capped = set(), False
+    for (kind, b, m), c in configs.items():
+        defaults = method_defaults(m)
+        used, cap = _token_cap({**defaults, **c["hyperparameters"]}), _token_cap(defaults)
+        if used is not None:
+            caps.setdefault(_cap_text(used), []).append(("pool" if kind == "pool" else m, b))
+            paper_caps.add(cap)
+            capped |= used != cap
+    if not caps:
+        return []
+    cut: dict[str, list] = {}
+    for (kind, b, m), data in runs.items():
+        if kind == "runs" and data["records"]:
+            cut.setdefault(b, []).append(np.mean([not r["ended"] for r in data["records"]]))
+    effect = ("final completions that ended without EOS (at the cap), lowest and highest over "
+              "a benchmark's decoders: " + ", ".join(
+                  f"{b} {_range(100 * min(v), 100 * max(v))}%" for b, v in sorted(cut.items())))
+    return [_deviation(
+        "completion token cap",
+        ", ".join(_cap_text(c) for c in sorted(paper_caps, key=lambda c: (c[0], c[1] or ""))),
+        "; ".join(f"{used}: {_where(items)}" for used, items in caps.items()),
+        capped, effect if cut else None)]
+
+
+def _sampling_rows(runs: Mapping, configs: Mapping) -> list[dict]:
+    """Candidate sampling of the Best-of-N runs and of the predictive-validity pools, with
+    the mean candidate accuracy of both where a benchmark has both at different settings."""
+    target = _sampling(paper.CANDIDATE_SAMPLING)
+    sampling = {(kind, b): _sampling(c["hyperparameters"])
+                for (kind, b, m), c in configs.items() if m == "best_of_n"}
+    rows = []
+    for kind, setting in (("runs", "Best-of-N pool (Best-of-N and its selections)"),
+                          ("pool", "predictive-validity pool")):
+        by_value: dict[str, list] = {}
+        for (k, b), value in sampling.items():
+            if k == kind:
+                by_value.setdefault(value, []).append(b)
+        if not by_value:
+            continue
+        effects = []
+        for b in sorted(b for (k, b) in sampling if k == kind == "runs"):
+            other = sampling.get(("pool", b))
+            if other is not None and other != sampling[("runs", b)]:
+                records = runs[("runs", b, "best_of_n")]["records"]
+                pool = runs[("pool", b, "best_of_n")]["records"]
+                common = {r["index"] for r in records} & {r["index"] for r in pool}
+                effects.append(
+                    f"mean candidate accuracy on the {len(common)} {b} problems both drew: "
+                    f"{_mean_candidate_accuracy(records, common):.3f} at {sampling[('runs', b)]} "
+                    f"vs {_mean_candidate_accuracy(pool, common):.3f} at {other} (the "
+                    "predictive-validity pool)")
+        rows.append(_deviation(
+            setting, target,
+            "; ".join(f"{value}: {', '.join(sorted(bs))}" for value, bs in by_value.items()),
+            set(by_value) != {target}, "; ".join(effects) or None))
+    return rows
+
+
+def _recorded_rows(study: Study, status: Mapping) -> list[dict]:
+    """The other hyperparameters and selection weights the study recorded as differing
+    from the paper's (study.json; token caps and candidate sampling have their own rows)."""
+    grouped: dict[tuple, list] = {}
+    for job in study.latest("jobs").values():
+        label = "pool" if job["kind"] == "pool" else job["method"]
+        for k, v in job["deviations"].items():
+            if k in _CAP_SETTINGS or (job["method"] == "best_of_n" and k in _SAMPLING):
+                continue
+            grouped.setdefault((k, json.dumps(v["paper"]), json.dumps(v["used"])), []).append(
+                (label, job["benchmark"]))
+    rows = [_deviation(k, json.loads(paper_value), f"{json.loads(used)}: {_where(items)}", True)
+            for (k, paper_value, used), items in sorted(grouped.items())]
+    rows += [_deviation(f"{paper.METHOD_LABELS.get(m, m)} selection weights", v["paper"],
+                        f"{v['used']}: {b}", True)
+             for b, dev in status["selection_deviations"].items() for m, v in dev.items()]
+    return rows
+
+
+def _coverage_rows(study: Study, status: Mapping, verdict) -> list[dict]:
+    """Problems per benchmark, Table 1 cells not run, and how the L_sub ablation measures."""
+    done: dict[str, list] = {}
+    for job in status["jobs"]:
+        if job["kind"] == "decoder":
+            done.setdefault(job["benchmark"], []).append(job["done"])
+    sizes = paper.BENCHMARK_SIZES
+    rows = [_deviation(
+        "problems per benchmark", ", ".join(f"{b} {n}" for b, n in sizes.items()),
+        ", ".join(f"{b} {_range(min(v), max(v))}"
+                  + ("" if b in sizes else " (not in the paper's Table 1)") for b, v in done.items()),
+        any(b not in sizes or min(v) < sizes[b] for b, v in done.items()))]
+    table_rows = {m for table in paper.TABLE1.values() for m in table}
+    ours = {m for _, m in verdict}
+    missing = [", ".join(paper.METHOD_LABELS[m] for m in TABLE1_ORDER if m in table_rows - ours),
+               ", ".join(paper.BENCHMARK_LABELS[b] for b in sizes if b not in done)]
+    rows.append(_deviation("Table 1 cells", f"{len(table_rows)} methods × {len(sizes)} benchmarks",
+                           "not run: " + "; ".join(x for x in missing if x) if any(missing)
+                           else "all run", any(missing)))
+    if any("layers" in pool for pool in study.pools.values()):
+        rows.append(_deviation(
+            "L_sub ablation", paper.LSUB_MEASURE,
+            "each probe set scored on the predictive-validity pool: reranking accuracy and AUC "
+            "(one teacher-forced pass; no chain per set)", True))
+    return rows
+
+
+def deviations_table(study: Study, status: Mapping, verdict) -> list[dict]:
+    """Every setting where this study could differ from the paper's, from the recorded
+    configuration (study.json, each run's run.json) against :mod:`paper` and the
+    decoders' defaults (the paper's): one row each with ``setting``, ``paper``, ``used``,
+    ``deviates`` and, where the records measure it, ``effect``."""
+    runs = _all_runs(study)
+    configs = {key: data["run"]["config"] for key, data in runs.items()}
+    return (_model_rows(study, configs) + _token_cap_rows(runs, configs)
+            + _sampling_rows(runs, configs) + _recorded_rows(study, status)
+            + _coverage_rows(study, status, verdict))
+
+
 # --------------------------------------------------------------------------- status, claims
 
 
@@ -639,7 +849,9 @@ def build_tables(study: Study) -> dict[str, Any]:
     paired = paired_table(study, verdict)
     validity = predictive_validity_table(study)
     compute = compute_table(study)
-    return {"status": status_table(study), "table1": t1, "paired": paired,
+    status = status_table(study)
+    return {"status": status, "deviations": deviations_table(study, status, verdict),
+            "table1": t1, "paired": paired,
             "predictive_validity": validity, "lsub": lsub_table(study),
             "trajectories": trajectory_table(study), "compute": compute,
             "claims": claims_table(paired, validity, compute)}
@@ -714,17 +926,22 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
                    "comparisons use the problems both methods finished."]
     md += ["", "## What ran", ""]
     md.append(_md_table(
-        ["job", "target", "done", "hyperparameters that differ from the paper's"],
+        ["job", "target", "done"],
         [[r["directory"], r["target"],
-          f"{r['done']}" + (f" (layer pass {r['layer_pass_done']})" if "layer_pass_done" in r else ""),
-          ", ".join(f"{k} {v['used']} (paper {v['paper']})" for k, v in r["deviations"].items())
-          or "none"] for r in st["jobs"]]))
-    for b, dev in st["selection_deviations"].items():
-        md.append(f"\nSelection weights on {b} that differ from the paper's: "
-                  + "; ".join(f"{m}: {v['used']} (paper {v['paper']})" for m, v in dev.items()))
+          f"{r['done']}" + (f" (layer pass {r['layer_pass_done']})" if "layer_pass_done" in r else "")]
+         for r in st["jobs"]]))
     skipped = last.get("skipped") or []
     if skipped:
         md.append("\nLeft for a later invocation (time budget): " + "; ".join(skipped))
+
+    md += ["", "## Deviations from the paper", "",
+           "Every setting this study could change, from its recorded configuration "
+           "(`study.json`, each run's `run.json`) against the paper's; deviations first.", ""]
+    dev = sorted(tables["deviations"], key=lambda r: not r["deviates"])
+    md.append(_md_table(
+        ["setting", "paper", "this study", "deviates", "measured effect"],
+        [[r["setting"], r["paper"], r["used"], "**yes**" if r["deviates"] else "no",
+          r["effect"] or ""] for r in dev]))
 
     t1 = tables["table1"]
     md += ["", "## Table 1: accuracy", "",
