@@ -2,9 +2,18 @@
 
 Statistics over a pool of graded candidates, each with a score ``D(x)`` and a verdict:
 
-- mean gap ``mean D(correct) − mean D(incorrect)`` and a two-sided Mann–Whitney U test;
 - AUC = the Mann–Whitney statistic normalised, ``P(D_c > D_w) + ½·P(D_c = D_w)`` over
-  all (correct, incorrect) pairs of the pool (ties count one half);
+  all (correct, incorrect) pairs of the pool (ties count one half), with a 95%
+  interval from the problem-level cluster bootstrap (:func:`degs_jax.stats.cluster_bootstrap_auc`:
+  problems resampled with all their candidates, 10,000 resamples, seed 0);
+- the problem-demeaned AUC (D minus its problem's mean D, then the AUC over all
+  candidates; the headline: it ranks candidates against their own problem, as a
+  decoder choosing among them does) with the same interval; NaN when no problem has
+  two candidates;
+- mean gap ``mean D(correct) − mean D(incorrect)`` and a two-sided Mann–Whitney U test.
+  The test (and Spearman's p) treats every candidate as independent, which the N
+  candidates of one problem are not: its p-value is too small and is reported only as
+  a footnote to the cluster intervals;
 - Spearman ρ between ``D`` and correctness (0/1);
 - pairwise ranking accuracy: the same quantity as the AUC but only over pairs of one
   correct and one incorrect candidate *of the same problem* (ties count one half; the
@@ -41,7 +50,7 @@ from scipy import stats as _stats
 __all__ = [
     "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
     "pairwise_ranking_accuracy", "bucket_accuracy", "predictive_validity", "rerank_accuracy",
-    "pool_from_records", "load_run", "analyze_run", "format_report",
+    "pool_from_records", "load_run", "analyze_run", "format_report", "format_interval",
     "plot_predictive_validity", "parse_lsub_sweep", "lsub_sweep", "format_lsub_table",
 ]
 
@@ -250,23 +259,37 @@ def pool_from_records(records: Sequence[Mapping[str, Any]]) -> Pool:
 
 
 def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
-                        n_buckets: int = 4) -> dict[str, Any]:
+                        n_buckets: int = 4,
+                        n_resamples: Optional[int] = None) -> dict[str, Any]:
     """Every statistic of the module docstring for ``pool`` (scored by ``scores``, default
-    the pool's own D(x)), as a JSON-able dict."""
+    the pool's own D(x)), as a JSON-able dict. ``n_resamples``: of the cluster bootstrap
+    (default :data:`degs_jax.stats.BOOTSTRAP_RESAMPLES`; 0: no intervals)."""
+    from degs_jax.stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, cluster_bootstrap_auc
+
     d = pool.D if scores is None else np.asarray(scores, np.float64)
     y = pool.correct
     u, p = mann_whitney(d, y)
     rho, rho_p = spearman(d, y)
     pw = pairwise_ranking_accuracy((g["D"], g["correct"]) for g in pool.groups(d))
+    resamples = BOOTSTRAP_RESAMPLES if n_resamples is None else n_resamples
+    whole = cluster_bootstrap_auc(d, y, pool.problem, n_resamples=resamples)
+    demeaned = cluster_bootstrap_auc(d, y, pool.problem, demean=True, n_resamples=resamples)
     return {
         "unit": pool.unit,
         "n": int(len(d)), "n_correct": int(y.sum()), "n_problems": len(set(pool.problem)),
         "accuracy": float(y.mean()) if len(y) else math.nan,
         "mean_D_correct": float(d[y].mean()) if y.any() else math.nan,
         "mean_D_incorrect": float(d[~y].mean()) if (~y).any() else math.nan,
+        "demeaned_auc": demeaned.estimate,
+        "demeaned_auc_ci_low": demeaned.ci_low, "demeaned_auc_ci_high": demeaned.ci_high,
+        "auc": auc(d, y), "auc_ci_low": whole.ci_low, "auc_ci_high": whole.ci_high,
+        "cluster_bootstrap": {"unit": "problem", "clusters": whole.clusters,
+                              "resamples": whole.resamples, "seed": whole.seed,
+                              "confidence": CONFIDENCE, "interval": "percentile",
+                              "undefined_resamples": {"auc": whole.undefined_resamples,
+                                                      "demeaned_auc": demeaned.undefined_resamples}},
         "gap": mean_gap(d, y),
         "mann_whitney_u": u, "mann_whitney_p": p,
-        "auc": auc(d, y),
         "spearman_rho": rho, "spearman_p": rho_p,
         "pairwise": asdict(pw),
         "buckets": [asdict(b) for b in bucket_accuracy(d, y, n_buckets)],
@@ -296,6 +319,18 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
+def _p(p: Optional[float]) -> str:
+    return "n/a" if p is None or math.isnan(p) else f"{p:.3g}"
+
+
+def format_interval(stats: Mapping[str, Any], name: str) -> str:
+    """``estimate [low, high]`` of a statistic with ``name_ci_low`` / ``name_ci_high``."""
+    low, high = stats[f"{name}_ci_low"], stats[f"{name}_ci_high"]
+    if low is None or math.isnan(low):
+        return _fmt(stats[name])
+    return f"{_fmt(stats[name])} [{_fmt(low)}, {_fmt(high)}]"
+
+
 def format_report(stats: Mapping[str, Any], title: str = "") -> str:
     """A plain-text table of :func:`predictive_validity`'s output."""
     pw = stats["pairwise"]
@@ -304,12 +339,15 @@ def format_report(stats: Mapping[str, Any], title: str = "") -> str:
     lines += [
         f"pool: {stats['n']} {stats['unit']} of {stats['n_problems']} problems, "
         f"{stats['n_correct']} correct (accuracy {_fmt(stats['accuracy'])})",
+        f"problem-demeaned AUC {format_interval(stats, 'demeaned_auc')}   AUC "
+        f"{format_interval(stats, 'auc')}   (95% cluster bootstrap over problems)",
+        f"Spearman rho {_fmt(stats['spearman_rho'])}   pairwise ranking accuracy "
+        f"{_fmt(pw['accuracy'])} ({pw['pairs']} pairs in {pw['problems']} problems, "
+        f"{_fmt(pw['tie_fraction'])} of them tied)",
         f"mean D(x)  correct {_fmt(stats['mean_D_correct'], 4)}  incorrect "
         f"{_fmt(stats['mean_D_incorrect'], 4)}  gap {_fmt(stats['gap'], 4)}  "
-        f"(Mann-Whitney U {_fmt(stats['mann_whitney_u'], 1)}, p = {'n/a' if p is None or math.isnan(p) else f'{p:.3g}'})",
-        f"AUC {_fmt(stats['auc'])}   Spearman rho {_fmt(stats['spearman_rho'])}   "
-        f"pairwise ranking accuracy {_fmt(pw['accuracy'])} ({pw['pairs']} pairs in "
-        f"{pw['problems']} problems, {_fmt(pw['tie_fraction'])} of them tied)",
+        f"(Mann-Whitney U {_fmt(stats['mann_whitney_u'], 1)}, p = {_p(p)}; candidates "
+        "taken as independent, which one problem's are not)",
         "accuracy by D(x) bucket:",
         f"  {'bucket':>6}  {'D range':>17}  {'n':>5}  {'accuracy':>8}  95% interval",
     ]
@@ -360,13 +398,16 @@ def plot_predictive_validity(pool: Pool, stats: Mapping[str, Any], path: str | o
     p = stats["mann_whitney_p"]
     text = "\n".join([
         "(c) predictive statistics", "",
-        f"AUC                 {_fmt(stats['auc'])}",
+        "95% cluster bootstrap (problems):",
+        f"demeaned AUC  {format_interval(stats, 'demeaned_auc')}",
+        f"AUC           {format_interval(stats, 'auc')}", "",
         f"Spearman \u03c1          {_fmt(stats['spearman_rho'])}",
         f"mean gap \u0394D         {_fmt(stats['gap'], 4)}",
         f"pairwise rank acc.  {_fmt(pw['accuracy'])}",
-        f"Mann-Whitney p      {'n/a' if p is None or math.isnan(p) else f'{p:.3g}'}", "",
+        f"Mann-Whitney p*     {_p(p)}", "",
         f"{stats['n']} {stats['unit']}, {stats['n_problems']} problems",
         f"{pw['pairs']} within-problem pairs",
+        "* candidates taken as independent",
     ])
     ax3.text(0.0, 1.0, text, va="top", ha="left", family="monospace", fontsize=9,
              transform=ax3.transAxes)
@@ -513,11 +554,11 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
                                  batch_size=batch_size)
         seconds = time.perf_counter() - t0
         d = np.array([s["depth"] for s in scored])
-        stats = predictive_validity(base, scores=d)
+        stats = predictive_validity(base, scores=d, n_resamples=0)
         rows.append({
             "lens": lens_name, "lsub": list(lsub), "K": len(lsub),
             "probe_forward_equivalents_per_token": len(lsub) / model.cfg.num_layers,
-            "seconds": seconds,
+            "seconds": seconds, "demeaned_auc": stats["demeaned_auc"],
             "auc": stats["auc"], "spearman_rho": stats["spearman_rho"], "gap": stats["gap"],
             "pairwise_accuracy": stats["pairwise"]["accuracy"],
             "degs_rerank_accuracy": rerank_accuracy(base.groups(d), alpha, beta),
@@ -544,7 +585,7 @@ def format_lsub_table(result: Mapping[str, Any]) -> str:
         f"DEGS rerank = argmax {result['alpha']:g}·log p + {result['beta']:g}·D, tau {result['tau']:g}",
         f"reference: Best-of-N (log p) {_fmt(ref['best_of_n'])}, oracle {_fmt(ref['oracle'])}, "
         f"mean candidate {_fmt(ref['mean_candidate'])}",
-        f"{'lens':<6} {'L_sub':<28} {'K':>3} {'K/L':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
+        f"{'lens':<6} {'L_sub':<28} {'K':>3} {'K/L':>6} {'dm AUC':>6} {'AUC':>6} {'pairwise':>8} {'rho':>7} "
         f"{'DEGS rerank':>11} {'depth-only':>10} {'mean D':>7} {'seconds':>8}",
     ]
     for r in result["rows"]:
@@ -553,9 +594,10 @@ def format_lsub_table(result: Mapping[str, Any]) -> str:
             lsub = "{" + f"{r['lsub'][0]},...,{r['lsub'][-1]}" + "}"
         lines.append(
             f"{r.get('lens', 'logit'):<6} {lsub:<28} {r['K']:>3} {r['probe_forward_equivalents_per_token']:>6.3f} "
-            f"{_fmt(r['auc']):>6} {_fmt(r['pairwise_accuracy']):>8} {_fmt(r['spearman_rho']):>7} "
+            f"{_fmt(r['demeaned_auc']):>6} {_fmt(r['auc']):>6} {_fmt(r['pairwise_accuracy']):>8} "
+            f"{_fmt(r['spearman_rho']):>7} "
             f"{_fmt(r['degs_rerank_accuracy']):>11} {_fmt(r['depth_only_accuracy']):>10} "
             f"{r['mean_D']:>7.4f} {r['seconds']:>8.1f}")
-    lines.append("(seconds: re-scoring every candidate, after compiling on the first batch; other "
-                 "sequence-length buckets may still compile)")
+    lines.append("(dm AUC: problem-demeaned AUC; seconds: re-scoring every candidate, after "
+                 "compiling on the first batch; other sequence-length buckets may still compile)")
     return "\n".join(lines)

@@ -127,13 +127,20 @@ def test_pool_and_predictive_validity_from_records():
     assert pool.unit == "candidates" and pool.problem == PROBLEM
     stats = A.predictive_validity(pool)
     assert stats["auc"] == pytest.approx(13 / 16)
+    # problem-demeaned (means 0.2 and 0.475): correct 0 | -0.075, 0.025, 0.125 vs incorrect
+    # -0.1, 0, 0.1 | -0.075: wins 2.5 + 1.5 + 3 + 4 of 16 (ties ½)
+    assert stats["demeaned_auc"] == pytest.approx(11 / 16)
+    for name in ("auc", "demeaned_auc"):  # problem-level cluster bootstrap intervals
+        assert stats[f"{name}_ci_low"] <= stats[name] <= stats[f"{name}_ci_high"]
+    assert stats["cluster_bootstrap"]["clusters"] == 2
     assert stats["gap"] == pytest.approx(0.175)
     assert stats["pairwise"]["accuracy"] == pytest.approx(4 / 6)
     assert [b["n"] for b in stats["buckets"]] == [3, 1, 2, 2]
     assert (stats["n"], stats["n_correct"], stats["n_problems"]) == (8, 4, 2)
     json.dumps(stats)  # JSON-able
     text = A.format_report(stats)
-    assert "AUC 0.812" in text and "pairwise ranking accuracy 0.667" in text
+    assert "AUC 0.812 [" in text and "pairwise ranking accuracy 0.667" in text
+    assert "problem-demeaned AUC 0.688 [" in text
     # without kept candidates: one chosen output per problem
     chosen = A.pool_from_records([{k: v for k, v in r.items() if k != "candidates"}
                                   for r in _records()])

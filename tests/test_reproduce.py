@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from degs_jax import stats
 from degs_jax.reproduce import command, report, study
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
@@ -216,7 +217,9 @@ def _cand(correct, log_p, D, fent):
 def _write_run(directory: Path, method, records, hp=None):
     directory.mkdir(parents=True)
     config = {"benchmark": "gsm8k", "method": method, "hyperparameters": hp or {}, "chat": True,
-              "model": {"name": "toy", "num_layers": L}}
+              "model": {"name": "toy", "num_layers": L, "architecture": "ToyForCausalLM",
+                        "dtype": "float32"},
+              "seed": 0, "key_derivation": "fold_in(key(seed), problem_index)"}
     (directory / "run.json").write_text(json.dumps({"config": config, "invocations": []}))
     (directory / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -245,6 +248,9 @@ EXPECTED = {  # problem -> verdict of the selected candidate
 }
 POWER = [True, False, False, True, False, True]
 DEGS = [True, True, False, True, True, False]
+# final completions of the two chains: the same on problems 0, 2 and 3
+POWER_TEXT = ["a", "b", "c", "d", "e", "f"]
+DEGS_TEXT = ["a", "B", "c", "d", "E", "F"]
 # pool of 2 problems x 2 candidates with layer statistics (L = 4, layers 0..4):
 # sets {1,2,3,4} (default) and {3,4}
 POOL_CANDS = [[_cand(True, -1, .5, 1), _cand(False, -1.2, .25, 1)],
@@ -263,11 +269,13 @@ def synthetic_study(tmp_path):
                              for i, pool in enumerate(POOLS)])
     _write_run(root / "runs/gsm8k/power_mcmc", "power_mcmc",
                [_record(i, c, generated_tokens=100, forward_tokens=100, forward_equivalents=100.0,
-                        decode_s=2.0, mean_acceptance=0.5) for i, c in enumerate(POWER)])
+                        decode_s=2.0, mean_acceptance=0.5, completion=POWER_TEXT[i])
+                for i, c in enumerate(POWER)], hp={"beta": 0.0})
     _write_run(root / "runs/gsm8k/degs_mcmc", "degs_mcmc",
                [_record(i, c, generated_tokens=120, forward_tokens=120, probed_token_layers=240,
-                        forward_equivalents=180.0, decode_s=2.7, mean_acceptance=0.6)
-                for i, c in enumerate(DEGS)])
+                        forward_equivalents=180.0, decode_s=2.7, mean_acceptance=0.6,
+                        completion=DEGS_TEXT[i], ended=i != 5)
+                for i, c in enumerate(DEGS)], hp={"beta": 5.0, "num_blocks": 4, "lsub": [3, 4]})
     _write_run(root / "pool/gsm8k", "best_of_n",
                [_record(i, False, candidates=c) for i, c in enumerate(POOL_CANDS)],
                hp={"lsub": [1, 2, 3, 4], "tau": 0.25, "n": 2})
@@ -283,6 +291,8 @@ def synthetic_study(tmp_path):
                                ("runs/gsm8k/power_mcmc", "decoder", "power_mcmc", 6),
                                ("runs/gsm8k/degs_mcmc", "decoder", "degs_mcmc", 8),
                                ("pool/gsm8k", "pool", "best_of_n", 2)]}
+    jobs["runs/gsm8k/degs_mcmc"]["deviations"] = {"num_blocks": {"paper": 16, "used": 4},
+                                                  "mh_steps": {"paper": 10, "used": 2}}
     selections = {"gsm8k": {"rows": {"best_of_n_entropy": {}, "degs_rerank": {"alpha": 4.0, "beta": 5.0},
                                      "depth_only": {"alpha": 0.0, "beta": 5.0}},
                             "pool_rerank": {"alpha": 4.0, "beta": 5.0}, "deviations": {}}}
@@ -321,11 +331,37 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     assert (beta["n"], beta["both_correct"], beta["only_a"], beta["only_b"], beta["both_wrong"]) == (6, 2, 1, 2, 1)
     assert beta["difference"] == pytest.approx(1 / 6)
     assert beta["p_value"] == pytest.approx(1.0)  # 2 * P(X <= 1), X ~ Bin(3, 1/2)
+    # Newcombe's interval of the table (both 2, only power 1, only DEGS 2, neither 1)
+    assert (beta["ci_low"], beta["ci_high"]) == tuple(
+        pytest.approx(float(x)) for x in stats.newcombe_paired_interval(2, 1, 2, 1))
     rerank = comps[("degs_rerank", "best_of_n")]  # problem 1 only: +1/4
     assert (rerank["only_a"], rerank["only_b"]) == (0, 1)
     assert rerank["difference"] == pytest.approx(0.25)
     (sign,) = result["paired"]["beta_sign_tests"]
     assert (sign["positive"], sign["negative"]) == (1, 0) and sign["p_value"] == pytest.approx(0.5)
+    # five pairs ran (beta, rerank - BoN, entropy - BoN, rerank - depth-only, MCMC - rerank);
+    # Holm over the five
+    paired = result["paired"]
+    assert paired["comparisons_made"] == len(comps) == 5
+    assert [c["p_holm"] for c in paired["comparisons"]] == pytest.approx(
+        stats.holm([c["p_value"] for c in paired["comparisons"]]))
+    assert "5 comparisons" in paired["note"]
+    # common random numbers of the beta pair: same seed and key derivation; num_blocks
+    # differs (beta and L_sub belong to the depth term); completions equal on 0, 2, 3
+    assert paired["common_random_numbers"] == [{
+        "benchmark": "gsm8k", "treatment": "degs_mcmc", "baseline": "power_mcmc",
+        "same_keys": True, "seed": 0, "key_derivation": "fold_in(key(seed), problem_index)",
+        "other_settings_differ": ["num_blocks"], "problems": 6, "identical_completions": 3}]
+
+    # predictive validity of the pool (problem 0: correct .5, incorrect .25; problem 1:
+    # incorrect .75, correct 1): AUC 3/4; a resample of problem 0 or 1 twice has AUC 1 (each
+    # probability 1/4), of both 3/4 (1/2): interval [3/4, 1]. Demeaned: correct +.125,
+    # +.125 vs incorrect −.125, −.125: 1 in every resample.
+    pv = result["predictive_validity"]["gsm8k"]
+    assert pv["sampling"] == "N = 2, T = 1, top-p 1"
+    assert (pv["auc"], pv["auc_ci_low"], pv["auc_ci_high"]) == (0.75, 0.75, 1.0)
+    assert (pv["demeaned_auc"], pv["demeaned_auc_ci_low"], pv["demeaned_auc_ci_high"]) == (1.0, 1.0, 1.0)
+    assert pv["cluster_bootstrap"]["clusters"] == 2 and pv["cluster_bootstrap"]["resamples"] == 10_000
 
     # L_sub: candidates' D under the two sets; DEGS rerank with 4 log p + 5 D
     lsub = result["lsub"]["gsm8k"]
@@ -364,17 +400,96 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     status = result["status"]
     assert not status["complete"]  # degs_mcmc: 6 of 8
     claims = {c["claim"][:10]: c for c in result["claims"]}
-    assert "1 positive, 0 negative of 1" in claims["beta = 5 i"]["verdict"]
+    assert claims["beta = 5 i"]["verdict"].startswith(
+        "positive in every cell, as the paper: 1 positive, 0 negative, 0 zero of 1 cell;")
     assert "1 of 1 benchmarks inside" in claims["MH accepta"]["verdict"]  # 0.6
+    assert claims["D(x) predi"]["verdict"] == ("problem-demeaned AUC interval above 0.5 in 1, "
+                                               "below 0.5 in 0 of 1 pools")
+
+    deviations = {r["setting"]: r for r in result["deviations"]}
+    assert deviations["model"]["deviates"] and deviations["model"]["used"] == (
+        "`toy`; ToyForCausalLM, 4 layers, float32 weights; prompts through its chat template "
+        "(run configuration chat = true)")
+    assert "HumanEval prompt" not in deviations  # no HumanEval run
+    cap = deviations["completion token cap"]
+    assert cap["deviates"] and cap["paper"] == "3072, 3072 (16 blocks of 192)"
+    assert cap["used"] == ("3072: best_of_n, pool on gsm8k; 768 (4 blocks of 192): degs_mcmc on "
+                           "gsm8k; 3072 (16 blocks of 192): power_mcmc on gsm8k")
+    assert cap["effect"].endswith("gsm8k 0–17%")  # one DEGS-MCMC completion of six cut
+    bon = deviations["Best-of-N pool (Best-of-N and its selections)"]
+    assert bon["deviates"] and bon["used"] == "N = 16, T = 1, top-p 1: gsm8k"
+    # candidates of problems 0 and 1 (the pool's): 3 of 6 correct; the pool's 2 of 4
+    assert bon["effect"] == ("mean candidate accuracy on the 2 gsm8k problems both drew: 0.500 at "
+                             "N = 16, T = 1, top-p 1 vs 0.500 at N = 2, T = 1, top-p 1 (the "
+                             "predictive-validity pool)")
+    assert deviations["predictive-validity pool"]["used"] == "N = 2, T = 1, top-p 1: gsm8k"
+    assert (deviations["mh_steps"]["paper"], deviations["mh_steps"]["used"]) == (10, "2: degs_mcmc on gsm8k")
+    assert "num_blocks" not in deviations  # part of the token cap
+    assert deviations["problems per benchmark"]["used"] == "gsm8k 4–6 (not in the paper's Table 1)"
+    assert deviations["Table 1 cells"]["used"] == (
+        "not run: Base (greedy), Low-temperature, Scalable Power Sampling, Power-SMC; MATH500, "
+        "DeepMind500, HumanEval pass@1, GPQA-Diamond")
+    assert deviations["L_sub ablation"]["deviates"]
 
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
+    assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
+    assert "**5 comparisons**" in text and report.CRN_STATEMENT in text
+    assert paired["common_random_numbers_note"] == report.CRN_STATEMENT
+    assert "**1.000 [1.000, 1.000]** | 0.750 [0.750, 1.000]" in text
     for name in ("table1", "paired", "predictive_validity_gsm8k", "trajectory_gsm8k"):
         png = Path(result["figures"][name])
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"figures/{png.name}" in text
-    for name in ("status", "table1", "paired", "predictive_validity", "lsub", "trajectories",
-                 "compute", "claims"):
+    for name in ("status", "deviations", "table1", "paired", "predictive_validity", "lsub",
+                 "trajectories", "compute", "claims"):
         assert json.loads((tmp_path / "out" / "tables" / f"{name}.json").read_text())
+
+
+def test_paired_table_holm_over_the_comparisons_made():
+    # Only the beta pair ran, on two benchmarks: gsm8k 0 / 8 discordant (exact p = 2 / 2^8),
+    # math500 0 / 3 (p = 2 / 2^3). Holm over the two: 2·p_min, then max(that, 1·p_max).
+    config = {"seed": 0, "key_derivation": "fold_in(key(seed), problem_index)",
+              "hyperparameters": {}}
+    records = {"gsm8k": ([False] * 10, [True] * 8 + [False] * 2),
+               "math500": ([False] * 5, [True] * 3 + [False] * 2)}
+    runs = {(b, m): {"run": {"config": config},
+                     "records": [{"index": i, "correct": c, "completion": f"{m}{i}"}
+                                 for i, c in enumerate(verdicts)]}
+            for b, pair in records.items() for m, verdicts in zip(("power_mcmc", "degs_mcmc"), pair)}
+    toy = report.Study(Path("toy"), {"model": {"name": "toy", "num_layers": L}, "invocations": []},
+                       runs=runs)
+    paired = report.paired_table(toy, report.verdicts(toy))
+    comps = {c["benchmark"]: c for c in paired["comparisons"]}
+    assert paired["comparisons_made"] == 2
+    assert comps["gsm8k"]["p_value"] == pytest.approx(2 / 256)
+    assert comps["math500"]["p_value"] == pytest.approx(2 / 8)
+    assert comps["gsm8k"]["p_holm"] == pytest.approx(2 * 2 / 256)
+    assert comps["math500"]["p_holm"] == pytest.approx(2 / 8)
+    assert report.beta_verdict(paired["comparisons"]).endswith(
+        "one-sided sign test over the 2 non-zero cells p = 0.25; significant at 5% after "
+        "Holm: gsm8k")
+    # every completion differs: no identical final completion
+    assert [c["identical_completions"] for c in paired["common_random_numbers"]] == [0, 0]
+
+
+def test_beta_verdict_counts_ties_as_no_direction():
+    def cells(*diffs):
+        return [{"benchmark": f"b{i}", "difference": d, "p_holm": 1.0} for i, d in enumerate(diffs)]
+
+    # the committed 0.5B study: +0.016, 0, 0 is not "the same direction" as the paper
+    verdict = report.beta_verdict(cells(0.016, 0.0, 0.0))
+    assert verdict == ("not positive in every cell: 1 positive, 0 negative, 2 zero of 3 cells; "
+                       "one-sided sign test over the 1 non-zero cell p = 0.5; significant at 5% "
+                       "after Holm: none")
+    assert report.beta_verdict(cells(0.0, 0.0)).startswith("no difference in any cell: 0 positive")
+    assert "p = n/a" in report.beta_verdict(cells(0.0, 0.0))
+    assert report.beta_verdict(cells(-0.1, -0.2)).startswith("negative in every cell")
+    assert report.beta_verdict(cells(0.1, -0.2, 0.3)).startswith(
+        "not positive in every cell: 2 positive, 1 negative, 0 zero of 3 cells; one-sided sign "
+        "test over the 3 non-zero cells p = 0.5")  # P(X >= 2), X ~ Bin(3, 1/2) = 4/8
+    significant = cells(0.1, 0.2)
+    significant[1]["p_holm"] = 0.01
+    assert report.beta_verdict(significant).endswith("significant at 5% after Holm: b1")
 
 
 def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_path):
@@ -382,7 +497,8 @@ def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_pa
     exported = report.export_study(synthetic_study, tmp_path / "export")
     for line in (tmp_path / "export/runs/gsm8k/best_of_n/results.jsonl").read_text().splitlines():
         assert all("tokens" not in c for c in json.loads(line)["candidates"])
-    for name in ("table1", "paired", "lsub", "trajectories", "compute", "claims"):
+    for name in ("deviations", "table1", "paired", "predictive_validity", "lsub", "trajectories",
+                 "compute", "claims"):
         assert json.loads(json.dumps(exported[name])) == json.loads(json.dumps(full[name])), name
     with pytest.raises(ValueError, match="not an exported study"):
         (tmp_path / "other").mkdir()
@@ -492,6 +608,12 @@ def test_study_end_to_end_interrupted_and_resumed(degs, tmp_path, monkeypatch):
     rescored = [c["D"][1] for r in layers for c in r["candidates"]]
     recorded = [c["D"] for r in pool for c in r["candidates"]]
     assert sum(abs(a - b) < 1e-6 for a, b in zip(rescored, recorded)) >= len(recorded) / 2
+    # the invocation records what the deviations table needs of the model: its source and
+    # whether the prompts went through a chat template (SmolLM2-Instruct has one)
+    assert inv["model"]["chat_template"] is True and inv["model"]["source"]
+    deviations = {r["setting"]: r for r in json.loads((whole / "tables/deviations.json").read_text())}
+    assert deviations["model"]["used"].endswith("prompts through its chat template")
+    assert deviations["HumanEval prompt"]["deviates"]
     report_md = (whole / "report.md").read_text()
     assert "## Table 1" in report_md and "Partial results" not in report_md
     assert {p.name for p in (whole / "figures").iterdir()} >= {

@@ -13,10 +13,12 @@ DESCRIPTION = """Run the paper's study for one model into one directory, resumab
 
 Table 1 (every decoder on every benchmark; Best-of-N-Entropy, DEGS reranking and depth-only
 are selected from the Best-of-N run's kept candidates), the predictive-validity pool
-(N = 16, T = 0.8, top-p 0.9; AUC, Spearman, mean gap, pairwise accuracy, accuracy by D(x)
-quartile), one teacher-forced pass over the pool with the lens at every layer (the L_sub
-ablation and the layer-entropy trajectories of correct vs incorrect candidates), the compute
-accounting, paired tests (McNemar, paired bootstrap) and OUT/report.md with tables and figures.
+(N = 16, T = 0.8, top-p 0.9; problem-demeaned AUC and AUC with problem-level cluster-bootstrap
+intervals, Spearman, mean gap, pairwise accuracy, accuracy by D(x) quartile), one
+teacher-forced pass over the pool with the lens at every layer (the L_sub ablation and the
+layer-entropy trajectories of correct vs incorrect candidates), the compute accounting,
+paired tests (exact McNemar with Holm's adjustment, Newcombe's paired interval), the
+deviations from the paper's settings and OUT/report.md with tables and figures.
 
 Rerun the same command to continue after an interruption; a later invocation may raise
 --limit or add methods. With --time-budget the study starts a batch only if its measured

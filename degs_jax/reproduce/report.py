@@ -3,14 +3,19 @@
 Reads a `degs reproduce` directory (:mod:`degs_jax.reproduce.study`) and writes
 
 - ``tables/*.json``: ``status`` (what ran, per job: target and finished problems, per
-  invocation: device, time, why it stopped), ``table1`` (accuracy with a 95% Wilson
-  interval per row and benchmark), ``paired`` (paired comparisons on the problems both
-  rows answered: accuracy difference with a 95% paired-bootstrap interval, McNemar's
-  test; the sign test over benchmarks of beta = 5 vs beta = 0), ``predictive_validity``,
-  ``lsub`` (the L_sub ablation on the pool), ``trajectories`` (mean lens entropy per
-  layer of correct and incorrect pool candidates), ``compute`` (tokens,
-  forward-equivalents, wall-clock and acceptance per problem; probe overhead) and
-  ``claims`` (the paper's four checkable claims next to what this study measured);
+  invocation: device, time, why it stopped), ``deviations`` (every setting where the
+  study could differ from the paper's, from its recorded configuration, with the effect
+  the records measure), ``table1`` (accuracy with a 95% Wilson interval per row and
+  benchmark), ``paired`` (paired comparisons on the problems both rows answered:
+  accuracy difference with Newcombe's 95% paired score interval, the exact McNemar test
+  and its Holm adjustment over the table's comparisons; the sign test over benchmarks of
+  beta = 5 vs beta = 0; the common random numbers of each beta pair, with how many final
+  completions are identical), ``predictive_validity`` (headline: the problem-demeaned
+  AUC; intervals from the problem-level cluster bootstrap), ``lsub`` (the L_sub ablation
+  on the pool), ``trajectories`` (mean lens entropy per layer of correct and incorrect
+  pool candidates), ``compute`` (tokens, forward-equivalents, wall-clock and acceptance
+  per problem; probe overhead) and ``claims`` (the paper's four checkable claims next to
+  what this study measured); the statistics are :mod:`degs_jax.stats`'s;
 - ``figures/*.png``: Table 1 with intervals, the paired differences, predictive validity
   and layer-entropy trajectories per pool benchmark;
 - ``report.md``: every table, the figures, and the paper's numbers for reference.
@@ -44,10 +49,11 @@ from degs_jax.reproduce.study import (
     SELECTED_FROM_POOL,
     STUDY_FILE,
     TABLE1_ORDER,
+    method_defaults,
     read_jsonl,
     read_records,
 )
-from degs_jax.stats import compare_paired, sign_test
+from degs_jax.stats import compare_paired, holm, sign_test
 
 # (treatment, baseline, question): paired comparisons reported when both rows exist.
 PAIRS = (
@@ -186,6 +192,10 @@ def table1(study: Study, verdict: Mapping[tuple[str, str], Mapping[int, bool]]) 
 
 
 def paired_table(study: Study, verdict) -> dict:
+    """Every pair of :data:`PAIRS` on every benchmark where both rows answered common
+    problems: Newcombe's interval, the exact McNemar p and its Holm adjustment over
+    the comparisons of the table; the sign test over benchmarks of each beta pair; the
+    common random numbers of each beta pair."""
     comparisons = []
     for treat, base, question in PAIRS:
         for b in _benchmarks(study):
@@ -198,6 +208,8 @@ def paired_table(study: Study, verdict) -> dict:
                                [verdict[(b, treat)][i] for i in common])
             comparisons.append({"treatment": treat, "baseline": base, "question": question,
                                 "benchmark": b, **asdict(c)})
+    for c, adjusted in zip(comparisons, holm([c["p_value"] for c in comparisons])):
+        c["p_holm"] = adjusted
     beta = []
     for treat, base in BETA_PAIRS:
         diffs = {c["benchmark"]: c["difference"] for c in comparisons
@@ -205,10 +217,63 @@ def paired_table(study: Study, verdict) -> dict:
         if diffs:
             beta.append({"treatment": treat, "baseline": base, "differences": diffs,
                          **sign_test(list(diffs.values()), alternative="greater")})
-    return {"comparisons": comparisons, "beta_sign_tests": beta,
-            "note": "difference = accuracy(treatment) - accuracy(baseline) on the problems both "
-                    "answered; interval: 95% paired bootstrap (10,000 resamples, seed 0); p: "
-                    "McNemar, two-sided"}
+    m = len(comparisons)
+    crn = common_random_numbers(study)
+    return {"comparisons": comparisons, "comparisons_made": m, "beta_sign_tests": beta,
+            "common_random_numbers": crn,
+            "common_random_numbers_note": CRN_STATEMENT if crn else None,
+            "note": "difference = accuracy(treatment) − accuracy(baseline) on the problems both "
+                    "answered; interval: 95% Newcombe (1998) paired score interval (method 10: "
+                    "Wilson limits of each accuracy with the continuity-adjusted correlation of "
+                    "the pairs; it keeps its width with few discordant pairs); p: exact McNemar "
+                    "(two-sided binomial on the discordant pairs); Holm p: adjusted over the "
+                    f"{m} comparison{'s' if m != 1 else ''} of this table (family-wise error "
+                    "5% at Holm p < 0.05)"}
+
+
+# Hyperparameters that do not change a chain's random draws: the depth weight and the
+# lens that reads D(x) (the depth term's own settings).
+_DEPTH_TERM = ("beta", "lsub", "tau")
+
+
+def common_random_numbers(study: Study) -> list[dict]:
+    """Per beta pair of decoder runs on one benchmark: whether both drew with the same keys
+    and settings but the depth term (common random numbers), and on how many common
+    problems their final completions are identical."""
+    out = []
+    for treat, base in BETA_PAIRS:
+        for b in _benchmarks(study):
+            runs = [study.runs.get((b, m)) for m in (treat, base)]
+            if None in runs:
+                continue
+            (ct, cb) = (r["run"]["config"] for r in runs)
+            keys = [(c.get("seed"), c.get("key_derivation")) for c in (ct, cb)]
+            hp_t, hp_b = ct["hyperparameters"], cb["hyperparameters"]
+            differ = sorted(k for k in set(hp_t) | set(hp_b)
+                            if k not in _DEPTH_TERM and hp_t.get(k) != hp_b.get(k))
+            text = [{r["index"]: r.get("completion", r.get("completion_sha256"))
+                     for r in data["records"]} for data in runs]
+            common = set(text[0]) & set(text[1])
+            out.append({
+                "benchmark": b, "treatment": treat, "baseline": base,
+                "same_keys": keys[0] == keys[1] and keys[0][0] is not None,
+                "seed": keys[0][0], "key_derivation": keys[0][1],
+                "other_settings_differ": differ,
+                "problems": len(common),
+                "identical_completions": sum(text[0][i] == text[1][i] for i in common)})
+    return out
+
+
+CRN_STATEMENT = (
+    "Common random numbers: the two chains of a beta pair draw problem i with the same key, "
+    "fold_in(key(seed), i), and within a chain the same counter-based streams for the "
+    "extensions, cut indices, regenerations and accept uniforms (docs/design.md §4); they "
+    "differ only by the beta·ΔD term of the acceptance ratio. Until that term flips an "
+    "accept decision the two chains hold the same tokens (up to floating-point differences "
+    "between the two compiled programs); after it, they sample different continuations. "
+    "The paired difference therefore has a smaller variance than with independent keys, "
+    "and a discordant problem is one the depth term changed (with the sampling that "
+    "followed), not one where the keys differed.")
 
 
 # --------------------------------------------------------------------------- pool analyses
@@ -220,13 +285,21 @@ def _pool_items(pool: Mapping[str, Any]) -> list[tuple[dict, dict]]:
     return [(r, layers[r["id"]]) for r in pool["records"] if r["id"] in layers]
 
 
+def _sampling(hyperparameters: Mapping[str, Any]) -> str:
+    """A Best-of-N pool's sampling settings (recorded ones over the decoder's defaults)."""
+    hp = {**method_defaults("best_of_n"), **hyperparameters}
+    return f"N = {hp['n']}, T = {hp['temperature']:g}, top-p {hp['top_p']:g}"
+
+
 def predictive_validity_table(study: Study) -> dict:
     from degs_jax.analysis import pool_from_records, predictive_validity
 
     out = {}
     for b, pool in study.pools.items():
         if pool["records"]:
-            out[b] = predictive_validity(pool_from_records(pool["records"]), n_buckets=N_BUCKETS)
+            out[b] = {"sampling": _sampling(pool["run"]["config"]["hyperparameters"]),
+                      **predictive_validity(pool_from_records(pool["records"]),
+                                            n_buckets=N_BUCKETS)}
     return out
 
 
@@ -252,10 +325,11 @@ def lsub_table(study: Study) -> dict:
         rows = []
         for k, lsub in enumerate(pool["layers_meta"]["lsub_sets"]):
             d = np.array([c["D"][k] for _, lay in items for c in lay["candidates"]])
-            s = predictive_validity(base, scores=d, n_buckets=N_BUCKETS)
+            s = predictive_validity(base, scores=d, n_buckets=N_BUCKETS, n_resamples=0)
             rows.append({
                 "lsub": lsub, "K": len(lsub), "probe_cost_per_token": len(lsub) / L,
-                "auc": s["auc"], "spearman_rho": s["spearman_rho"], "gap": s["gap"],
+                "demeaned_auc": s["demeaned_auc"], "auc": s["auc"],
+                "spearman_rho": s["spearman_rho"], "gap": s["gap"],
                 "pairwise_accuracy": s["pairwise"]["accuracy"],
                 "degs_rerank_accuracy": rerank_accuracy(base.groups(d), w["alpha"], w["beta"]),
                 "depth_only_accuracy": rerank_accuracy(base.groups(d), 0.0, 1.0),
@@ -371,6 +445,214 @@ def compute_table(study: Study) -> dict:
                     f"probing K/L of a forward per probed token (L = {L})"}
 
 
+# --------------------------------------------------------------------------- deviations
+
+# Settings reported as the completion token cap (an MCMC chain's is num_blocks · block_len).
+_CAP_SETTINGS = ("max_new_tokens", "num_blocks", "block_len")
+_SAMPLING = tuple(paper.CANDIDATE_SAMPLING)  # n, temperature, top_p
+
+
+def _token_cap(hyperparameters: Mapping[str, Any]) -> Optional[tuple[int, Optional[str]]]:
+    """(token cap, how an MCMC chain makes it up) of a run's hyperparameters."""
+    hp = hyperparameters
+    if "num_blocks" in hp and "block_len" in hp:
+        return hp["num_blocks"] * hp["block_len"], f"{hp['num_blocks']} blocks of {hp['block_len']}"
+    return (hp["max_new_tokens"], None) if "max_new_tokens" in hp else None
+
+
+def _range(low: float, high: float) -> str:
+    return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}–{high:.0f}"
+
+
+def _cap_text(cap: tuple[int, Optional[str]]) -> str:
+    return f"{cap[0]}" + (f" ({cap[1]})" if cap[1] else "")
+
+
+def _where(items) -> str:
+    """(label, benchmark) pairs as ``"a, b on gsm8k, math500; c on humaneval"``."""
+    by_label: dict[str, set] = {}
+    for label, benchmark in items:
+        by_label.setdefault(label, set()).add(benchmark)
+    groups: dict[tuple, list] = {}
+    for label, benchmarks in by_label.items():
+        groups.setdefault(tuple(sorted(benchmarks)), []).append(label)
+    return "; ".join(f"{', '.join(labels)} on {', '.join(bs)}" for bs, labels in groups.items())
+
+
+def _mean_candidate_accuracy(records, indices) -> float:
+    return float(np.mean([bool(c["correct"]) for r in records if r["index"] in indices
+                          for c in r.get("candidates", [])]))
+
+
+def _all_runs(study: Study) -> dict[tuple[str, str, str], dict]:
+    """Every run of the study by (``"runs"`` or ``"pool"``, benchmark, decoder)."""
+    runs = {("runs", b, m): data for (b, m), data in study.runs.items()}
+    runs.update({("pool", b, "best_of_n"): data for b, data in study.pools.items()})
+    return runs
+
+
+def _deviation(setting, paper_value, used, deviates, effect=None) -> dict:
+    return {"setting": setting, "paper": paper_value, "used": used, "deviates": bool(deviates),
+            "effect": effect}
+
+
+def _model_rows(study: Study, configs: Mapping) -> list[dict]:
+    """The model and how it was prompted; HumanEval's prompt."""
+    from degs_jax.models.loading import BUILTIN_MODELS
+
+    name = study.meta["model"]["name"]
+    cfg = next(iter(configs.values()), {}).get("model", {})
+    recorded = [inv["model"] for inv in study.meta["invocations"] if inv.get("model")]
+    sources = sorted({Path(inv["model_source"]).name for data in _all_runs(study).values()
+                      for inv in data["run"].get("invocations", []) if inv.get("model_source")}
+                     | {Path(m["source"]).name for m in recorded})
+    chat = sorted({bool(c.get("chat")) for c in configs.values()})
+    template = sorted({m["chat_template"] for m in recorded})  # empty: not recorded
+    described = [f"`{name}`"]
+    if name in BUILTIN_MODELS:
+        described.append(BUILTIN_MODELS[name].description)
+    described.append(f"{cfg.get('architecture', '?')}, {study.num_layers} layers, "
+                     f"{cfg.get('dtype', '?')} weights"
+                     + (f" from {', '.join(sources)}" if sources else ""))
+    if chat == [True]:
+        described.append("chat requested, but the tokenizer has no chat template: raw prompts"
+                         if template == [False] else "prompts through its chat template"
+                         + ("" if template else " (run configuration chat = true)"))
+    elif chat == [False]:
+        described.append("raw prompts (no chat template)")
+    rows = [_deviation("model", f"{', '.join(paper.MODELS)}: 7B base and math models",
+                       "; ".join(described),
+                       not any(m.lower() in name.lower() for m in paper.MODELS))]
+    humaneval = [c for (kind, b, m), c in configs.items() if b == "humaneval"]
+    if humaneval:
+        as_chat = any(c.get("chat") for c in humaneval) and template != [False]
+        rows.append(_deviation(
+            "HumanEval prompt", paper.HUMANEVAL_PROMPT,
+            "a chat turn asking for the whole function in a code block" if as_chat
+            else paper.HUMANEVAL_PROMPT, as_chat))
+    return rows
+
+
+def _token_cap_rows(runs: Mapping, configs: Mapping) -> list[dict]:
+    """The completion token cap of every run against its decoder's default (the paper's),
+    with how many final completions ran into it."""
+    caps: dict[str, list] = {}
+    paper_caps, capped = set(), False
+    for (kind, b, m), c in configs.items():
+        defaults = method_defaults(m)
+        used, cap = _token_cap({**defaults, **c["hyperparameters"]}), _token_cap(defaults)
+        if used is not None:
+            caps.setdefault(_cap_text(used), []).append(("pool" if kind == "pool" else m, b))
+            paper_caps.add(cap)
+            capped |= used != cap
+    if not caps:
+        return []
+    cut: dict[str, list] = {}
+    for (kind, b, m), data in runs.items():
+        if kind == "runs" and data["records"]:
+            cut.setdefault(b, []).append(np.mean([not r["ended"] for r in data["records"]]))
+    effect = ("final completions that ended without EOS (at the cap), lowest and highest over "
+              "a benchmark's decoders: " + ", ".join(
+                  f"{b} {_range(100 * min(v), 100 * max(v))}%" for b, v in sorted(cut.items())))
+    return [_deviation(
+        "completion token cap",
+        ", ".join(_cap_text(c) for c in sorted(paper_caps, key=lambda c: (c[0], c[1] or ""))),
+        "; ".join(f"{used}: {_where(items)}" for used, items in caps.items()),
+        capped, effect if cut else None)]
+
+
+def _sampling_rows(runs: Mapping, configs: Mapping) -> list[dict]:
+    """Candidate sampling of the Best-of-N runs and of the predictive-validity pools, with
+    the mean candidate accuracy of both where a benchmark has both at different settings."""
+    target = _sampling(paper.CANDIDATE_SAMPLING)
+    sampling = {(kind, b): _sampling(c["hyperparameters"])
+                for (kind, b, m), c in configs.items() if m == "best_of_n"}
+    rows = []
+    for kind, setting in (("runs", "Best-of-N pool (Best-of-N and its selections)"),
+                          ("pool", "predictive-validity pool")):
+        by_value: dict[str, list] = {}
+        for (k, b), value in sampling.items():
+            if k == kind:
+                by_value.setdefault(value, []).append(b)
+        if not by_value:
+            continue
+        effects = []
+        for b in sorted(b for (k, b) in sampling if k == kind == "runs"):
+            other = sampling.get(("pool", b))
+            if other is not None and other != sampling[("runs", b)]:
+                records = runs[("runs", b, "best_of_n")]["records"]
+                pool = runs[("pool", b, "best_of_n")]["records"]
+                common = {r["index"] for r in records} & {r["index"] for r in pool}
+                effects.append(
+                    f"mean candidate accuracy on the {len(common)} {b} problems both drew: "
+                    f"{_mean_candidate_accuracy(records, common):.3f} at {sampling[('runs', b)]} "
+                    f"vs {_mean_candidate_accuracy(pool, common):.3f} at {other} (the "
+                    "predictive-validity pool)")
+        rows.append(_deviation(
+            setting, target,
+            "; ".join(f"{value}: {', '.join(sorted(bs))}" for value, bs in by_value.items()),
+            set(by_value) != {target}, "; ".join(effects) or None))
+    return rows
+
+
+def _recorded_rows(study: Study, status: Mapping) -> list[dict]:
+    """The other hyperparameters and selection weights the study recorded as differing
+    from the paper's (study.json; token caps and candidate sampling have their own rows)."""
+    grouped: dict[tuple, list] = {}
+    for job in study.latest("jobs").values():
+        label = "pool" if job["kind"] == "pool" else job["method"]
+        for k, v in job["deviations"].items():
+            if k in _CAP_SETTINGS or (job["method"] == "best_of_n" and k in _SAMPLING):
+                continue
+            grouped.setdefault((k, json.dumps(v["paper"]), json.dumps(v["used"])), []).append(
+                (label, job["benchmark"]))
+    rows = [_deviation(k, json.loads(paper_value), f"{json.loads(used)}: {_where(items)}", True)
+            for (k, paper_value, used), items in sorted(grouped.items())]
+    rows += [_deviation(f"{paper.METHOD_LABELS.get(m, m)} selection weights", v["paper"],
+                        f"{v['used']}: {b}", True)
+             for b, dev in status["selection_deviations"].items() for m, v in dev.items()]
+    return rows
+
+
+def _coverage_rows(study: Study, status: Mapping, verdict) -> list[dict]:
+    """Problems per benchmark, Table 1 cells not run, and how the L_sub ablation measures."""
+    done: dict[str, list] = {}
+    for job in status["jobs"]:
+        if job["kind"] == "decoder":
+            done.setdefault(job["benchmark"], []).append(job["done"])
+    sizes = paper.BENCHMARK_SIZES
+    rows = [_deviation(
+        "problems per benchmark", ", ".join(f"{b} {n}" for b, n in sizes.items()),
+        ", ".join(f"{b} {_range(min(v), max(v))}"
+                  + ("" if b in sizes else " (not in the paper's Table 1)") for b, v in done.items()),
+        any(b not in sizes or min(v) < sizes[b] for b, v in done.items()))]
+    table_rows = {m for table in paper.TABLE1.values() for m in table}
+    ours = {m for _, m in verdict}
+    missing = [", ".join(paper.METHOD_LABELS[m] for m in TABLE1_ORDER if m in table_rows - ours),
+               ", ".join(paper.BENCHMARK_LABELS[b] for b in sizes if b not in done)]
+    rows.append(_deviation("Table 1 cells", f"{len(table_rows)} methods × {len(sizes)} benchmarks",
+                           "not run: " + "; ".join(x for x in missing if x) if any(missing)
+                           else "all run", any(missing)))
+    if any("layers" in pool for pool in study.pools.values()):
+        rows.append(_deviation(
+            "L_sub ablation", paper.LSUB_MEASURE,
+            "each probe set scored on the predictive-validity pool: reranking accuracy and AUC "
+            "(one teacher-forced pass; no chain per set)", True))
+    return rows
+
+
+def deviations_table(study: Study, status: Mapping, verdict) -> list[dict]:
+    """Every setting where this study could differ from the paper's, from the recorded
+    configuration (study.json, each run's run.json) against :mod:`paper` and the
+    decoders' defaults (the paper's): one row each with ``setting``, ``paper``, ``used``,
+    ``deviates`` and, where the records measure it, ``effect``."""
+    runs = _all_runs(study)
+    configs = {key: data["run"]["config"] for key, data in runs.items()}
+    return (_model_rows(study, configs) + _token_cap_rows(runs, configs)
+            + _sampling_rows(runs, configs) + _recorded_rows(study, status)
+            + _coverage_rows(study, status, verdict))
+
+
 # --------------------------------------------------------------------------- status, claims
 
 
@@ -400,43 +682,66 @@ def status_table(study: Study) -> dict:
             "selection_deviations": selection_deviations, "invocations": invocations}
 
 
+def beta_verdict(cells: Sequence[Mapping[str, Any]]) -> str:
+    """The beta = 5 vs beta = 0 claim over paired comparisons: a cell counts as positive or
+    negative by the sign of its difference; a zero difference (a tie) has no direction."""
+    pos = sum(c["difference"] > 0 for c in cells)
+    neg = sum(c["difference"] < 0 for c in cells)
+    zero = len(cells) - pos - neg
+    sign = sign_test([c["difference"] for c in cells], alternative="greater")
+    sig = [c["benchmark"] for c in cells if c["p_holm"] < 0.05]
+    if pos == len(cells):
+        head = "positive in every cell, as the paper"
+    elif neg == len(cells):
+        head = "negative in every cell, against the paper"
+    elif pos == neg == 0:
+        head = "no difference in any cell"
+    else:
+        head = "not positive in every cell"
+    return (f"{head}: {pos} positive, {neg} negative, {zero} zero of {len(cells)} "
+            f"cell{'s' if len(cells) != 1 else ''}; "
+            f"one-sided sign test over the {pos + neg} non-zero cell{'s' if pos + neg != 1 else ''} p = "
+            f"{_f(sign['p_value'], 3, 'g')}; significant at 5% after Holm: "
+            f"{', '.join(sig) or 'none'}")
+
+
 def claims_table(paired: Mapping, validity: Mapping, compute: Mapping) -> list[dict]:
     """The paper's four checkable claims next to what this study measured."""
+    from degs_jax.analysis import format_interval
+
     out = []
     beta = [c for c in paired["comparisons"]
             if (c["treatment"], c["baseline"]) == ("degs_mcmc", "power_mcmc")]
     if beta:
-        pos = sum(c["difference"] > 0 for c in beta)
-        neg = sum(c["difference"] < 0 for c in beta)
-        sig = [c["benchmark"] for c in beta if c["p_value"] < 0.05]
-        verdict = ("same direction" if pos and not neg else
-                   "opposite direction" if neg and not pos else "mixed or no difference")
         out.append({
             "claim": "beta = 5 improves on beta = 0 (DEGS-MCMC vs power sampling) in every cell",
             "paper": "12 of 12 cells positive, median +4 points; sign test p = 2^-12",
             "measured": "; ".join(f"{c['benchmark']}: {c['difference']:+.3f} [{c['ci_low']:+.3f}, "
-                                  f"{c['ci_high']:+.3f}], n = {c['n']}, p = {c['p_value']:.3g}"
-                                  for c in beta),
-            "verdict": f"{verdict} ({pos} positive, {neg} negative of {len(beta)}; "
-                       f"significant at 5%: {', '.join(sig) or 'none'})"})
+                                  f"{c['ci_high']:+.3f}], n = {c['n']}, discordant "
+                                  f"{c['only_a']} / {c['only_b']}, p = {c['p_value']:.3g} "
+                                  f"(Holm {c['p_holm']:.3g})" for c in beta),
+            "verdict": beta_verdict(beta)})
     else:
         out.append({"claim": "beta = 5 improves on beta = 0", "paper": "12 of 12 cells positive",
                     "measured": "not run", "verdict": "not measured"})
     if validity:
-        parts, ok = [], []
+        parts, above, below = [], 0, 0
         for b, s in validity.items():
             buckets = s["buckets"]
-            parts.append(f"{b}: AUC {_f(s['auc'])}, rho {_f(s['spearman_rho'])}, gap "
-                         f"{_f(s['gap'], 4)} (p {_f(s['mann_whitney_p'], 3, 'g')}), pairwise "
+            parts.append(f"{b}: problem-demeaned AUC {format_interval(s, 'demeaned_auc')}, AUC "
+                         f"{format_interval(s, 'auc')} (95% cluster bootstrap), rho "
+                         f"{_f(s['spearman_rho'])}, gap {_f(s['gap'], 4)}, pairwise "
                          f"{_f(s['pairwise']['accuracy'])}, bucket accuracy "
                          f"{_f(buckets[0]['accuracy'])} -> {_f(buckets[-1]['accuracy'])}, "
-                         f"{s['n']} candidates")
-            ok.append(not math.isnan(s["auc"]) and s["auc"] > 0.5 and s["gap"] > 0)
+                         f"{s['n']} candidates of {s['n_problems']} problems")
+            above += bool(s["demeaned_auc_ci_low"] > 0.5)
+            below += bool(s["demeaned_auc_ci_high"] < 0.5)
         out.append({"claim": "D(x) predicts correctness weakly but positively",
                     "paper": "AUC ≈ 0.6, Spearman ≈ 0.15, gap > 0 with p < 0.001, bucket "
                              "accuracy 0.17 -> 0.41 (Qwen2.5-Math-7B / MATH500, 8000 candidates)",
                     "measured": "; ".join(parts),
-                    "verdict": f"AUC > 0.5 and gap > 0 in {sum(ok)} of {len(ok)} pools"})
+                    "verdict": f"problem-demeaned AUC interval above 0.5 in {above}, below 0.5 in "
+                               f"{below} of {len(validity)} pools"})
     else:
         out.append({"claim": "D(x) predicts correctness", "paper": "AUC ≈ 0.6",
                     "measured": "not run", "verdict": "not measured"})
@@ -522,12 +827,12 @@ def plot_paired(paired: Mapping, path: Path, title: str) -> Optional[str]:
     for y, c in zip(ys, comps):
         ax.errorbar(c["difference"], y, xerr=[[c["difference"] - c["ci_low"]],
                                               [c["ci_high"] - c["difference"]]],
-                    fmt="o", color="tab:blue" if c["p_value"] >= 0.05 else "tab:red", capsize=3)
+                    fmt="o", color="tab:blue" if c["p_holm"] >= 0.05 else "tab:red", capsize=3)
     ax.axvline(0.0, color="grey", linewidth=1)
     ax.set_yticks(ys, [f"{c['treatment']} − {c['baseline']} · {c['benchmark']} (n={c['n']})"
                        for c in comps], fontsize=7)
-    ax.set_xlabel("accuracy difference, 95% paired bootstrap CI\n(red: McNemar p < 0.05)",
-                  fontsize=8)
+    ax.set_xlabel(f"accuracy difference, 95% Newcombe paired score interval\n(red: exact "
+                  f"McNemar p < 0.05 after Holm over the {len(comps)} comparisons)", fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png")
@@ -544,7 +849,9 @@ def build_tables(study: Study) -> dict[str, Any]:
     paired = paired_table(study, verdict)
     validity = predictive_validity_table(study)
     compute = compute_table(study)
-    return {"status": status_table(study), "table1": t1, "paired": paired,
+    status = status_table(study)
+    return {"status": status, "deviations": deviations_table(study, status, verdict),
+            "table1": t1, "paired": paired,
             "predictive_validity": validity, "lsub": lsub_table(study),
             "trajectories": trajectory_table(study), "compute": compute,
             "claims": claims_table(paired, validity, compute)}
@@ -577,7 +884,7 @@ def write_report(study_dir, out_dir=None) -> dict[str, Any]:
         pool = pool_from_records(study.pools[b]["records"])
         figures[f"predictive_validity_{b}"] = plot_predictive_validity(
             pool, stats, out / "figures" / f"predictive_validity_{b}.png",
-            title=f"{model} · {b} · pool of N = {_pool_n(study, b)} at T = 0.8, top-p 0.9")
+            title=f"{model} · {b} · pool: {_sampling(study.pools[b]['run']['config']['hyperparameters'])}")
     for b, traj in tables["trajectories"].items():
         curves = {f"{name} ({g['candidates']} candidates)": (traj["layers"], g["mean_entropy"])
                   for name, g in traj["groups"].items()}
@@ -588,10 +895,6 @@ def write_report(study_dir, out_dir=None) -> dict[str, Any]:
     text = render_markdown(tables, {k: os.path.relpath(v, out) for k, v in figures.items()})
     (out / "report.md").write_text(text)
     return {**tables, "figures": figures, "report": str(out / "report.md")}
-
-
-def _pool_n(study: Study, b: str) -> Any:
-    return study.pools[b]["run"]["config"]["hyperparameters"].get("n")
 
 
 def _cell(c: Optional[Mapping]) -> str:
@@ -608,6 +911,8 @@ def _md_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> str:
     """report.md from the tables (figure paths relative to the report)."""
+    from degs_jax.analysis import format_interval
+
     st = tables["status"]
     model = st["model"]["name"]
     md = [f"# Reproduction study: {model}", ""]
@@ -621,17 +926,22 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
                    "comparisons use the problems both methods finished."]
     md += ["", "## What ran", ""]
     md.append(_md_table(
-        ["job", "target", "done", "hyperparameters that differ from the paper's"],
+        ["job", "target", "done"],
         [[r["directory"], r["target"],
-          f"{r['done']}" + (f" (layer pass {r['layer_pass_done']})" if "layer_pass_done" in r else ""),
-          ", ".join(f"{k} {v['used']} (paper {v['paper']})" for k, v in r["deviations"].items())
-          or "none"] for r in st["jobs"]]))
-    for b, dev in st["selection_deviations"].items():
-        md.append(f"\nSelection weights on {b} that differ from the paper's: "
-                  + "; ".join(f"{m}: {v['used']} (paper {v['paper']})" for m, v in dev.items()))
+          f"{r['done']}" + (f" (layer pass {r['layer_pass_done']})" if "layer_pass_done" in r else "")]
+         for r in st["jobs"]]))
     skipped = last.get("skipped") or []
     if skipped:
         md.append("\nLeft for a later invocation (time budget): " + "; ".join(skipped))
+
+    md += ["", "## Deviations from the paper", "",
+           "Every setting this study could change, from its recorded configuration "
+           "(`study.json`, each run's `run.json`) against the paper's; deviations first.", ""]
+    dev = sorted(tables["deviations"], key=lambda r: not r["deviates"])
+    md.append(_md_table(
+        ["setting", "paper", "this study", "deviates", "measured effect"],
+        [[r["setting"], r["paper"], r["used"], "**yes**" if r["deviates"] else "no",
+          r["effect"] or ""] for r in dev]))
 
     t1 = tables["table1"]
     md += ["", "## Table 1: accuracy", "",
@@ -654,34 +964,60 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
     p = tables["paired"]
     md += ["", "## Paired comparisons", "", p["note"] + ".", ""]
     if p["comparisons"]:
+        md.append(f"**{p['comparisons_made']} comparisons** in this table.")
+        md.append("")
         md.append(_md_table(
             ["treatment − baseline", "benchmark", "n", "baseline", "treatment",
-             "difference [95% CI]", "only baseline / only treatment", "McNemar p (test)"],
+             "difference [95% Newcombe CI]", "discordant: only baseline / only treatment",
+             "exact McNemar p", "Holm p"],
             [[f"{c['treatment']} − {c['baseline']}", c["benchmark"], c["n"],
               f"{c['accuracy_a']:.3f}", f"{c['accuracy_b']:.3f}",
               f"{c['difference']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
-              f"{c['only_a']} / {c['only_b']}", f"{c['p_value']:.3g} ({c['test']})"]
+              f"{c['only_a']} / {c['only_b']}", f"{c['p_value']:.3g}", f"{c['p_holm']:.3g}"]
              for c in p["comparisons"]]))
         for s in p["beta_sign_tests"]:
             md.append(f"\nSign test over benchmarks, {s['treatment']} − {s['baseline']} > 0: "
-                      f"{s['positive']} positive, {s['negative']} negative, {s['zero']} zero; "
-                      f"one-sided p = {_f(s['p_value'], 3, 'g')} (paper: 12 of 12 cells, p = 2^-12).")
+                      f"{s['positive']} positive, {s['negative']} negative, {s['zero']} zero "
+                      f"(a zero has no sign and is left out); one-sided p = "
+                      f"{_f(s['p_value'], 3, 'g')} over the non-zero cells (paper: 12 of 12 "
+                      "cells positive, p = 2^-12).")
+        crn = p["common_random_numbers"]
+        if crn:
+            md += ["", CRN_STATEMENT, ""]
+            md.append(_md_table(
+                ["treatment − baseline", "benchmark", "same keys (seed)", "other settings that differ",
+                 "identical final completions"],
+                [[f"{c['treatment']} − {c['baseline']}", c["benchmark"],
+                  f"{'yes' if c['same_keys'] else '**no**'} ({c['seed']})",
+                  ", ".join(c["other_settings_differ"]) or "none",
+                  f"{c['identical_completions']} of {c['problems']}"] for c in crn]))
         if "paired" in figures:
             md += ["", f"![paired differences]({figures['paired']})"]
     else:
         md.append("No pair of methods ran on common problems.")
 
-    md += ["", "## Predictive validity of D(x) (pool: N candidates at T = 0.8, top-p 0.9)", ""]
+    md += ["", "## Predictive validity of D(x) (the predictive-validity pool)", ""]
     pv = tables["predictive_validity"]
     if pv:
         md.append(_md_table(
-            ["benchmark", "candidates (problems)", "candidate accuracy", "AUC", "Spearman rho",
-             "mean gap (Mann-Whitney p)", "pairwise acc. (pairs)", "accuracy by D quartile"],
-            [[b, f"{s['n']} ({s['n_problems']})", _f(s["accuracy"]), _f(s["auc"]),
-              _f(s["spearman_rho"]), f"{_f(s['gap'], 4)} ({_f(s['mann_whitney_p'], 3, 'g')})",
+            ["benchmark", "pool", "candidates (problems)", "candidate accuracy",
+             "problem-demeaned AUC [95% CI]", "AUC [95% CI]", "Spearman rho", "mean gap",
+             "pairwise acc. (pairs)", "accuracy by D quartile"],
+            [[b, s["sampling"], f"{s['n']} ({s['n_problems']})", _f(s["accuracy"]),
+              f"**{format_interval(s, 'demeaned_auc')}**", format_interval(s, "auc"),
+              _f(s["spearman_rho"]), _f(s["gap"], 4),
               f"{_f(s['pairwise']['accuracy'])} ({s['pairwise']['pairs']})",
               " / ".join(f"{_f(x['accuracy'], 2)}" for x in s["buckets"])]
              for b, s in pv.items()]))
+        boot = next(iter(pv.values()))["cluster_bootstrap"]
+        md += ["", "Headline: the problem-demeaned AUC (D minus the mean D of its problem, then "
+                   "the AUC over all candidates: candidates ranked against their own problem). "
+                   "Intervals: percentile cluster bootstrap over problems (each resampled with "
+                   f"all of its candidates; {boot['resamples']:,} resamples, seed {boot['seed']}). "
+                   "Footnote: the candidate-level Mann-Whitney test of the gap treats the "
+                   "candidates of one problem as independent, so its p-value is too small: "
+                   + "; ".join(f"{b} p = {_f(s['mann_whitney_p'], 3, 'g')}" for b, s in pv.items())
+                   + "."]
         for b in pv:
             if f"predictive_validity_{b}" in figures:
                 md += ["", f"![predictive validity {b}]({figures[f'predictive_validity_{b}']})"]
@@ -701,10 +1037,10 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
                    f"Reference on this pool: Best-of-N (log p) {_f(ref['best_of_n'])}, oracle "
                    f"{_f(ref['oracle'])}, mean candidate {_f(ref['mean_candidate'])}.", ""]
             md.append(_md_table(
-                ["L_sub", "K", "probe cost K/L", "AUC", "Spearman", "pairwise", "DEGS rerank acc.",
-                 "depth-only acc.", "mean D"],
+                ["L_sub", "K", "probe cost K/L", "demeaned AUC", "AUC", "Spearman", "pairwise",
+                 "DEGS rerank acc.", "depth-only acc.", "mean D"],
                 [["{" + ",".join(map(str, r["lsub"])) + "}", r["K"], f"{r['probe_cost_per_token']:.3f}",
-                  _f(r["auc"]), _f(r["spearman_rho"]), _f(r["pairwise_accuracy"]),
+                  _f(r["demeaned_auc"]), _f(r["auc"]), _f(r["spearman_rho"]), _f(r["pairwise_accuracy"]),
                   _f(r["degs_rerank_accuracy"]), _f(r["depth_only_accuracy"]), _f(r["mean_D"], 4)]
                  for r in t["rows"]]))
             c = t["recorded_vs_rescored_D"]

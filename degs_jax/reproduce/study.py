@@ -57,6 +57,7 @@ import numpy as np
 
 from degs_jax.eval.benchmarks import canonical_name
 from degs_jax.eval.results import ResultStore, write_json
+from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
 
 STUDY_FILE = "study.json"
 LAYERS_FILE = "layers.jsonl"
@@ -71,7 +72,7 @@ POOL_METHOD = "best_of_n"  # the decoder whose kept candidates every reranking r
 SELECTED_FROM_POOL = ("best_of_n_entropy", "degs_rerank", "depth_only")
 POOL_SCOPE = "pool"  # name of the predictive-validity pool in --hp / --batch-size
 # The predictive-validity pool of the paper (N, T, top-p).
-POOL_SETTINGS = {"n": 16, "temperature": 0.8, "top_p": 0.9}
+POOL_SETTINGS = dict(CANDIDATE_SAMPLING)
 # The paper decodes HumanEval at T = 0.5 (alpha = 1/T = 2) "to retain the diversity
 # program synthesis requires"; every other benchmark at the defaults (alpha 4, T 0.25).
 HUMANEVAL_ALPHA = 2.0
@@ -475,6 +476,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
     here (see :func:`degs_jax.reproduce.report.write_report`).
     """
     from degs_jax.eval import Grader, load_benchmark
+    from degs_jax.eval.prompts import uses_chat_template
     from degs_jax.eval.runner import run_eval
 
     out = Path(out_dir)
@@ -484,6 +486,8 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
     lsub_sets = request.lsub_sets or paper_lsub_sets(model.cfg.num_layers)
     study = open_study(out, model.name, model.cfg.num_layers, request, argv)
     invocation = study["invocations"][-1]
+    invocation["model"] = {"source": model.source,
+                           "chat_template": uses_chat_template(model.tokenizer)}
     jobs = plan_jobs(request)
     problems = {b: load_benchmark(b, data_dir=data_dir)
                 for b in {j.benchmark for j in jobs}}
