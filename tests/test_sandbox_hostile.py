@@ -219,7 +219,26 @@ def facts():
         fork = True
     except Exception:
         fork = False
+    def could(action):
+        try:
+            action()
+            return True
+        except Exception:
+            return False
+    def thread():
+        import threading
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+    def shm():
+        import ctypes
+        if ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) < 0:  # IPC_PRIVATE, IPC_CREAT
+            raise OSError
     return {"pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+            # memory outside RLIMIT_AS, and threads (RLIMIT_NPROC does not bind root)
+            "outside_limits": [name for name, action in (
+                ("thread", thread), ("memfd", lambda: os.memfd_create("x")), ("sysv_shm", shm))
+                if could(action)],
             "environ": sorted(os.environ), "root": sorted(os.listdir("/")),
             "interfaces": interfaces, "capabilities": status["CapEff"].strip(),
             "uid": os.getuid(), "fork": fork,
@@ -240,6 +259,7 @@ def check(candidate):
     assert facts["capabilities"] == "0000000000000000", facts
     assert facts["writable"] == [] and facts["scratch_writable"], facts
     assert facts["fork"] is False and facts["seen"] == [], facts
+    assert facts["outside_limits"] == [], facts
 '''
 
 
