@@ -114,9 +114,10 @@ def add_unsafe_grading_flag(group) -> None:
 
     group.add_argument(UNSAFE_FLAG, dest="unsafe_unsandboxed_grading", action="store_true",
                        help="HumanEval where bubblewrap cannot create namespaces: run the "
-                            "model-written programs under process-level guards only (they can "
-                            "read this user's files); results are labelled isolation=process. "
-                            "Without it such a run stops before loading the model")
+                            "model-written programs under process-level guards only (where the "
+                            "kernel lacks Landlock they can read and write this user's files); "
+                            "results are labelled isolation=process. Without it such a run "
+                            "stops before loading the model")
 
 
 @contextlib.contextmanager

@@ -98,8 +98,8 @@ environment or memory. Threat model of this fallback, as the tests check it
 
 Everything a program's process writes that reaches a result (an exception message) is cut
 to :data:`DETAIL_CAP_CHARS` characters of printable ASCII, after every value of the
-grading process's environment of 8 characters or more is removed from it (a verbatim
-copy: an encoded one is kept out only by the layers above).
+grading process's environment (``_REDACT_MIN_CHARS`` characters or longer) is removed
+from it (a verbatim copy: an encoded one is kept out only by the layers above).
 """
 
 from __future__ import annotations
@@ -661,15 +661,15 @@ def isolation(allow_unsandboxed: bool = False) -> str:
         f"namespaces ({reason}). Enable unprivileged user namespaces (sysctl "
         "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0; "
         "a container must allow them), or accept process-level guards only, under which the "
-        "programs can read this user's files: "
+        "programs can read and write this user's files where the kernel lacks Landlock: "
         f"{UNSAFE_FLAG} (degs) or allow_unsandboxed=True")
 
 
 def unsandboxed_warning() -> str:
     """The line printed at the start and the end of a run that grades without namespaces."""
     return (f"degs: warning: {UNSAFE_FLAG}: HumanEval programs run without namespaces, under "
-            "process-level guards only (they can read what this user can read, and without "
-            "Landlock write it); results are labelled isolation=process")
+            "process-level guards only (where the kernel lacks Landlock they can read and write "
+            "this user's files); results are labelled isolation=process")
 
 
 def run_check(check: HumanEvalCheck, *, timeout: float = DEFAULT_TIMEOUT_S,
