@@ -301,14 +301,14 @@ def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     """(run.json, result records) of a ``degs eval`` directory."""
-    from degs_jax.eval.results import read_json, read_records
+    from degs_jax.eval.results import EVAL_RECORD_FIELDS, read_records, read_run_file
 
     run_dir = Path(run_dir)
     run_file, results = run_dir / "run.json", run_dir / "results.jsonl"
     if not run_file.exists() or not results.exists():
         raise FileNotFoundError(f"{run_dir} is not a `degs eval` directory (needs run.json and "
                                 "results.jsonl)")
-    return read_json(run_file), read_records(results)
+    return read_run_file(run_file), read_records(results, fields=EVAL_RECORD_FIELDS)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:

@@ -75,7 +75,7 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
         if kind is bool:  # --x / --no-x (unset: the method's default)
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind is tuple:
-            g.add_argument(flag, type=_int_list, metavar="L1,L2,...", help=help_text)
+            g.add_argument(flag, type=int_list, metavar="L1,L2,...", help=help_text)
         else:
             g.add_argument(flag, type=kind, help=help_text)
     _add_lens_args(g)
@@ -103,7 +103,8 @@ BATCH_SIZE_HELP = (
     "bfloat16 they can (README, 'Reproducibility')")
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
+    """An option's comma-separated integers (argparse type)."""
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -176,6 +177,14 @@ def check_output_dir(path: Path, option: str = "--out") -> Path:
 def _load(args):
     from .models.compilation import enable_compilation_cache
     from .models.loading import DEFAULT_MODEL, load
+
+    if getattr(args, "tuned_lens", None) is not None:  # before loading: a file that is no lens
+        if args.lens not in ("tuned", "both"):
+            raise ValueError("--tuned-lens needs --lens tuned"
+                             + (" or --lens both" if args.command == "analyze" else ""))
+        from .train.tuned_lens import read_lens_file
+
+        read_lens_file(args.tuned_lens)
 
     enable_compilation_cache()  # compiled programs persist across runs (models/compilation.py)
     source = args.model or DEFAULT_MODEL
@@ -382,8 +391,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that report a problem with the input or the environment (one line)
     rather than a bug (a traceback)."""
     from .eval.results import RunInUseError
+    from .eval.sandbox import IsolationUnavailableError
 
-    return (ValueError, OSError, RunInUseError)
+    return (ValueError, OSError, RunInUseError, IsolationUnavailableError)
 
 
 def one_line(error: BaseException) -> str:
@@ -459,9 +469,17 @@ def interruptible(message: str, grace_s: float = 3.0):
 
 
 def interrupted_message(args) -> str:
-    if getattr(args, "command", None) == "eval":
+    """The line Ctrl-C prints: for a resumable command, where its work is and how to resume."""
+    command = getattr(args, "command", None)
+    if command == "eval":
         return (f"degs: interrupted; finished problems are saved in {args.out}: rerun the same "
                 "command to resume")
+    if command == "reproduce" and not (args.plan or args.report_only or args.export):
+        return (f"degs: interrupted; finished batches are saved in {args.out}: rerun the same "
+                "command to resume")
+    if command == "train-grpo":
+        return (f"degs: interrupted; the checkpoints written so far are in {args.out}: rerun the "
+                "same command to resume from the newest")
     return "degs: interrupted"
 
 

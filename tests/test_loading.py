@@ -417,6 +417,9 @@ def _flip_tensor_byte(entry):
     (lambda e: (e / loading.CHECKSUMS_FILE).unlink(), f"no {loading.CHECKSUMS_FILE}"),
     (lambda e: (e / loading.CHECKSUMS_FILE).write_text("[]"), "is unreadable"),
     (lambda e: open(e / "model.safetensors", "r+b").truncate(1000), "model.safetensors has 1000 bytes"),
+    # transformers would read it (and prompt with another template)
+    (lambda e: (e / "chat_template.jinja").write_text("{{ 'other' }}"),
+     "chat_template.jinja is not listed in checksums.json"),
 ])
 def test_damaged_cache_entry_is_detected_and_rebuilt(tmp_path, capsys, damage, reason):
     cfg, params = tiny()

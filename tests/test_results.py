@@ -7,10 +7,12 @@ import pytest
 
 from degs_jax.eval.benchmarks import Problem
 from degs_jax.eval.results import (
+    EVAL_RECORD_FIELDS,
     ResultStore,
     accuracy,
     numeric_means,
     package_versions,
+    read_records,
     summarize,
     transcript_fields,
     wilson_interval,
@@ -70,6 +72,29 @@ def test_corrupt_middle_line_is_an_error(tmp_path):
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
     with pytest.raises(ValueError, match="line 2"):
         ResultStore(path)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": ["a"], "index": 1, "correct": true}', "'id' must be a string or an integer, got [\"a\"]"),
+    ('{"id": true, "index": 1, "correct": true}', "'id' must be a string or an integer, got true"),
+    ('{"id": "b", "index": 1}', "line 2 has no 'correct'"),
+    ('{"id": "b", "index": 1, "correct": "yes"}', "'correct' must be bool, got \"yes\""),
+    ('{"id": "b", "index": true, "correct": false}', "'index' must be int, got true"),
+    ('["b"]', "line 2 is not a result record (no 'id')"),
+])
+def test_records_that_break_the_rules_are_named_not_guessed(tmp_path, line, message):
+    """Every reader (the store on resume, read_records for analysis and studies) refuses
+    a file with a complete line that is not a valid record, naming the file and line;
+    the file is left as it was."""
+    path = tmp_path / "results.jsonl"
+    content = '{"id": "a", "index": 0, "correct": true}\n' + line + "\n"
+    path.write_text(content)
+    for read in (lambda: ResultStore(path, fields=EVAL_RECORD_FIELDS),
+                 lambda: read_records(path, fields=EVAL_RECORD_FIELDS)):
+        with pytest.raises(ValueError) as error:
+            read()
+        assert str(error.value).startswith(f"{path}: line 2") and message in str(error.value)
+    assert path.read_text() == content
 
 
 def test_second_writer_is_refused(tmp_path):

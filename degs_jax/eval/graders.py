@@ -11,7 +11,9 @@
   ``B)``, ``B. ...``), exact match with the shuffled gold letter.
 - HumanEval: the completion runs in a sandbox that only answers calls of the entry
   point; the problem's test runs in a second sandbox and gives the verdict
-  (:mod:`degs_jax.eval.sandbox`). Never in-process.
+  (:mod:`degs_jax.eval.sandbox`). Never in-process, and never without namespaces unless
+  the caller allows the weaker fallback (``allow_unsandboxed``; each verdict says which
+  isolation it had).
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ class GradeResult:
 
     ``extracted`` is the boxed content (math), the letter (GPQA) or ``None``;
     ``detail`` is ``"ok"``, ``"no boxed answer"``, ``"timeout"`` or the sandbox
-    result for HumanEval.
+    result for HumanEval; ``isolation`` is the sandbox's isolation level for HumanEval
+    (:data:`~degs_jax.eval.sandbox.NAMESPACES` or :data:`~degs_jax.eval.sandbox.PROCESS`),
+    else ``None``.
     """
 
     correct: bool
     extracted: str | None
     detail: str
+    isolation: str | None = None
 
 
 def boxed_spans(text: str) -> list[str]:
@@ -249,14 +254,18 @@ class Grader:
     """One entry point for every benchmark.
 
     ``chat`` says whether completions came from a chat template (HumanEval
-    code extraction differs). Holds a :class:`MathGrader`; use as a context
-    manager.
+    code extraction differs). ``allow_unsandboxed`` lets HumanEval programs run under
+    the sandbox's weaker fallback where there are no namespaces (else grading them
+    raises :class:`~degs_jax.eval.sandbox.IsolationUnavailableError`). Holds a
+    :class:`MathGrader`; use as a context manager.
     """
 
     def __init__(self, *, math_timeout: float = DEFAULT_MATH_TIMEOUT_S,
-                 code_timeout: float = sandbox.DEFAULT_TIMEOUT_S):
+                 code_timeout: float = sandbox.DEFAULT_TIMEOUT_S,
+                 allow_unsandboxed: bool = False):
         self.math = MathGrader(timeout=math_timeout)
         self.code_timeout = code_timeout
+        self.allow_unsandboxed = allow_unsandboxed
 
     def __enter__(self) -> "Grader":
         return self
@@ -274,18 +283,23 @@ class Grader:
             return self.math.grade(completion, problem.answer, problem.benchmark)
         if problem.benchmark == "gpqa_diamond":
             return grade_gpqa(completion, problem.answer)
-        return grade_humaneval(problem, completion, chat=chat, timeout=self.code_timeout)
+        return grade_humaneval(problem, completion, chat=chat, timeout=self.code_timeout,
+                               allow_unsandboxed=self.allow_unsandboxed)
 
 
 def grade_humaneval(problem: Problem, completion: str, *, chat: bool,
-                    timeout: float = sandbox.DEFAULT_TIMEOUT_S) -> GradeResult:
+                    timeout: float = sandbox.DEFAULT_TIMEOUT_S,
+                    allow_unsandboxed: bool = False) -> GradeResult:
     """Run the problem's test against one completion in the sandbox.
 
     ``detail`` is the sandbox's result: ``"passed"``, ``"timed out"`` or ``"failed: ..."``
-    (printable ASCII, capped at :data:`degs_jax.eval.sandbox.DETAIL_CAP_CHARS`).
+    (printable ASCII, capped at :data:`degs_jax.eval.sandbox.DETAIL_CAP_CHARS`);
+    ``isolation`` its isolation level. Without namespaces this raises
+    :class:`~degs_jax.eval.sandbox.IsolationUnavailableError` unless ``allow_unsandboxed``.
     """
-    result = sandbox.run_check(humaneval_check(problem, completion, chat=chat), timeout=timeout)
-    return GradeResult(result.passed, None, result.result)
+    result = sandbox.run_check(humaneval_check(problem, completion, chat=chat), timeout=timeout,
+                               allow_unsandboxed=allow_unsandboxed)
+    return GradeResult(result.passed, None, result.result, result.isolation)
 
 
 def humaneval_check(problem: Problem, completion: str, *, chat: bool) -> sandbox.HumanEvalCheck:

@@ -5,6 +5,12 @@ write is flushed and fsynced, so a crash loses at most the line being written.
 Reopening the store reads the finished ids (callers skip them), truncates a
 torn last line and refuses duplicate ids, so an interrupted run resumes
 without losing or duplicating problems.
+
+The store's rules for a damaged file: bytes after the last newline are a torn write
+(dropped: that problem runs again); a complete line that is not a record (not JSON, not
+an object, an id that is not a string or an integer, a field the caller requires missing
+or of the wrong type, a repeated id) is corruption, at which no resume guesses: the file
+is refused, naming it and the line, to be repaired or the line removed.
 """
 
 from __future__ import annotations
@@ -31,16 +37,23 @@ class RunInUseError(RuntimeError):
     """Another process holds the lock of a result store (a second run into one directory)."""
 
 
+# The fields every `degs eval` record has, with their types (checked on every read).
+EVAL_RECORD_FIELDS: Mapping[str, type] = {"index": int, "correct": bool}
+
+
 class ResultStore:
     """Append-only JSONL of per-problem records keyed by ``record["id"]``.
 
     Opening the file takes an exclusive ``flock`` (where available) so two runs
-    cannot append to the same store at once (:class:`RunInUseError`).
+    cannot append to the same store at once (:class:`RunInUseError`). ``fields``: what
+    every stored record must have (name -> type; see :func:`parse_records`).
     """
 
-    def __init__(self, path: str | os.PathLike, id_key: str = "id"):
+    def __init__(self, path: str | os.PathLike, id_key: str = "id",
+                 fields: Mapping[str, type] = {}):
         self.path = Path(path)
         self.id_key = id_key
+        self.fields = dict(fields)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a+b")
         try:
@@ -86,7 +99,7 @@ class ResultStore:
         """Parse existing lines; truncate a torn last line (see :func:`parse_records`)."""
         self._file.seek(0)
         data = self._file.read()
-        records, end = parse_records(data, self.path, self.id_key)
+        records, end = parse_records(data, self.path, self.id_key, self.fields)
         if end < len(data):
             self._file.truncate(end)
             self._file.flush()
@@ -95,37 +108,64 @@ class ResultStore:
         return records
 
 
-def parse_records(data: bytes, path: Path, id_key: str = "id") -> tuple[list[dict], int]:
+def parse_records(data: bytes, path: Path, id_key: str = "id",
+                  fields: Mapping[str, type] = {}) -> tuple[list[dict], int]:
     """(records, length of the intact part) of a results file's bytes.
 
     Every write ends with a newline, so bytes after the last newline are an
     interrupted write and are ignored. A bad line before that is not a torn
-    write but corruption: ValueError naming the file and line rather than a guess.
+    write but corruption (module docstring): ValueError naming the file and line rather
+    than a guess. A record's id must be a string or an integer; ``fields`` (name -> type)
+    must be present with that type (``int`` excludes ``bool``).
     """
     end = data.rfind(b"\n") + 1
     records, seen = [], set()
     for number, raw in enumerate(data[:end].split(b"\n")[:-1], start=1):
         if not raw.strip():
             continue
+        where = f"{path}: line {number}"
         try:
             record = json.loads(raw)
         except ValueError as err:
-            raise ValueError(f"{path}: line {number} is not valid JSON ({err})") from None
+            raise ValueError(f"{where} is not valid JSON ({err}); {_REPAIR}") from None
         if not isinstance(record, dict) or id_key not in record:
-            raise ValueError(f"{path}: line {number} is not a result record (no {id_key!r})")
+            raise ValueError(f"{where} is not a result record (no {id_key!r}); {_REPAIR}")
         problem_id = record[id_key]
+        if not _is(problem_id, str) and not _is(problem_id, int):
+            raise ValueError(f"{where}: {id_key!r} must be a string or an integer, got "
+                             f"{_short(problem_id)}; {_REPAIR}")
+        for name, kind in fields.items():
+            if name not in record:
+                raise ValueError(f"{where} has no {name!r}; {_REPAIR}")
+            if not _is(record[name], kind):
+                raise ValueError(f"{where}: {name!r} must be {kind.__name__}, got "
+                                 f"{_short(record[name])}; {_REPAIR}")
         if problem_id in seen:
-            raise ValueError(f"{path}: duplicate id {problem_id!r} on line {number}")
+            raise ValueError(f"{path}: duplicate id {problem_id!r} on line {number}; {_REPAIR}")
         seen.add(problem_id)
         records.append(record)
     return records, end
 
 
-def read_records(path: str | os.PathLike, id_key: str = "id") -> list[dict]:
+_REPAIR = "repair or remove that line (the other lines keep their finished problems)"
+
+
+def _is(value: Any, kind: type) -> bool:
+    """``isinstance``, where a bool is no int (JSON ``true`` is not a problem index)."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_records(path: str | os.PathLike, id_key: str = "id",
+                 fields: Mapping[str, type] = {}) -> list[dict]:
     """The records of a results file, read-only (a torn last line is ignored, as
-    :class:`ResultStore` does when it reopens the file)."""
+    :class:`ResultStore` does when it reopens the file); errors as :func:`parse_records`."""
     path = Path(path)
-    return parse_records(path.read_bytes(), path, id_key)[0]
+    return parse_records(path.read_bytes(), path, id_key, fields)[0]
 
 
 def read_json(path: str | os.PathLike) -> dict:
@@ -139,6 +179,20 @@ def read_json(path: str | os.PathLike) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path} does not hold a JSON object; repair or delete it")
     return value
+
+
+def read_run_file(path: str | os.PathLike) -> dict:
+    """A run's ``run.json``: an object whose ``config`` is an object and whose
+    ``invocations`` is a list of objects; ValueError naming the file otherwise."""
+    run = read_json(path)
+    config, invocations = run.get("config"), run.get("invocations")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: 'config' must be a JSON object, got {_short(config)}; repair "
+                         "it or use another run directory")
+    if not (isinstance(invocations, list) and all(isinstance(i, dict) for i in invocations)):
+        raise ValueError(f"{path}: 'invocations' must be a list of JSON objects, got "
+                         f"{_short(invocations)}; repair it or use another run directory")
+    return run
 
 
 def merge_shards(store: ResultStore, shards: Sequence[str | os.PathLike],
@@ -158,7 +212,8 @@ def merge_shards(store: ResultStore, shards: Sequence[str | os.PathLike],
     new: dict[Any, dict] = {}
     with contextlib.ExitStack() as stack:
         for shard in shards:
-            for record in stack.enter_context(ResultStore(shard, store.id_key)).records:
+            for record in stack.enter_context(ResultStore(shard, store.id_key,
+                                                          store.fields)).records:
                 if not store.is_done(record[store.id_key]):
                     new.setdefault(record[store.id_key], record)
         for record in sorted(new.values(), key=lambda r: r[order_key]):

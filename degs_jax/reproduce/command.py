@@ -97,6 +97,9 @@ def add_command(sub, add_model_args, load_model) -> None:
     m.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA, else "
                                                     "the copies installed with degs_jax)")
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    from degs_jax.eval.commands import add_unsafe_grading_flag
+
+    add_unsafe_grading_flag(m)
     r.set_defaults(func=lambda args: cmd_reproduce(args, load_model))
 
 
@@ -190,8 +193,11 @@ def _compilation_cache(choice: Optional[str]) -> Optional[Path]:
 def cmd_reproduce(args, load_model) -> int:
     from degs_jax.reproduce.study import Budget, format_plan, plan_table, run_study
 
+    from degs_jax.cli import check_output_dir, check_seed
+
     budget = Budget(args.time_budget)  # counted from here: loading and compiling included
-    out = Path(args.out)
+    out = check_output_dir(Path(args.out))
+    check_seed(args.seed)
     if args.export:
         from degs_jax.reproduce.report import export_study
 
@@ -208,9 +214,12 @@ def cmd_reproduce(args, load_model) -> int:
         print(format_plan(plan_table(out, request, data_dir=args.data_dir)))
         return 0
     from degs_jax.eval.benchmarks import load_benchmark
+    from degs_jax.eval.commands import code_isolation
 
-    for benchmark in {**request.benchmarks, **request.pool_benchmarks}:
+    benchmarks = {**request.benchmarks, **request.pool_benchmarks}
+    for benchmark in benchmarks:
         load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
+    args.scope.enter_context(code_isolation(benchmarks, args.unsafe_unsandboxed_grading))
     _compilation_cache(args.compilation_cache)
     model = load_model(args)
     if args.lsub_sets != "paper":
@@ -219,7 +228,8 @@ def cmd_reproduce(args, load_model) -> int:
         request = dataclasses.replace(
             request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.cfg.num_layers)))
     run_study(model, out, request, budget=budget, progress=not args.no_progress,
-              data_dir=args.data_dir, argv=sys.argv[1:])
+              data_dir=args.data_dir, argv=sys.argv[1:],
+              allow_unsandboxed=args.unsafe_unsandboxed_grading)
     if not args.no_report:
         from degs_jax.reproduce.report import write_report
 

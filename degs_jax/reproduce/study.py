@@ -189,6 +189,13 @@ class StudyRequest:
             if scope not in scopes:
                 raise ValueError(f"unknown scope {scope!r} in --hp/--batch-size: use a method "
                                  f"({', '.join(rows)}), 'pool' or no prefix")
+        decoders = {"degs_rerank" if m == "depth_only" else m for m in self.methods}
+        if self.pool_benchmarks or decoders & set(SELECTED_FROM_POOL):
+            decoders.add(POOL_METHOD)
+        for name in self.overrides.get("*", {}):  # else it would be ignored without a word
+            if not any(name in method_defaults(d) for d in decoders):
+                raise ValueError(f"--hp {name}: no decoder of this study takes a hyperparameter "
+                                 f"of that name ({', '.join(sorted(decoders)) or 'none'})")
         for method in self.methods:  # fail on bad names before any model is loaded
             for benchmark in self.benchmarks or {"math500": None}:
                 job_hyperparameters(method, benchmark, self.overrides)
@@ -386,16 +393,21 @@ def _save_study(out: Path, study: dict) -> None:
     write_json(out / STUDY_FILE, study)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL store (empty when it does not exist yet)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path, fields: Mapping[str, type] = {}) -> list[dict]:
+    """The records of a JSONL store (empty when it does not exist yet), by the store's
+    rules (:mod:`degs_jax.eval.results`): a torn last line is ignored (the next
+    ``ResultStore`` opening drops it and the problem runs again), corruption is an error
+    naming the file and line."""
+    from degs_jax.eval.results import read_records as read_store
+
+    return read_store(path, fields=fields) if path.exists() else []
 
 
 def read_records(run_dir: Path) -> list[dict]:
     """The records of a ``run_eval`` directory (empty when it has none yet)."""
-    return read_jsonl(Path(run_dir) / "results.jsonl")
+    from degs_jax.eval.results import EVAL_RECORD_FIELDS
+
+    return read_jsonl(Path(run_dir) / "results.jsonl", EVAL_RECORD_FIELDS)
 
 
 # --------------------------------------------------------------------------- budget
@@ -469,9 +481,12 @@ def _batches(job: Job, start: int, stop: int) -> Iterator[list[int]]:
 
 def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[float] = None,
               progress: bool = True, data_dir=None, argv: Optional[Sequence[str]] = None,
-              grader=None, budget: Optional[Budget] = None, log=None) -> dict:
+              grader=None, budget: Optional[Budget] = None, log=None,
+              allow_unsandboxed: bool = False) -> dict:
     """Run (or continue) the study of ``request`` with a loaded model into ``out_dir``.
 
+    ``allow_unsandboxed``: grade HumanEval under the sandbox's weaker fallback where there
+    are no namespaces (see ``run_eval``; a given ``grader`` brings its own setting).
     Returns ``study.json``'s content after this invocation. The report is not written
     here (see :func:`degs_jax.reproduce.report.write_report`).
     """
@@ -479,7 +494,13 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
     from degs_jax.eval.prompts import uses_chat_template
     from degs_jax.eval.runner import run_eval
 
+    from degs_jax.eval import sandbox
+
     out = Path(out_dir)
+    if grader is not None:
+        allow_unsandboxed = grader.allow_unsandboxed
+    if "humaneval" in {**request.benchmarks, **request.pool_benchmarks}:
+        sandbox.isolation(allow_unsandboxed)  # refused before anything is written
     budget = budget or Budget(time_budget)
     log = log or (lambda message: print(f"[{budget.elapsed():7.1f} s] {message}",
                                         file=sys.stderr, flush=True))
@@ -502,7 +523,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
             rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
     skipped: list[str] = []
     own_grader = grader is None
-    grader = grader or Grader()
+    grader = grader or Grader(allow_unsandboxed=allow_unsandboxed)
     try:
         rounds = max(targets.values(), default=0)
         size = request.round_size or max(rounds, 1)

@@ -115,19 +115,35 @@ def add_commands(sub, add_model_args, load_model) -> None:
     t.add_argument("--corpus", default=None,
                    help="GSM8K-format JSONL whose question + solution texts are the corpus "
                         "(default: the gsm8k_train.jsonl installed with degs_jax)")
-    t.add_argument("--layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                   help="layers to translate, comma-separated (default 0..L-1)")
+    from degs_jax.cli import int_list
+
+    t.add_argument("--layers", type=int_list, default=None, metavar="L1,L2,...",
+                   help="layers to translate, comma-separated, increasing, in 0..L (default 0..L-1)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_dataclass_options(t.add_argument_group("fitting"), TunedLensConfig, LENS_HELP, skip=("layers",))
     t.set_defaults(func=lambda args: cmd_train_lens(args, load_model))
 
 
 def cmd_train_grpo(args, load_model) -> int:
-    from .data import gsm8k_train_tasks
+    from degs_jax.cli import check_output_dir
+
+    from .data import gsm8k_train_tasks, read_gsm8k_rows
     from .grpo import GRPOConfig, train_grpo
     from .rewards import MathReward
 
-    config = _config_from(GRPOConfig, args)  # bad values fail before the model loads
+    # Bad values and files fail before the model loads.
+    config = _config_from(GRPOConfig, args)
+    for flag, value in (("--steps", args.steps), ("--checkpoint-every", args.checkpoint_every),
+                        ("--keep-checkpoints", args.keep_checkpoints), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}"
+                             + (" (the newest checkpoint is what a rerun resumes from)"
+                                if flag == "--keep-checkpoints" else ""))
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    check_output_dir(Path(args.out))
+    if args.data is not None:
+        read_gsm8k_rows(args.data)
     model = load_model(args)
     tasks = gsm8k_train_tasks(model.tokenizer, args.data, chat=not args.no_chat,
                               max_prompt_len=config.max_prompt_len, limit=args.limit,
@@ -147,11 +163,23 @@ def cmd_train_grpo(args, load_model) -> int:
 
 
 def cmd_train_lens(args, load_model) -> int:
-    from .tuned_lens import (TunedLensConfig, default_lens_path, fit_tuned_lens, gsm8k_lens_corpus,
+    from .tuned_lens import (TunedLensConfig, check_lens_destination, check_lens_layers,
+                             default_lens_path, fit_tuned_lens, gsm8k_lens_corpus,
                              params_fingerprint, save_tuned_lens)
 
-    config = _config_from(TunedLensConfig, args, layers=args.layers)
+    from .data import read_gsm8k_rows
+
+    config = _config_from(TunedLensConfig, args)  # --layers included; bad values fail here
+    if args.out is not None:
+        check_lens_destination(args.out)  # before the fit, not after
+    if args.corpus is not None:
+        read_gsm8k_rows(args.corpus)
     model = load_model(args)
+    if config.layers is not None:
+        try:
+            check_lens_layers(model.cfg, config.layers)
+        except ValueError as e:
+            raise ValueError(f"--layers: {e}") from None
     sequences = gsm8k_lens_corpus(model.tokenizer, config.seq_len, args.corpus)
     lens, report = fit_tuned_lens(model.params, model.cfg, sequences, config,
                                   progress=not args.no_progress)

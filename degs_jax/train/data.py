@@ -78,6 +78,40 @@ def default_gsm8k_train_path() -> Path:
     return default_data_dir() / GSM8K_TRAIN_FILE
 
 
+def read_gsm8k_rows(path: str | os.PathLike, data: Optional[bytes] = None) -> list[dict]:
+    """The rows of a GSM8K-format JSONL file (``data``: its bytes, if already read): each
+    an object with a string ``question`` and a string ``answer`` ending in a
+    ``#### <final answer>`` line. ValueError naming the file and line otherwise; checked
+    by the commands before a model loads."""
+    path = Path(path)
+    if data is None:
+        if not path.is_file():
+            raise FileNotFoundError(f"training data not found: {path}")
+        data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e})") from None
+        if not (isinstance(row, dict) and isinstance(row.get("question"), str)
+                and isinstance(row.get("answer"), str)):
+            raise ValueError(f"{path}:{number}: each row needs a string 'question' and a string "
+                             "'answer' (GSM8K's fields)")
+        if "####" not in row["answer"]:
+            raise ValueError(f"{path}:{number}: the 'answer' has no '#### <final answer>' line")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    return rows
+
+
 def gsm8k_train_tasks(tokenizer, path: Optional[str | os.PathLike] = None, *, chat: bool = True,
                       max_prompt_len: Optional[int] = None, limit: Optional[int] = None,
                       verify_checksum: bool = True) -> list[Task]:
@@ -102,7 +136,7 @@ def gsm8k_train_tasks(tokenizer, path: Optional[str | os.PathLike] = None, *, ch
     if verify_checksum and digest != GSM8K_TRAIN_SHA256:
         raise ValueError(f"{path}: sha256 {digest} is not that of gsm8k_train.jsonl "
                          f"({GSM8K_TRAIN_SHA256}); pass verify_checksum=False for another file")
-    rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    rows = read_gsm8k_rows(path, data)
     if limit is not None:
         rows = rows[:limit]
     tasks, too_long = [], 0

@@ -356,12 +356,12 @@ def _run_record(model, config: GRPOConfig, tasks, reward_fn) -> dict[str, Any]:
 
 
 def _prepare_run(out: Path, record: dict, invocation: dict) -> None:
-    from degs_jax.eval.results import write_json
+    from degs_jax.eval.results import read_run_file, write_json
 
     run_file = out / RUN_FILE
     if run_file.exists():
-        run = json.loads(run_file.read_text())
-        stored = run.get("config", {})
+        run = read_run_file(run_file)
+        stored = run["config"]
         if stored != json.loads(json.dumps(record)):
             diffs = sorted(k for k in set(stored) | set(record)
                            if json.dumps(stored.get(k), sort_keys=True)

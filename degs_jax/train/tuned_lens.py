@@ -95,13 +95,14 @@ def default_lens_layers(cfg: ModelConfig) -> tuple[int, ...]:
 
 def identity_lens(cfg: ModelConfig, layers: Optional[Sequence[int]] = None) -> TunedLens:
     """Zero translators (the logit lens) for `layers` (default 0..L-1)."""
-    layers = _check_layers(cfg, default_lens_layers(cfg) if layers is None else layers)
+    layers = check_lens_layers(cfg, default_lens_layers(cfg) if layers is None else layers)
     D = cfg.hidden_size
     return TunedLens(layers=layers, weight=jnp.zeros((len(layers), D, D), jnp.float32),
                      bias=jnp.zeros((len(layers), D), jnp.float32))
 
 
-def _check_layers(cfg: ModelConfig, layers: Sequence[int]) -> tuple[int, ...]:
+def check_lens_layers(cfg: ModelConfig, layers: Sequence[int]) -> tuple[int, ...]:
+    """``layers`` as a tuple if they are distinct increasing indices in 0..L; ValueError."""
     layers = tuple(int(l) for l in layers)
     bad = [l for l in layers if not 0 <= l <= cfg.num_layers]
     if not layers or bad or len(set(layers)) != len(layers) or list(layers) != sorted(layers):
@@ -236,13 +237,15 @@ def gsm8k_lens_corpus(tokenizer, seq_len: int, path: Optional[str | os.PathLike]
     (documents `question\\nsolution`, separated by the tokenizer's EOS)."""
     from degs_jax.eval.benchmarks import SHA256
 
-    from .data import default_gsm8k_train_path
+    from .data import default_gsm8k_train_path, read_gsm8k_rows
 
     path = Path(path) if path is not None else default_gsm8k_train_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus not found: {path}")
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() == SHA256["gsm8k_test.jsonl"]:
         raise ValueError(f"{path} is the GSM8K test split; fit the lens on training text")
-    rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    rows = read_gsm8k_rows(path, data)
     docs = [tokenizer.encode(f"{r['question']}\n{r['answer']}", add_special_tokens=False) for r in rows]
     return chunk_corpus(docs, seq_len, tokenizer.eos_token_id)
 
@@ -324,32 +327,79 @@ def save_tuned_lens(lens: TunedLens, path: str | os.PathLike, cfg: ModelConfig, 
             "num_layers": str(cfg.num_layers), "hidden_size": str(cfg.hidden_size),
             "report": json.dumps(report or {})}
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({"weight": np.asarray(lens.weight, np.float32), "bias": np.asarray(lens.bias, np.float32)},
-              str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        save_file({"weight": np.asarray(lens.weight, np.float32),
+                   "bias": np.asarray(lens.bias, np.float32)}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:  # nothing half-written is left behind (a full disk, --out a directory)
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def check_lens_destination(path: str | os.PathLike, option: str = "--out") -> Path:
+    """`path` if a lens file can be written there (checked by writing, then removing, an
+    empty file beside it: before hours of fitting, not after); ValueError otherwise."""
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file path (e.g. {path}/lens.safetensors)")
+    parent = next((p for p in path.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path} is under {parent}, which is a file")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".degs-write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write in {parent} ({e.strerror})") from None
+    return path
+
+
+def read_lens_file(path: str | os.PathLike) -> tuple[dict, np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(metadata, weight [K, D, D], bias [K, D], layers) of a saved lens; ValueError naming
+    the file if it is not one (another safetensors file, or none)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tuned lens not found: {path}")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta, names = f.metadata() or {}, set(f.keys())
+            if not {"weight", "bias"} <= names:
+                raise ValueError(f"{path} is not a tuned-lens file (its tensors are "
+                                 f"{', '.join(sorted(names)) or 'none'}; a lens has 'weight' and "
+                                 "'bias', written by `degs train-lens`)")
+            weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own error for a file that is not one
+        raise ValueError(f"{path} is not a safetensors file ({' '.join(str(e).split())})") from None
+    try:
+        layers = tuple(int(l) for l in json.loads(meta["layers"]))
+        int(meta["num_layers"])
+    except (KeyError, ValueError, TypeError):
+        raise ValueError(f"{path} is not a tuned-lens file (no valid 'layers' and 'num_layers' in "
+                         "its metadata)") from None
+    if (weight.ndim != 3 or weight.shape[1] != weight.shape[2]
+            or bias.shape != weight.shape[:2] or weight.shape[0] != len(layers)):
+        raise ValueError(f"{path}: weight {weight.shape} and bias {bias.shape} do not make "
+                         f"translators for its {len(layers)} layers")
+    return meta, weight, bias, layers
 
 
 def load_tuned_lens(path: str | os.PathLike, cfg: ModelConfig,
                     fingerprint: Optional[str] = None) -> TunedLens:
     """Read a saved lens for a model of config `cfg`; with `fingerprint`, refuse a lens
     trained on other weights."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tuned lens not found: {path}")
-    with safe_open(path, framework="numpy") as f:
-        meta = f.metadata() or {}
-        weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
-    layers = tuple(json.loads(meta.get("layers", "[]")))
-    if int(meta.get("num_layers", -1)) != cfg.num_layers or weight.shape[1:] != (cfg.hidden_size,) * 2:
+    meta, weight, bias, layers = read_lens_file(path)
+    if int(meta["num_layers"]) != cfg.num_layers or weight.shape[1:] != (cfg.hidden_size,) * 2:
         raise ValueError(f"{path}: a lens for {meta.get('num_layers')} layers of width "
                          f"{weight.shape[-1]}, not this model's {cfg.num_layers} x {cfg.hidden_size}")
     if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
         raise ValueError(f"{path} was fitted to other weights (fingerprint "
                          f"{meta.get('model_fingerprint', '?')[:12]}..., this model {fingerprint[:12]}...)")
-    return TunedLens(layers=_check_layers(cfg, layers), weight=jnp.asarray(weight), bias=jnp.asarray(bias))
+    return TunedLens(layers=check_lens_layers(cfg, layers), weight=jnp.asarray(weight), bias=jnp.asarray(bias))
 
 
 def lens_report(path: str | os.PathLike) -> dict:

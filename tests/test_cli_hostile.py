@@ -1,0 +1,269 @@
+"""Hostile command lines: stored files damaged, options out of range, a model-written
+program that cannot be isolated. Each case ends in one `degs: error: ...` line naming the
+file or the flag, exit status 2, no traceback, and nothing written, changed or lost;
+where the check can come before the model loads, it does (the loader is replaced by one
+that records its calls and returns a tiny random model with a byte tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from degs_jax import cli
+from degs_jax.eval import sandbox
+from degs_jax.models import LoadedModel
+from degs_jax.models.config import ModelConfig
+from degs_jax.models.transformer import param_shapes
+from tiny_tokenizer import byte_tokenizer
+
+# 2 blocks over 257 byte tokens; a context long enough for a HumanEval prompt in bytes.
+TINY_CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=257, hidden_size=32,
+                       intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=2048, qkv_bias=False, tie_word_embeddings=False,
+                       eos_token_ids=(256,))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    rng = np.random.default_rng(0)  # numpy draws: no program to compile per tensor
+    params = jax.tree.map(
+        lambda shape: jnp.asarray((len(shape) == 1) + 0.1 * rng.standard_normal(shape), jnp.float32),
+        param_shapes(TINY_CFG), is_leaf=lambda x: isinstance(x, tuple))
+    return LoadedModel(cfg=TINY_CFG, params=params, tokenizer=byte_tokenizer(), source="random",
+                       name="tiny-bytes")
+
+
+@pytest.fixture
+def degs(request, monkeypatch, capsys):
+    """Run `degs ...` in-process; returns (exit status, stdout, stderr, models loaded)."""
+    loads = []
+
+    def load(source, dtype="bfloat16", **kwargs):
+        loads.append(source)
+        return request.getfixturevalue("tiny_model")  # made only where a case gets this far
+
+    monkeypatch.setattr("degs_jax.models.loading.load", load)
+
+    def run(*argv):
+        capsys.readouterr()
+        loads.clear()
+        rc = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return rc, out, err, list(loads)
+
+    return run
+
+
+def _run_dir(path, config=None, invocations=None, records=()):
+    path.mkdir()
+    run = {"config": {"model": {"name": "tiny-bytes", "dtype": "float32"}, "benchmark": "gsm8k"}
+           if config is None else config, "invocations": [] if invocations is None else invocations}
+    (path / "run.json").write_text(json.dumps(run))
+    (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _files(tmp):
+    """What the table's command lines point at."""
+    from safetensors.numpy import save_file
+
+    (tmp / "a_file").write_text("x")
+    (tmp / "a_dir").mkdir()
+    good = {"id": "gsm8k/0", "index": 0, "correct": True, "D": None}
+    _run_dir(tmp / "config_list", config=[], records=[good])
+    _run_dir(tmp / "invocations_str", invocations="2024-01-01")
+    _run_dir(tmp / "id_list", records=[good, {**good, "id": ["gsm8k/1"], "index": 1}])
+    _run_dir(tmp / "no_correct", records=[{"id": "gsm8k/0", "index": 0}])
+    _run_dir(tmp / "good_run", records=[good])
+    (tmp / "garbage.safetensors").write_bytes(os.urandom(256))
+    save_file({"x": np.zeros(3, np.float32)}, str(tmp / "foreign.safetensors"))
+    (tmp / "no_answer.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
+    (tmp / "no_final.jsonl").write_text(json.dumps({"question": "q", "answer": "4"}) + "\n")
+    (tmp / "torn_rows.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 4"})
+                                         + "\n{\"question\": \n" + "{}\n")
+    study = tmp / "study_corrupt" / "runs" / "gsm8k" / "greedy"
+    study.parent.mkdir(parents=True)
+    _run_dir(study, records=[good])
+    with open(study / "results.jsonl", "a") as f:
+        f.write('{"id": "gsm8k/1", "index": 1, "correct": tr\n{"id": "gsm8k/2", "index": 2, "correct": true}\n')
+    return tmp
+
+
+NO_NAMESPACES = "no namespaces"  # marks the cases run with the namespace probe failing
+
+# (argv, a distinctive part of the message, whether the model may load first)
+CLI_TABLE = [
+    # stored files a resume or an analysis reads
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/config_list"],
+     "config_list/run.json: 'config' must be a JSON object, got []", False),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/invocations_str"],
+     "invocations_str/run.json: 'invocations' must be a list of JSON objects", False),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/id_list"],
+     "id_list/results.jsonl: line 2: 'id' must be a string or an integer, got [\"gsm8k/1\"]", False),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/no_correct"],
+     "no_correct/results.jsonl: line 1 has no 'correct'", False),
+    (["analyze", "{tmp}/config_list"], "config_list/run.json: 'config' must be a JSON object", False),
+    (["analyze", "{tmp}/invocations_str"], "'invocations' must be a list", False),
+    (["analyze", "{tmp}/id_list"], "id_list/results.jsonl: line 2: 'id' must be", False),
+    (["analyze", "{tmp}/no_correct"], "no_correct/results.jsonl: line 1 has no 'correct'", False),
+    (["reproduce", "--out", "{tmp}/study_corrupt", "--plan", "--benchmarks", "gsm8k", "--methods",
+      "greedy", "--pool-benchmarks", "none", "--limit", "3"],
+     "greedy/results.jsonl: line 2 is not valid JSON", False),
+    # a file that is no tuned lens
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--lens", "tuned", "--tuned-lens",
+      "{tmp}/garbage.safetensors"], "garbage.safetensors is not a safetensors file", False),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--lens", "tuned", "--tuned-lens",
+      "{tmp}/foreign.safetensors"],
+     "foreign.safetensors is not a tuned-lens file (its tensors are x;", False),
+    (["analyze", "{tmp}/good_run", "--lens", "tuned", "--tuned-lens", "{tmp}/foreign.safetensors"],
+     "foreign.safetensors is not a tuned-lens file", False),
+    (["sample", "x", "--lens", "tuned", "--tuned-lens", "{tmp}/garbage.safetensors"],
+     "garbage.safetensors is not a safetensors file", False),
+    # train-lens
+    (["train-lens", "--layers", "1,99", "--out", "{tmp}/lens.safetensors"],
+     "--layers: tuned-lens layers must be distinct increasing indices in 0..2, got (1, 99)", True),
+    (["train-lens", "--layers", "0,1", "--corpus", "{tmp}/no_answer.jsonl"],
+     "no_answer.jsonl:1: each row needs a string 'question' and a string 'answer'", False),
+    (["train-lens", "--corpus", "{tmp}/torn_rows.jsonl"], "torn_rows.jsonl:2: not valid JSON", False),
+    (["train-lens", "--corpus", "{tmp}/missing.jsonl"], "missing.jsonl", False),
+    (["train-lens", "--out", "{tmp}/a_dir"], "--out {tmp}/a_dir is a directory; give a file path", False),
+    (["train-lens", "--out", "{tmp}/a_file/lens.safetensors"], "is under {tmp}/a_file, which is a file",
+     False),
+    (["train-lens", "--out", "{tmp}/read_only/lens.safetensors"],
+     "--out {tmp}/read_only/lens.safetensors: cannot write in {tmp}/read_only", False),
+    # train-grpo
+    (["train-grpo", "--out", "{tmp}/g", "--steps", "0"], "--steps must be at least 1, got 0", False),
+    (["train-grpo", "--out", "{tmp}/g", "--steps", "2", "--keep-checkpoints", "0"],
+     "--keep-checkpoints must be at least 1, got 0", False),
+    (["train-grpo", "--out", "{tmp}/g", "--steps", "2", "--checkpoint-every", "0"],
+     "--checkpoint-every must be at least 1", False),
+    (["train-grpo", "--out", "{tmp}/g", "--steps", "2", "--data", "{tmp}/no_answer.jsonl"],
+     "no_answer.jsonl:1: each row needs a string 'question'", False),
+    (["train-grpo", "--out", "{tmp}/g", "--steps", "2", "--data", "{tmp}/no_final.jsonl"],
+     "no_final.jsonl:1: the 'answer' has no '#### <final answer>' line", False),
+    (["train-grpo", "--out", "{tmp}/a_file", "--steps", "2"], "--out {tmp}/a_file is a file", False),
+    # reproduce
+    (["reproduce", "--out", "{tmp}/s", "--hp", "max_new_tokns=8"],
+     "--hp max_new_tokns: no decoder of this study takes a hyperparameter of that name", False),
+    (["reproduce", "--out", "{tmp}/s", "--methods", "greedy", "--hp", "n=4", "--pool-benchmarks",
+      "none"], "--hp n: no decoder of this study takes", False),
+    (["reproduce", "--out", "{tmp}/a_file"], "--out {tmp}/a_file is a file; give a directory", False),
+    (["reproduce", "--out", "{tmp}/s", "--seed", str(2**64)], "--seed must be an integer from 0 to",
+     False),
+    # model-written code where no namespaces can be made
+    ([NO_NAMESPACES, "eval", "--benchmark", "humaneval", "--out", "{tmp}/h"],
+     "model-written HumanEval programs cannot be isolated here", False),
+    ([NO_NAMESPACES, "reproduce", "--out", "{tmp}/s", "--benchmarks", "gsm8k,humaneval", "--methods",
+      "greedy", "--pool-benchmarks", "none"], "--unsafe-unsandboxed-grading", False),
+]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can create files in, root included (chattr +i where the
+    process is root: permission bits do not bind root)."""
+    path = tmp_path / "read_only"
+    path.mkdir()
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+            pytest.skip("running as root on a file system without chattr +i")
+    else:
+        path.chmod(0o555)
+    yield path
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    path.chmod(0o755)
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else None,
+                   p.read_bytes() if p.is_file() else None) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("argv, message, may_load", CLI_TABLE,
+                         ids=[" ".join(a).replace("{tmp}/", "") for a, _, _ in CLI_TABLE])
+def test_bad_input_ends_in_one_error_line(degs, tmp_path, read_only_dir, monkeypatch, argv,
+                                          message, may_load):
+    if argv[0] == NO_NAMESPACES:
+        monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
+        argv = argv[1:]
+    tmp = _files(tmp_path)
+    before = _tree(tmp)
+    rc, out, err, loads = degs(*[a.replace("{tmp}", str(tmp)) for a in argv])
+    lines = [line for line in err.splitlines() if line.startswith("degs")]
+    assert rc == 2 and len(lines) == 1 and err.endswith(lines[0] + "\n"), err
+    assert lines[0].startswith("degs: error: ") and message.replace("{tmp}", str(tmp)) in lines[0], err
+    assert "Traceback" not in err and out == ""
+    assert _tree(tmp) == before  # nothing written, changed or lost
+    assert may_load or loads == [], loads
+
+
+def test_a_torn_last_line_does_not_stop_a_study(degs, tmp_path):
+    """`degs reproduce` reads its runs by the store's rules: a torn last line (a killed
+    write) is the problem still to do, not an error (the run's store drops it on reopening)."""
+    run = tmp_path / "study" / "runs" / "gsm8k" / "greedy"
+    run.parent.mkdir(parents=True)
+    _run_dir(run, records=[{"id": "gsm8k/0", "index": 0, "correct": True, "wall_clock_s": 2.0}])
+    with open(run / "results.jsonl", "a") as f:
+        f.write('{"id": "gsm8k/1", "index": 1, "corr')
+    rc, out, err, loads = degs("reproduce", "--out", tmp_path / "study", "--plan", "--benchmarks",
+                               "gsm8k", "--methods", "greedy", "--pool-benchmarks", "none",
+                               "--limit", "3")
+    assert rc == 0 and loads == [], err
+    row = next(line for line in out.splitlines() if line.startswith("gsm8k greedy"))
+    assert row.split()[2:5] == ["3", "1", "16"], row  # target 3, 1 done, batch 16
+    assert "4 s" in row  # 2 s per problem measured, 2 problems left
+
+
+def test_runs_without_humaneval_do_not_need_namespaces(tmp_path, monkeypatch, capsys):
+    """Where no namespaces can be made, a run without HumanEval goes on to load its model."""
+    monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
+
+    def load(source, dtype="bfloat16", **kwargs):
+        raise ValueError("the model would load here")
+
+    monkeypatch.setattr("degs_jax.models.loading.load", load)
+    for argv in (["eval", "--benchmark", "gsm8k", "--out", tmp_path / "run"],
+                 ["reproduce", "--out", tmp_path / "study", "--benchmarks", "gsm8k,math500",
+                  "--pool-benchmarks", "gsm8k", "--methods", "greedy"]):
+        assert cli.main([str(a) for a in argv]) == 2
+        assert capsys.readouterr().err == "degs: error: the model would load here\n"
+
+
+def test_unsandboxed_grading_opt_in_labels_every_result(degs, tmp_path, monkeypatch):
+    """With the opt-in where no namespaces can be made: the run happens, a warning is the
+    first and the last line, and the isolation is in run.json and in every record."""
+    monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
+    out = tmp_path / "run"
+    rc, stdout, err, loads = degs("eval", "--benchmark", "humaneval", "--method", "greedy",
+                                  "--limit", "2", "--max-new-tokens", "4", "--batch-size", "2",
+                                  "--no-progress", "--out", out, sandbox.UNSAFE_FLAG)
+    assert rc == 0 and len(loads) == 1, err
+    lines = err.strip().splitlines()
+    assert lines[0] == lines[-1] == sandbox.unsandboxed_warning(), err
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and {r["isolation"] for r in records} == {"process"}
+    assert all(r["grade_detail"].startswith("failed: ") for r in records)  # a random model
+    run = json.loads((out / "run.json").read_text())
+    assert run["invocations"][-1]["humaneval_isolation"] == "process"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--benchmark", "gsm8k", "--out", "RUN"],
+     "degs: interrupted; finished problems are saved in RUN: rerun the same command to resume"),
+    (["reproduce", "--out", "RUN"],
+     "degs: interrupted; finished batches are saved in RUN: rerun the same command to resume"),
+    (["reproduce", "--out", "RUN", "--plan"], "degs: interrupted"),
+    (["train-grpo", "--out", "RUN", "--steps", "4"],
+     "degs: interrupted; the checkpoints written so far are in RUN: rerun the same command to "
+     "resume from the newest"),
+    (["train-lens"], "degs: interrupted"),
+])
+def test_ctrl_c_says_how_to_resume(argv, message):
+    assert cli.interrupted_message(cli.build_parser().parse_args(argv)) == message

@@ -1,0 +1,72 @@
+"""JAX's persistent compilation cache as degs_jax uses it: an entry cut short (a full
+disk, a killed process) is removed at start-up, so the next run writes it anew instead
+of compiling it on every run."""
+
+import os
+import subprocess
+import sys
+import time
+
+from degs_jax.models import compilation
+
+# Compiles one small program (and nothing else) with the cache in DIR; prints "hit" when
+# it came from the cache (JAX's own event), "miss" otherwise.
+_RUN = r'''
+import sys
+import jax
+import numpy as np
+from jax import monitoring
+from degs_jax.models.compilation import enable_compilation_cache
+hits = []
+monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+enable_compilation_cache(sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: (x @ x.T).sum() * 3.0)(np.ones((8, 8), np.float32)).block_until_ready()
+print("hit" if hits else "miss")
+'''
+
+
+def run(directory):
+    done = subprocess.run([sys.executable, "-c", _RUN, str(directory)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr
+
+
+def age(path, seconds):
+    stamp = time.time() - seconds
+    os.utime(path, (stamp, stamp))
+
+
+def test_a_truncated_entry_is_removed_and_written_again(tmp_path):
+    cache = tmp_path / "xla"
+    assert run(cache)[0] == "miss"
+    (entry,) = cache.glob("*-cache")
+    # Intact entries are kept and recorded; a recorded one is not read again.
+    age(entry, 2 * compilation.SETTLED_SECONDS)
+    assert compilation.remove_damaged_entries(cache) == []
+    young = cache / "young-cache"
+    young.write_bytes(b"still being written")
+    garbled = cache / "garbled-cache"
+    garbled.write_bytes(b"not compressed")
+    (cache / "garbled-atime").write_bytes(b"\0" * 8)
+    age(garbled, 2 * compilation.SETTLED_SECONDS)
+    reads = []
+    real = compilation.Path.read_bytes
+    compilation.Path.read_bytes = lambda self: reads.append(self.name) or real(self)
+    try:
+        assert compilation.remove_damaged_entries(cache) == ["garbled-cache"]
+    finally:
+        compilation.Path.read_bytes = real
+    assert reads == ["garbled-cache"]  # not the recorded entry, not yet the young one
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [entry.name, "young-cache", "degs-verified.json"])
+    young.unlink()
+    # Cut short as a full disk leaves it, long enough ago that no writer is still at it:
+    # removed at start-up, compiled and written anew, then read from the cache again.
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    age(entry, 2 * compilation.SETTLED_SECONDS)
+    outcome, err = run(cache)
+    assert outcome == "miss" and "removed 1 damaged entries" in err, err
+    assert run(cache)[0] == "hit"
