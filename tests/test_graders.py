@@ -210,3 +210,20 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_math_worker_leaves_ctrl_c_to_the_grading_process():
+    """Ctrl-C reaches the whole process group: the worker ignores SIGINT (no traceback, no
+    broken pool); the grading process decides what stops."""
+    import os
+    import signal
+    import time
+
+    with MathGrader(timeout=30.0) as grader:
+        assert grader.grade(r"\boxed{4}", "4").correct
+        (worker,) = list(grader._pool._processes.values())
+        os.kill(worker.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert worker.is_alive()
+        assert grader.grade(r"\boxed{5}", "5").correct
+        assert list(grader._pool._processes.values()) == [worker]  # the same worker

@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
@@ -152,13 +153,17 @@ def _import_math_verify() -> None:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Worker initializer: exit as soon as the grading process is gone.
+    """Worker initializer: exit as soon as the grading process is gone, and leave Ctrl-C
+    to the grading process.
 
     A thread polls the parent pid. Unlike a parent-death signal, which fires when the
     *thread* that started the worker ends, this follows the whole process, whichever
     thread created the pool; ``SIGKILL`` of the parent is caught within
-    :data:`_PARENT_POLL_S`.
+    :data:`_PARENT_POLL_S`. A terminal's Ctrl-C (or ``timeout -s INT``) signals the whole
+    process group: the worker ignores it, so it prints no traceback while the grading
+    process stops and closes the pool.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
