@@ -1,0 +1,225 @@
+"""Golden numbers: every decoder of `degs_jax.hyperparameters.METHODS`, on CPU, on a
+tiny random transformer with fixed keys, gives bit for bit the values recorded in
+`tests/golden/decoders.json` (written from the code of 827a286, before the layering
+refactor of issue 26). A refactor that claims to change no numerics proves it here.
+
+Recorded, for `decode` (every method): each candidate's tokens, log p, D(x), mean
+final-layer entropy, EOS flag, MCMC acceptance per block and SMC weight; each prompt's
+chosen candidate and diagnostics (SMC: log Z-hat, ESS per check, resamplings, copied
+rows; SPS: rollouts); the work counters. For `decode_tokens`, on one sampling, one pool
+and one MCMC method (`test_traced.py` ties the two drivers together): the whole final
+`GenState` of every row (tokens, per-token log p, log q, d_t and final-layer entropy,
+lengths, EOS flags, counters), the accepted MH steps and blocks run, the per-row scores
+and the choices. Cases: the Qwen2-shaped model in float32 with EOS made likely (every
+method; rows end early, late or never) and the Llama-shaped one in bfloat16 (DEGS-MCMC).
+Compilation dominates the cost (~1 s of decoding against ~100 s of compiling on CPU),
+so the methods and drivers recorded are the fewest that cover every code path.
+
+Floats are stored as `float.hex` of their float64 value (float32 and bfloat16 values
+are exact in float64), so equality is bitwise. To rewrite the file after a change that
+is *meant* to move numbers: `python tests/test_golden.py` (and say why in the commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # the test session's CPU devices (tests/conftest.py), on CPU
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from degs_jax.decoders import decode, decode_tokens
+from degs_jax.generation import pad_prompts
+from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.model_api import TransformerLM
+from degs_jax.models import init_params
+from hf_reference import tiny_config
+
+GOLDEN = Path(__file__).parent / "golden" / "decoders.json"
+TAU = 3.3  # in the bulk of the tiny models' lens entropies: d_t takes several values
+PROMPTS = [[3, 14, 15], [35, 89, 79, 32, 38, 46, 26]]
+SEED = 7
+# Small budgets with EOS likely enough that some rows end early (eos_biased): every
+# method's end-of-row bookkeeping is exercised; SMC resamples (threshold 0.9, every
+# 2 tokens), SPS runs several blocks with rollouts.
+SETTINGS = {
+    "greedy": dict(max_new_tokens=6),
+    "temperature": dict(max_new_tokens=6, temperature=1.0),
+    "best_of_n": dict(max_new_tokens=6, n=3),
+    "best_of_n_entropy": dict(max_new_tokens=6, n=3),
+    "degs_rerank": dict(max_new_tokens=6, n=3),
+    "power_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
+    "degs_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
+    "power_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ess_threshold=0.9,
+                      ramp_tokens=4),
+    "degs_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ess_threshold=0.9,
+                     ramp_tokens=4),
+    "scalable_power": dict(max_new_tokens=6, block_len=2, candidate_pool=3, candidates_kept=2,
+                           rollouts=2, rollout_horizon=2),
+}
+TRACED = ("temperature", "best_of_n", "degs_mcmc")  # recorded through `decode_tokens` too
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    architecture: str
+    dtype: str
+    eos_likely: bool  # EOS probability ~0.02-0.2 at every step (else the rows use their budget)
+    methods: tuple[str, ...]
+    traced: tuple[str, ...] = ()
+
+
+CASES = {
+    "qwen2_float32": Case("Qwen2ForCausalLM", "float32", True, METHODS, TRACED),
+    "llama_bfloat16": Case("LlamaForCausalLM", "bfloat16", False, ("degs_mcmc",)),
+}
+STATE_FIELDS = ("tokens", "logp", "logq", "depth", "final_entropy", "length", "prompt_len",
+                "ended", "n_generated", "n_forward", "n_probed")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(case: str):
+    """The case's tiny random model (vocabulary 97, 3 layers, EOS = 96), its parameters
+    and EOS ids."""
+    spec = CASES[case]
+    cfg = tiny_config(spec.architecture)
+    params = init_params(cfg, jax.random.key(0), jnp.dtype(spec.dtype), scale=0.3)
+    eos = cfg.eos_token_ids[0]
+    if spec.eos_likely:  # every embedding shifted along unit 0, which the EOS row reads
+        params = dataclasses.replace(params, embed=params.embed.at[:, 0].add(3.0),
+                                     lm_head=params.lm_head.at[eos].set(0.0).at[eos, 0].set(2.0))
+    return TransformerLM(cfg), params, cfg.eos_token_ids
+
+
+def _keys():
+    return jnp.stack([jax.random.fold_in(jax.random.key(SEED), i) for i in range(len(PROMPTS))])
+
+
+def _plain(value):
+    """JSON-able, with every float as the hex of its float64 value (bitwise)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (np.ndarray, jax.Array)):
+        array = np.asarray(value)
+        if array.dtype.kind == "f" or array.dtype == jnp.bfloat16:
+            array = array.astype(np.float64)
+        return _plain(array.tolist())
+    if isinstance(value, (np.floating, float)):
+        return float(value).hex()
+    if isinstance(value, (np.integer, np.bool_)):
+        return value.item()
+    return value
+
+
+def _decode_record(model, params, eos, method) -> dict:
+    result = decode(model, params, PROMPTS, method, keys=_keys(), eos_ids=eos,
+                    **{"tau": TAU, **SETTINGS[method]})
+    return _plain({
+        "outputs": [{"chosen": next(j for j, c in enumerate(o.candidates) if c is o.chosen),
+                     "candidates": [{"tokens": c.tokens, "log_p": c.log_p, "depth": c.depth,
+                                     "final_entropy": c.final_entropy, "ended": c.ended,
+                                     "acceptance": c.acceptance, "weight": c.weight}
+                                    for c in o.candidates],
+                     "diagnostics": o.diagnostics}
+                    for o in result.outputs],
+        "counters": result.counters,
+    })
+
+
+def _decode_tokens_record(model, params, eos, method) -> dict:
+    tokens, lengths = pad_prompts(PROMPTS)
+    config = hyperparameters_for(method, tau=TAU, **SETTINGS[method])
+    out = jax.device_get(decode_tokens(model, params, jnp.asarray(tokens), jnp.asarray(lengths), _keys(),
+                                       config, eos_ids=tuple(eos)))
+    return _plain({"state": {f: getattr(out.state, f) for f in STATE_FIELDS},
+                   "accepted": out.accepted, "ran": out.ran, "log_p": out.log_p,
+                   "depth": out.depth, "final_entropy": out.final_entropy, "chosen": out.chosen})
+
+
+def record(case: str, method: str) -> dict:
+    model, params, eos = _model(case)
+    out = {"decode": _decode_record(model, params, eos, method)}
+    if method in CASES[case].traced:
+        out["decode_tokens"] = _decode_tokens_record(model, params, eos, method)
+    return out
+
+
+def first_difference(want, got, path="") -> str | None:
+    """The first path where two records differ, with both values, or None."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        for k in sorted(set(want) | set(got)):
+            if k not in want or k not in got:
+                return f"{path}/{k}: {'missing now' if k not in got else 'new'}"
+            found = first_difference(want[k], got[k], f"{path}/{k}")
+            if found:
+                return found
+        return None
+    if isinstance(want, list) and isinstance(got, list):
+        if len(want) != len(got):
+            return f"{path}: length {len(want)} recorded, {len(got)} now"
+        for i, (a, b) in enumerate(zip(want, got)):
+            found = first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if want != got:
+        shown = [float.fromhex(v) if isinstance(v, str) and v not in ("nan", "inf", "-inf") else v
+                 for v in (want, got)]
+        return f"{path}: recorded {want} ({shown[0]}), now {got} ({shown[1]})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(GOLDEN.read_text())
+
+
+def test_golden_file_covers_every_method(golden):
+    assert {case: set(golden[case]) for case in golden} == {
+        case: set(spec.methods) for case, spec in CASES.items()}
+    assert set(CASES["qwen2_float32"].methods) == set(METHODS)
+    for method in TRACED:
+        assert "decode_tokens" in golden["qwen2_float32"][method]
+    # The recorded runs exercise what they claim: some rows end early, chains accept and
+    # reject, SMC resamples.
+    rows = [c for o in golden["qwen2_float32"]["degs_mcmc"]["decode"]["outputs"] for c in o["candidates"]]
+    assert any(c["ended"] for c in rows) and not all(c["ended"] for c in rows)
+    rates = {float.fromhex(a) for c in rows for a in c["acceptance"]}
+    assert len(rates) > 1, rates
+    smc = golden["qwen2_float32"]["degs_smc"]["decode"]["outputs"]
+    assert any(o["diagnostics"]["resamples"] > 0 for o in smc)
+
+
+@pytest.mark.parametrize("case, method", [(c, m) for c, spec in CASES.items() for m in spec.methods])
+def test_decoders_match_the_golden_file_bitwise(golden, case, method):
+    difference = first_difference(golden[case][method], record(case, method), f"{case}/{method}")
+    assert difference is None, f"numbers moved: {difference}"
+
+
+def test_first_difference_sees_one_ulp():
+    value = 0.5
+    want = _plain({"x": [value]})
+    got = _plain({"x": [math.nextafter(value, 1.0)]})
+    assert first_difference(want, got) is not None
+    assert first_difference(want, _plain({"x": [value]})) is None
+
+
+if __name__ == "__main__":  # rewrite the golden file from the current code
+    GOLDEN.parent.mkdir(exist_ok=True)
+    golden = {case: {m: record(case, m) for m in spec.methods} for case, spec in CASES.items()}
+    GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}", file=sys.stderr)
