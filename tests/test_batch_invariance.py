@@ -26,7 +26,7 @@ from degs_jax.generation import pad_prompts
 from degs_jax.hyperparameters import METHODS, SMC_METHODS, hyperparameters_for
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_cache, init_params
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 PROMPT = 7  # row 0's prompt length
 

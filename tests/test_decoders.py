@@ -29,7 +29,7 @@ from degs_jax.mcmc import MCMCConfig, log_acceptance_ratio, mcmc_block, mh_steps
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import KVCache, init_params
 from degs_jax.scoring import score_sequences, token_stats
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 LSUB = (1, 2, 3)  # default_lsub(3)
 K = len(LSUB)

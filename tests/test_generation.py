@@ -36,7 +36,7 @@ from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params
 from degs_jax.scoring import token_stats
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 LSUB = (1, 2, 3)  # default_lsub(3)
 K = len(LSUB)

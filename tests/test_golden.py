@@ -45,7 +45,7 @@ from degs_jax.generation import pad_prompts
 from degs_jax.hyperparameters import METHODS, hyperparameters_for
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import init_params
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 GOLDEN = Path(__file__).parent / "golden" / "decoders.json"
 TAU = 3.3  # in the bulk of the tiny models' lens entropies: d_t takes several values

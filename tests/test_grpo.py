@@ -22,7 +22,7 @@ from degs_jax.train import (ContainsTokenReward, GRPOConfig, MathReward, Task, g
 from degs_jax.train.checkpoints import latest_checkpoint, restore_checkpoint
 from degs_jax.train.data import default_gsm8k_train_path
 from degs_jax.train.grpo import make_optimizer
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 from tiny_tokenizer import byte_tokenizer
 
 # --------------------------------------------------------------------------- the objective

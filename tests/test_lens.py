@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 from degs_jax import lens, scoring
 from degs_jax.model_api import TransformerLM

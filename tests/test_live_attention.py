@@ -16,7 +16,7 @@ from degs_jax.lens import LensConfig
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import KVCache, forward, init_cache, init_params, stack_layers
 from degs_jax.models.compilation import large_copies
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 CFG = tiny_config("Qwen2ForCausalLM")  # 3 layers, 2 KV heads of 8
 S = 40  # not a multiple of the chunks below: the last chunk is moved back and masked

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from safetensors.flax import save_file as save_flax
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -24,7 +23,7 @@ from degs_jax.models import loading
 from degs_jax.models.checkpoint import CheckpointError, params_to_hf
 from degs_jax.models.gguf_io import GGUFError, hf_name, permute_rows
 from degs_jax.models.loading import ChecksumError, file_sha256, load
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 # Printable ASCII maps to itself in byte-level BPE; one merge because transformers'
 # GGUF tokenizer converter wants at least one; the last token is EOS.
@@ -154,6 +153,7 @@ def test_gguf_round_trip_undoes_llama_permutation(tmp_path, arch, tie):
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_tiny_gguf_logits_match_hf_gguf_loader(tmp_path, arch):
     """Ties our q/k convention to transformers' GGUF loader, independently of `permute_rows`."""
+    torch = pytest.importorskip("torch")
     cfg, params = tiny(arch)
     path = write_gguf(tmp_path / "tiny.gguf", cfg, params)
     ours = load(path, "float32", cache_dir=tmp_path / "cache", progress=False)

@@ -31,7 +31,7 @@ from degs_jax.lens import LensConfig, collapse_depth, span_sum
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 EOS = 3
 PROMPT = [0, 1]

@@ -16,7 +16,7 @@ from degs_jax.models import forward, init_cache, init_params, is_stacked, stack_
 from degs_jax.models.checkpoint import hf_tensor_shapes, params_from_hf, params_to_hf
 from degs_jax.models.params import (GLOBAL_TENSORS, LAYER_TENSORS, LayerParams, Params, param_shapes)
 from degs_jax.models.sharding import param_specs
-from hf_reference import TINY_LLAMA3_ROPE, tiny_config
+from tiny_models import TINY_LLAMA3_ROPE, tiny_config
 
 CONFIGS = {
     "qwen2-tied": tiny_config("Qwen2ForCausalLM", tie=True),

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import degs_jax.models.transformer as transformer_module
@@ -87,6 +86,7 @@ def _greedy(params, cfg, ids: np.ndarray, n: int):
 
 
 def test_logits_and_greedy_match_transformers(loads):
+    torch = pytest.importorskip("torch")
     _, ours, cache = loads
     path = loading.builtin_gguf(ours.name, cache)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

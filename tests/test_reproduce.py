@@ -162,7 +162,7 @@ def test_layer_statistics_match_score_sequences_and_trajectories():
     from degs_jax.model_api import TransformerLM
     from degs_jax.models import init_params
     from degs_jax.scoring import entropy_trajectory, score_sequences
-    from hf_reference import tiny_config
+    from tiny_models import tiny_config
 
     cfg = tiny_config("Qwen2ForCausalLM")  # vocab 97, 3 layers, EOS 96
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)

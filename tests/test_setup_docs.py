@@ -57,3 +57,22 @@ def test_no_tracked_file_names_a_folder_beside_the_repository():
             offenders.append(str(path.relative_to(ROOT)))
     assert len(tracked_files()) > 100
     assert not offenders, offenders
+
+
+def test_test_modules_import_without_torch():
+    """torch is only the parity reference: a test module imports it (or `hf_reference`,
+    which does) inside the HF-comparison tests after `pytest.importorskip("torch")`, or
+    skips the whole module that way, never at its top, so the JAX tests run without it
+    (CI installs torch: nothing is skipped there)."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name == "hf_reference.py":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:  # module level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] in ("torch", "hf_reference") for n in names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders

@@ -18,7 +18,7 @@ from degs_jax.model_api import TransformerLM
 from degs_jax.models import forward, init_params, load
 from degs_jax.models.sharding import (CACHE, make_mesh, param_shardings, param_specs,
                                       parse_mesh, shard_params)
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 from test_loading import VOCAB, assert_params_equal, write_hf_dir
 
 

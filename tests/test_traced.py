@@ -31,7 +31,7 @@ from degs_jax.lens import LensConfig
 from degs_jax.model_api import TransformerLM
 from degs_jax.models import init_params
 from degs_jax.scoring import score_candidate, score_sequences
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 CFG = tiny_config("Qwen2ForCausalLM")  # vocab 97, 3 layers, EOS = 96
 LM = TransformerLM(CFG)

@@ -20,7 +20,7 @@ from degs_jax.scoring import entropy_trajectory, layer_entropies, score_sequence
 from degs_jax.train.tuned_lens import (TunedLens, TunedLensConfig, default_lens_path, fit_tuned_lens,
                                        identity_lens, lens_fingerprint, lens_kl, load_tuned_lens,
                                        params_fingerprint, resolve_lens, save_tuned_lens)
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 CFG = tiny_config(vocab=64, layers=4, hidden=32, head_dim=8, intermediate=48)
 L = CFG.num_layers
