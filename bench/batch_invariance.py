@@ -208,7 +208,7 @@ def decoded_row0(cfg, params, batch: int, prompt: int, method: str, settings: di
     """`decode` of the batch with one key per prompt (prompt 0's fixed); prompt 0's answer
     and candidates (tokens, log p, D, final entropy, acceptance, weight), as floats."""
     from degs_jax.decoders import decode
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.models import TransformerLM
 
     tokens, lengths = batch_tokens(cfg, batch, prompt)
     prompts = [list(map(int, row[:n])) for row, n in zip(tokens, lengths)]

@@ -24,7 +24,7 @@ from common import emit, environment
 from degs_jax.eval.benchmarks import default_data_dir
 from degs_jax.generation import SamplerSpec, generate, pad_prompts, prefill
 from degs_jax.lens import DEFAULT_TAU, LensConfig
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import load
 from degs_jax.text import encode_prompt, eos_ids_of
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.mcmc import MCMCConfig
-from degs_jax.model_api import StepOutput, TransformerLM
+from degs_jax.model_api import StepOutput
+from degs_jax.models import TransformerLM
 from degs_jax.models import ModelConfig, init_params
 
 # The library's default buffer of the sampling decoders (prompt + this many slots); the MCMC

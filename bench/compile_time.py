@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from common import default_mcmc, emit, environment, shape_config
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.mcmc import mcmc_block
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import param_shapes
 from degs_jax.models.compilation import enable_compilation_cache
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
                     random_model, shape_config)
 from degs_jax.generation import prefill
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models.compilation import large_copies
 
 OUT = "decode_breakdown.jsonl"

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from common import BUFFER_NEW, emit, environment, random_model, timed
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig, default_lsub
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward
 
 

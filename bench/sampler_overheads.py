@@ -26,7 +26,7 @@ from common import SHAPES, default_mcmc, emit, environment, random_model
 
 from degs_jax import decoders, generation
 from degs_jax.generation import SamplerSpec, generate, prefill
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import ModelConfig, init_params
 
 TINY = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=4096, hidden_size=128,

@@ -261,7 +261,7 @@ def jax_part(args, reference: dict | None) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import environment, random_model
     from degs_jax.generation import pad_prompts
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.models import TransformerLM
 
     emit({"bench": "environment", **environment()})
     cfg, params = random_model(args.shape)

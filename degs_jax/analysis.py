@@ -507,7 +507,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     from degs_jax.eval.runner import problem_prompt_ids
     from degs_jax.hyperparameters import DegsRerank
     from degs_jax.lens import LensConfig
-    from degs_jax.model_api import TransformerLM, with_tuned_lens
+    from degs_jax.models import TransformerLM, with_tuned_lens
     from degs_jax.scoring import score_sequences
 
     run, records = load_run(run_dir)

@@ -282,7 +282,8 @@ def _sample_many(args, seed: int) -> int:
 
     from .batching import choose_batch_size, parse_batch_size, peak_memory
     from .hyperparameters import hyperparameters_for
-    from .model_api import TransformerLM, params_dtype
+    from .model_api import params_dtype
+    from .models import TransformerLM
     from .probe import read_rows
     from .text import encode_prompt, sample
 

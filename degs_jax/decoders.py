@@ -45,7 +45,8 @@ from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS
                               hyperparameters_for)
 from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
-from .model_api import CausalLM, TransformerLM, params_dtype
+from .model_api import CausalLM, params_dtype
+from .models.causal_lm import TransformerLM
 from .smc import SMCConfig, final_weights, run_smc
 from .sps import SPSConfig, run_sps
 

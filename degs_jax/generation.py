@@ -39,7 +39,7 @@ import numpy as np
 
 from .lens import LensConfig, collapse_depth, sum_rows
 from .model_api import CausalLM
-from .models.transformer import row_tiled
+from .tiling import row_tiled
 
 Array = jax.Array
 

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .tiling import row_tiled
+
 Array = jax.Array
 
 DEFAULT_TAU = 0.25  # nats: the collapse threshold of docs/design.md §3 (the one home of this default)
@@ -96,7 +98,7 @@ class LensConfig:
     constructor checks what it can without a model (L_sub shape, tau); use
     `validate_for(num_layers)` or `LensConfig.default(num_layers)` to also check the
     range. (How the model streams the vocabulary is the model's business:
-    `model_api.TransformerLM.lens_chunk`.)
+    `models.TransformerLM.lens_chunk`.)
     """
 
     lsub: tuple[int, ...]
@@ -145,7 +147,7 @@ SUM_BLOCK = 128
 # Rows per tile of the samplers' per-row reductions under batch invariance (`masked_sum`,
 # the vocabulary densities of `generation.decode_step`, the per-prompt weights of SMC):
 # each is then compiled for this many rows whatever the batch
-# (`models.transformer.row_tiled`), so a row's result does not depend on the others
+# (`tiling.row_tiled`), so a row's result does not depend on the others
 # (issue 16). None (no tiles) otherwise.
 SUM_ROWS = 8
 
@@ -168,8 +170,6 @@ def masked_sum(values: Array, mask: Array, batch_invariant: bool = False) -> Arr
     over [B, N] is not: XLA picks the reduction order for the compiled shape (measured on
     CPU: a DEGS-MCMC answer's mean final entropy changed by an ulp between a prompt alone
     and in a batch of 8). Off, one `jnp.sum` (faster on CPU)."""
-    from .models.transformer import row_tiled
-
     values = jnp.where(jnp.asarray(mask, bool), jnp.asarray(values, jnp.float32), 0.0)
     if not batch_invariant:
         return jnp.sum(values, axis=-1)

@@ -8,10 +8,13 @@ definition directly; they take a `CausalLM` value and call its pure step functio
 plus `init_cache(batch, max_len, dtype)` and a few facts (`num_layers`, `vocab_size`,
 `max_context`, `cache_row_axis`). The value is frozen and hashable: samplers take it as
 a static argument of their jitted functions, and the parameters travel separately as a
-pytree. `TransformerLM` adapts this package's Qwen2/Llama port (`degs_jax.models`,
-which knows nothing about sampling); any other JAX model (a Flax NNX module through
-`nnx.split` / `nnx.merge`, a Linen `apply`, a plain function) joins by subclassing
-`CausalLM`, see README "Your own model".
+pytree. `degs_jax.models.TransformerLM` adapts this package's Qwen2/Llama port
+(models/causal_lm.py, beside the transformer, which knows nothing about sampling); any
+other JAX model (a Flax NNX module through `nnx.split` / `nnx.merge`, a Linen `apply`, a
+plain function) joins by subclassing `CausalLM`, see README "Your own model".
+
+This module imports JAX and nothing else of the package: implementing the protocol
+costs no model code, loaders or samplers.
 
 The contract `step` must honour (the samplers' bookkeeping relies on each point):
 
@@ -24,7 +27,7 @@ The contract `step` must honour (the samplers' bookkeeping relies on each point)
    chain regenerates from a cut this way; the next tokens overwrite the slots).
 3. A position >= the cache's slot count writes nothing. Samplers park rows that sit a
    step out at position `max_len`; the outputs of such entries are ignored (a model
-   may skip their work: `TransformerLM` leaves their lens entropies NaN in large decode
+   may skip their work: `models.TransformerLM` leaves their lens entropies NaN in large decode
    steps rather than compute them).
 4. `logits` are [B, T, V] float32 at every given position (log p is computed from them
    in fp32). Calls inside a jitted sampler whose logits nobody reads (the prefill) cost
@@ -50,8 +53,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-
-from .models import ModelConfig, Params, forward, init_cache
 
 Array = jax.Array
 
@@ -98,94 +99,6 @@ class CausalLM(abc.ABC):
     @abc.abstractmethod
     def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
         """An empty cache of `batch` rows and `max_len` slots, stored in `dtype`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerLM(CausalLM):
-    """This package's Qwen2/Llama/DeepSeek-Math port (`degs_jax.models`) as a `CausalLM`.
-
-    cfg: the model's `ModelConfig` (the parameters are a `degs_jax.models.Params`).
-    lens_chunk: vocabulary chunk of the streamed lens head; None lets the model pick
-      (one block for decode-sized probes, 8192-entry chunks for large ones; see
-      `degs_jax.models.transformer.streamed_head`). Results do not depend on it beyond
-      fp32 summation order.
-    """
-
-    cfg: ModelConfig
-    lens_chunk: Optional[int] = None
-
-    cache_row_axis = 1  # KVCache leaves are [L, B, ...]
-
-    def __post_init__(self):
-        chunk = self.lens_chunk
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"lens_chunk must be a positive integer or None, got {chunk!r}")
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self.cfg.batch_invariant
-
-    def step(self, params: Params, tokens: Array, positions: Array, cache: Any,
-             lens_layers: tuple[int, ...] = ()) -> StepOutput:
-        return self._forward(params, tokens, positions, cache, tuple(lens_layers), None)
-
-    def _forward(self, params: Params, tokens: Array, positions: Array, cache: Any,
-                 lens_layers: tuple[int, ...], translators) -> StepOutput:
-        out = forward(params, self.cfg, tokens, positions, cache, lens_layers=lens_layers,
-                      lens_chunk=self.lens_chunk, lens_translators=translators)
-        return StepOutput(logits=out.logits, cache=out.cache,
-                          layer_entropy=None if out.lens is None else out.lens.entropy)
-
-    def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
-        return init_cache(self.cfg, batch, max_len, dtype)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["model", "lens"], meta_fields=[])
-@dataclasses.dataclass
-class TunedLensParams:
-    """The parameters of a `TunedTransformerLM`: the model's, and a tuned lens (any
-    pytree with `translators_for(lens_layers)` returning `LensTranslators`, e.g.
-    `degs_jax.train.tuned_lens.TunedLens`)."""
-
-    model: Params
-    lens: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class TunedTransformerLM(TransformerLM):
-    """`TransformerLM` whose lens reads the residuals through a tuned lens (Belrose et
-    al. 2023): the step translates the residual of every probed layer l to
-    h + h·W_l + b_l before the final norm and unembedding (layers without a translator,
-    layer L by default, stay the logit lens). The output logits are never translated,
-    so sampling, log p and log q are the plain model's; only d_t (and D(x)) change.
-    Parameters: `TunedLensParams`; build both with `with_tuned_lens`."""
-
-    def step(self, params: TunedLensParams, tokens: Array, positions: Array, cache: Any,
-             lens_layers: tuple[int, ...] = ()) -> StepOutput:
-        lens_layers = tuple(lens_layers)
-        translators = params.lens.translators_for(lens_layers) if lens_layers else None
-        return self._forward(params.model, tokens, positions, cache, lens_layers, translators)
-
-
-def with_tuned_lens(model: TransformerLM, params: Params,
-                    tuned_lens: Optional[Any]) -> tuple[TransformerLM, Any]:
-    """(model, params) that probe through `tuned_lens`; unchanged when it is None."""
-    if tuned_lens is None:
-        return model, params
-    return (TunedTransformerLM(cfg=model.cfg, lens_chunk=model.lens_chunk),
-            TunedLensParams(model=params, lens=tuned_lens))
 
 
 def params_dtype(params: Any):

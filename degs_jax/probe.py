@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .decoders import decode
 from .lens import DEFAULT_TAU, LensConfig
-from .model_api import TransformerLM, with_tuned_lens
+from .models import TransformerLM, with_tuned_lens
 from .plots import plot_entropy_trajectories
 from .scoring import EntropyTrajectory, score_sequences
 from .text import encode_prompt, eos_ids_of

@@ -87,7 +87,7 @@ import jax.numpy as jnp
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
 from .model_api import CausalLM
-from .models.transformer import row_tiled
+from .tiling import row_tiled
 
 Array = jax.Array
 

@@ -10,8 +10,7 @@ import jax
 
 from .decoders import DecodeResult, decode
 from .hyperparameters import Hyperparameters
-from .model_api import TransformerLM, with_tuned_lens
-from .models import ModelConfig
+from .models import ModelConfig, TransformerLM, with_tuned_lens
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
@@ -45,7 +44,7 @@ def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = 
     one key per prompt, so that each prompt's samples do not depend on the batch (as `decode`).
     tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
     them: D(x), DEGS reranking and acceptance) read the residuals through its
-    translators (`model_api.with_tuned_lens`) instead of the logit lens.
+    translators (`models.with_tuned_lens`) instead of the logit lens.
     Returns a DecodeResult whose candidates carry decoded `text`.
     """
     if isinstance(prompts, str):

@@ -89,7 +89,7 @@ class ModelConfig:
       per 7B decode step on an H100 at batch 1 to 128, docs/benchmarks.md); off by
       default. What it guarantees: the README's Reproducibility section.
     `lens_rows`: the rows of a decode step (one token per row, at least
-      `transformer.LENS_LIVE_ROWS_MIN_BATCH` rows, no device mesh) whose lens is computed --
+      `lens_head.LENS_LIVE_ROWS_MIN_BATCH` rows, no device mesh) whose lens is computed --
       "live" (default): the rows whose position is inside the cache (an idle row's lens
       statistics are NaN); the live rows are gathered and the lens runs on the smallest of
       8 static row counts that holds them, in one `lax.switch`. Under `jax.vmap` with a

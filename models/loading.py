@@ -68,7 +68,7 @@ from .checkpoint import CheckpointError, params_from_hf
 from .config import ConfigError, ModelConfig
 from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf, tokenizer_from_gguf
 from .sharding import param_shardings
-from .transformer import Params
+from .params import Params
 
 DEFAULT_MODEL = "smollm2-135m"
 

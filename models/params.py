@@ -33,13 +33,15 @@ from .config import ModelConfig
 Array = jax.Array
 
 
-def _pytree_dataclass(cls):
+def pytree_dataclass(cls):
+    """A dataclass registered as a pytree whose fields are all children (the package's
+    parameter, cache and output records)."""
     cls = dataclasses.dataclass(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
     return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class LayerParams:
     """One transformer block (shapes per layer; stacked layouts add a leading [L])."""
 
@@ -59,7 +61,7 @@ class LayerParams:
     down: Array  # [F, D]
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class Params:
     embed: Array  # [V, D]
     layers: Any  # list of L LayerParams, or one stacked LayerParams ([L, ...] arrays)

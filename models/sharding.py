@@ -13,7 +13,7 @@ Usage (the sampler code is unchanged; `forward` places its activations through
     mesh = make_mesh(data=1, model=4)
     params = shard_params(params, cfg, mesh)   # or load(..., mesh=mesh)
     with jax.set_mesh(mesh):
-        result = decode(TransformerLM(cfg), params, prompts, "degs_mcmc", key)  # degs_jax.model_api
+        result = decode(TransformerLM(cfg), params, prompts, "degs_mcmc", key)  # models.causal_lm
 
 The mesh axes are `Auto` (GSPMD propagation), so the same jitted functions serve one
 device and many; a function traced under a mesh is retraced, not reused, without it.

@@ -24,7 +24,7 @@ from degs_jax import decoders
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
 from degs_jax.hyperparameters import METHODS, SMC_METHODS, hyperparameters_for
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_cache, init_params
 from tiny_models import tiny_config
 
@@ -258,7 +258,7 @@ def test_samplers_row_reductions_do_not_depend_on_batch_or_buffer():
     `jnp.sum` and an untiled softmax differ here on XLA CPU: the control below.)"""
     from degs_jax.generation import SamplerSpec, _densities
     from degs_jax.lens import SUM_ROWS, masked_sum
-    from degs_jax.models.transformer import row_tiled
+    from degs_jax.tiling import row_tiled
 
     rng = np.random.default_rng(3)
     values = rng.standard_normal((8, 700)).astype(np.float32) * 7

@@ -19,7 +19,7 @@ from degs_jax import cli
 from degs_jax.eval import sandbox
 from degs_jax.models import LoadedModel
 from degs_jax.models.config import ModelConfig
-from degs_jax.models.transformer import param_shapes
+from degs_jax.models.params import param_shapes
 from tiny_tokenizer import byte_tokenizer
 
 # 2 blocks over 257 byte tokens; a context long enough for a HumanEval prompt in bytes.

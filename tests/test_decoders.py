@@ -26,7 +26,7 @@ from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, log_acceptance_ratio, mcmc_block, mh_steps
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import KVCache, init_params
 from degs_jax.scoring import score_sequences, token_stats
 from tiny_models import tiny_config

@@ -33,7 +33,7 @@ import pytest
 from degs_jax.generation import (GenState, SamplerSpec, completions, generate, kth_largest,
                                  pad_prompts, prefill, proposal_log_density)
 from degs_jax.lens import LensConfig, sequence_depth
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params
 from degs_jax.scoring import token_stats
 from tiny_models import tiny_config

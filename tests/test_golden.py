@@ -43,7 +43,7 @@ import pytest
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
 from degs_jax.hyperparameters import METHODS, hyperparameters_for
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import init_params
 from tiny_models import tiny_config
 

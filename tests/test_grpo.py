@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from degs_jax.decoders import decode
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import LoadedModel, init_params, load
 from degs_jax.models.sharding import make_mesh, shard_params
 from degs_jax.train import (ContainsTokenReward, GRPOConfig, MathReward, Task, group_advantages,

@@ -1,6 +1,6 @@
 """The package's layering: a module may import only from its own layer or lower ones.
 
-    models  <  model API  <  lens / generation / scoring  <  mcmc / smc / sps
+    tiling, model API  <  models  <  lens / generation / scoring  <  mcmc / smc / sps
             <  decoders (+ hyperparameters)  <  text API  <  eval  <  analysis / probe
             <  CLI (degs_jax.cli, degs_jax.eval.commands)
 
@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 import degs_jax
+import degs_jax.models
 
 ROOT = Path(degs_jax.__file__).parent
 MODELS = Path(degs_jax.models.__file__).parent
 
 LAYERS = [
+    ("tiling / model API", ("degs_jax.tiling", "degs_jax.model_api")),
     ("models", ("degs_jax.models",)),
-    ("model API", ("degs_jax.model_api",)),
     ("lens / generation / scoring", ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring")),
     ("mcmc / smc / sps", ("degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),

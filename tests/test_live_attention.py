@@ -13,7 +13,7 @@ import pytest
 
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import KVCache, forward, init_cache, init_params, stack_layers
 from degs_jax.models.compilation import large_copies
 from tiny_models import tiny_config
@@ -144,32 +144,32 @@ def test_auto_read_by_backend_and_call_length(monkeypatch, backend, tokens, expe
     buckets, a multi-token call the loop (a 1024-token prefill at batch 64 ran out of
     memory on an H100 with buckets); an explicit setting and batch invariance are kept
     whatever the call (an explicit "kernel" loops for several tokens)."""
-    from degs_jax.models import transformer
+    from degs_jax.models import attention
 
-    monkeypatch.setattr(transformer.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
     cfg = dataclasses.replace(CFG, head_dim=16)  # a head size the kernel takes
-    assert transformer._read_mode(cfg, tokens, S) == expected
-    assert transformer._read_mode(dataclasses.replace(cfg, kv_read="buckets"), tokens, S) == "buckets"
-    assert transformer._read_mode(dataclasses.replace(cfg, kv_read="kernel"), tokens, S) == (
+    assert attention.read_mode(cfg, tokens, S) == expected
+    assert attention.read_mode(dataclasses.replace(cfg, kv_read="buckets"), tokens, S) == "buckets"
+    assert attention.read_mode(dataclasses.replace(cfg, kv_read="kernel"), tokens, S) == (
         "kernel" if tokens == 1 else "loop")
-    assert transformer._read_mode(dataclasses.replace(cfg, batch_invariant=True), tokens, S) == "loop"
+    assert attention.read_mode(dataclasses.replace(cfg, batch_invariant=True), tokens, S) == "loop"
 
 
 def test_auto_read_keeps_the_kernel_off_where_it_cannot_run(monkeypatch):
     """On a GPU, "auto" decodes with "buckets" when the kernel cannot take the shape (a
     head size that is not a power of two >= 16, a cache of < 16 slots) or under a device
     mesh (one custom call: XLA would gather the cache onto every device)."""
-    from degs_jax.models import transformer
+    from degs_jax.models import attention
     from degs_jax.models.sharding import make_mesh
 
-    monkeypatch.setattr(transformer.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
     wide = dataclasses.replace(CFG, head_dim=16)
-    assert transformer._read_mode(wide, 1, S) == "kernel"
-    assert transformer._read_mode(CFG, 1, S) == "buckets"  # head size 8
-    assert transformer._read_mode(dataclasses.replace(CFG, head_dim=24), 1, S) == "buckets"
-    assert transformer._read_mode(wide, 1, 8) == "buckets"
+    assert attention.read_mode(wide, 1, S) == "kernel"
+    assert attention.read_mode(CFG, 1, S) == "buckets"  # head size 8
+    assert attention.read_mode(dataclasses.replace(CFG, head_dim=24), 1, S) == "buckets"
+    assert attention.read_mode(wide, 1, 8) == "buckets"
     with jax.set_mesh(make_mesh(data=1, model=1)):
-        assert transformer._read_mode(wide, 1, S) == "buckets"
+        assert attention.read_mode(wide, 1, S) == "buckets"
 
 
 def test_large_prefill_runs_in_chunks_with_the_same_result(params, monkeypatch):

@@ -29,7 +29,7 @@ from degs_jax import mcmc as mcmc_mod
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
 from degs_jax.lens import LensConfig, collapse_depth, span_sum
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params
 from tiny_models import tiny_config
 

@@ -123,9 +123,9 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
     from degs_jax.text import encode_prompt, eos_ids_of
     from degs_jax.generation import SamplerSpec, generate, prefill
     from degs_jax.lens import LensConfig
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.models import TransformerLM
     from degs_jax.scoring import layer_entropies
-    from degs_jax.models.transformer import LENS_LIVE_ROWS_MIN_BATCH
+    from degs_jax.models.lens_head import LENS_LIVE_ROWS_MIN_BATCH
 
     cfg, params = model.cfg, model.params
     lm = TransformerLM(cfg)

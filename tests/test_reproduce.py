@@ -159,7 +159,7 @@ def test_layer_statistics_match_score_sequences_and_trajectories():
     import jax.numpy as jnp
 
     from degs_jax.lens import LensConfig
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.models import TransformerLM
     from degs_jax.models import init_params
     from degs_jax.scoring import entropy_trajectory, score_sequences
     from tiny_models import tiny_config

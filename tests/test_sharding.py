@@ -14,7 +14,7 @@ from degs_jax.decoders import decode
 from degs_jax.generation import SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, mh_steps
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params, load
 from degs_jax.models.sharding import (CACHE, make_mesh, param_shardings, param_specs,
                                       parse_mesh, shard_params)

@@ -22,7 +22,7 @@ from degs_jax.cli import _hyperparameters, build_parser
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
 from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, resolve_hyperparameters
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import forward
 from degs_jax.scoring import token_stats
 from degs_jax.smc import SMCConfig, run_smc

@@ -41,7 +41,7 @@ import pytest
 from degs_jax import smc as smc_mod
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
 from degs_jax.lens import LensConfig
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.smc import SMCConfig, final_weights, run_smc
 from test_mcmc_exactness import EOS, LSUB, PROMPT, exact_stats, model, pick_tau, target  # noqa: F401
 

@@ -28,7 +28,7 @@ from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import SamplerSpec, generate, pad_prompts, prefill
 from degs_jax.hyperparameters import BestOfN, DegsMCMC
 from degs_jax.lens import LensConfig
-from degs_jax.model_api import TransformerLM
+from degs_jax.models import TransformerLM
 from degs_jax.models import init_params
 from degs_jax.scoring import score_candidate, score_sequences
 from tiny_models import tiny_config

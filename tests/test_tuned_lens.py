@@ -14,7 +14,7 @@ import pytest
 
 from degs_jax.decoders import decode
 from degs_jax.lens import LensConfig, collapse_depth
-from degs_jax.model_api import TransformerLM, TunedTransformerLM, with_tuned_lens
+from degs_jax.models import TransformerLM, TunedTransformerLM, with_tuned_lens
 from degs_jax.models import LoadedModel, forward, init_params
 from degs_jax.scoring import entropy_trajectory, layer_entropies, score_sequences, token_stats
 from degs_jax.train.tuned_lens import (TunedLens, TunedLensConfig, default_lens_path, fit_tuned_lens,

@@ -340,7 +340,8 @@ def _choose_batch_size(model, requested: int | str, method: str,
     """``degs_jax.batching.choose_batch_size`` for these problems (their longest prompt)."""
     from degs_jax.batching import choose_batch_size
     from degs_jax.hyperparameters import hyperparameters_for
-    from degs_jax.model_api import TransformerLM, params_dtype
+    from degs_jax.model_api import params_dtype
+    from degs_jax.models import TransformerLM
 
     if requested != "auto":
         return choose_batch_size(requested, None, None, 0, len(problems), None)
@@ -366,7 +367,7 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
     import jax
 
     from degs_jax.decoders import decode
-    from degs_jax.model_api import TransformerLM, with_tuned_lens
+    from degs_jax.models import TransformerLM, with_tuned_lens
 
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])

@@ -703,7 +703,7 @@ def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
     scored), "D": [one per set]}`` per sequence, in order.
     """
     from degs_jax.lens import collapse_depth, sequence_depth
-    from degs_jax.model_api import TransformerLM
+    from degs_jax.models import TransformerLM
     from degs_jax.scoring import layer_entropies
 
     row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget

@@ -75,7 +75,7 @@ import optax
 from tqdm.auto import tqdm
 
 from ..generation import SamplerSpec, generate, prefill, repeat_rows
-from ..model_api import TransformerLM
+from ..models import TransformerLM
 from jax.sharding import PartitionSpec
 
 from ..models import ModelConfig, Params, forward

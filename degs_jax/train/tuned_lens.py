@@ -5,7 +5,7 @@ read in the output basis instead of through the logit lens as they are.
 Numerics. Layer l's lens distribution is
 `p̃_l = softmax(W_U · RMSNorm_final(h_l + h_l·A_l + b_l))` with A_l [D, D], b_l [D] in
 fp32, both zero-initialised (so an untrained lens *is* the logit lens); the translation
-is `models.transformer.translate_residuals`, the same function `forward` applies through
+is `models.lens_head.translate_residuals`, the same function `forward` applies through
 its `lens_translators` argument, so training and use share one code path. Translators
 are fitted to minimise the forward KL to the model's own next-token distribution at
 the same position, averaged over tokens,
