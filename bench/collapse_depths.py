@@ -26,7 +26,7 @@ from degs_jax.generation import SamplerSpec, generate, pad_prompts, prefill
 from degs_jax.lens import DEFAULT_TAU, LensConfig
 from degs_jax.models import TransformerLM
 from degs_jax.models import load
-from degs_jax.text import encode_prompt, eos_ids_of
+from degs_jax.text import encode_prompt
 
 
 def main():
@@ -44,7 +44,7 @@ def main():
     prompts = [encode_prompt(tok, r["problem"] + " Put the answer in \\boxed{}.", True) for r in rows]
     tokens, lengths = pad_prompts(prompts)
     lens = LensConfig.default(cfg.num_layers, tau=args.tau)
-    spec = SamplerSpec(temperature=0.0, lens=lens, eos_ids=tuple(eos_ids_of(cfg, tok)))
+    spec = SamplerSpec(temperature=0.0, lens=lens, eos_ids=model.eos_ids)
     state = prefill(lm, params, jnp.asarray(tokens), jnp.asarray(lengths),
                     tokens.shape[1] + args.new_tokens + 1, jnp.float32)
     keys = jax.random.split(jax.random.key(0), len(prompts))

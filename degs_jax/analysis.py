@@ -501,13 +501,12 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     likelihood-only (Best-of-N) and depth-only choices and the oracle (any candidate
     correct) for reference. Writes ``lsub_sweep.json`` into ``out_dir`` (default the run).
     """
-    from degs_jax.text import eos_ids_of
     from degs_jax.eval import load_benchmark
     from degs_jax.eval.results import write_json
     from degs_jax.eval.runner import problem_prompt_ids
     from degs_jax.hyperparameters import DegsRerank
     from degs_jax.lens import LensConfig
-    from degs_jax.models import TransformerLM, with_tuned_lens
+    from degs_jax.models import with_tuned_lens
     from degs_jax.scoring import score_sequences
 
     run, records = load_run(run_dir)
@@ -515,7 +514,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     if not records or not all("candidates" in r for r in records):
         raise ValueError(f"{run_dir}: the L_sub sweep needs kept candidates "
                          "(`degs eval --keep-candidates`)")
-    if cfg_run["model"]["name"] != model.name or cfg_run["model"]["num_layers"] != model.cfg.num_layers:
+    if cfg_run["model"]["name"] != model.name or cfg_run["model"]["num_layers"] != model.lm.num_layers:
         raise ValueError(f"the run used model {cfg_run['model']['name']!r}; --model gave {model.name!r}")
     hp = cfg_run["hyperparameters"]
     rerank = DegsRerank()  # the defaults
@@ -532,7 +531,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
             prompts.append(ids)
             completions.append(decode_tokens(c))
             owner.append(r["id"])
-    eos = eos_ids_of(model.cfg, model.tokenizer)
+    eos = model.eos_ids
     base = pool_from_records([{**r, "candidates": [{**c, "D": 0.0} for c in r["candidates"]]}
                               for r in records])
     groups = base.groups()
@@ -544,9 +543,9 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     rows = []
     lenses = {"logit": None} if lenses is None else dict(lenses)
     for (lens_name, tuned), lsub in ((item, lsub) for item in lenses.items() for lsub in lsub_sets):
-        lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.cfg.num_layers)
+        lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.lm.num_layers)
         # Compile outside the timing (first batch once); the timed pass is warm.
-        lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned)
+        lm, params = with_tuned_lens(model.lm, model.params, tuned)
         score_sequences(lm, params, prompts[:batch_size], completions[:batch_size],
                         lens, eos, batch_size=batch_size)
         t0 = time.perf_counter()
@@ -557,7 +556,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
         stats = predictive_validity(base, scores=d, n_resamples=0)
         rows.append({
             "lens": lens_name, "lsub": list(lsub), "K": len(lsub),
-            "probe_forward_equivalents_per_token": len(lsub) / model.cfg.num_layers,
+            "probe_forward_equivalents_per_token": len(lsub) / model.lm.num_layers,
             "seconds": seconds, "demeaned_auc": stats["demeaned_auc"],
             "auc": stats["auc"], "spearman_rho": stats["spearman_rho"], "gap": stats["gap"],
             "pairwise_accuracy": stats["pairwise"]["accuracy"],

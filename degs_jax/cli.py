@@ -236,8 +236,8 @@ def cmd_sample(args) -> int:
                     **_hyperparameters(args))
     out = result.outputs[0]
     c = out.chosen
-    fe = result.forward_equivalents(model.cfg.num_layers)
-    report = _sample_report(result, out, args.seed, model.cfg.num_layers)
+    fe = result.forward_equivalents(model.lm.num_layers)
+    report = _sample_report(result, out, args.seed, model.lm.num_layers)
     report["peak_memory"] = peak_memory()
     if args.json:
         print(json.dumps(report))
@@ -283,7 +283,6 @@ def _sample_many(args, seed: int) -> int:
     from .batching import choose_batch_size, parse_batch_size, peak_memory
     from .hyperparameters import hyperparameters_for
     from .model_api import params_dtype
-    from .models import TransformerLM
     from .probe import read_rows
     from .text import encode_prompt, sample
 
@@ -294,7 +293,7 @@ def _sample_many(args, seed: int) -> int:
     chat = not args.no_chat
     config = hyperparameters_for(args.method, **_hyperparameters(args))
     longest = max(len(encode_prompt(model.tokenizer, r["prompt"], chat)) for r in rows)
-    choice = choose_batch_size(args.batch_size, TransformerLM(model.cfg), config, longest,
+    choice = choose_batch_size(args.batch_size, model.lm, config, longest,
                                len(rows), config.cache_dtype or params_dtype(model.params))
     batch = choice["batch_size"]
     print(f"batch size {batch}" + (f" (auto: {choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, "
@@ -309,7 +308,7 @@ def _sample_many(args, seed: int) -> int:
         result = sample(model, [r["prompt"] for r in part], config, keys=keys, chat=chat,
                         tuned_lens=tuned_lens)
         for i, (row, out) in enumerate(zip(part, result.outputs)):
-            report = _sample_report(result, out, seed, model.cfg.num_layers)
+            report = _sample_report(result, out, seed, model.lm.num_layers)
             report["seconds"] = None  # the batch's time, not this prompt's (see the run record)
             print(json.dumps({"id": row.get("id", start + i), **report}), flush=True)
     print(json.dumps({"run": {"n_prompts": len(rows), "batch_choice": choice,

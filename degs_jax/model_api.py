@@ -13,6 +13,11 @@ pytree. `degs_jax.models.TransformerLM` adapts this package's Qwen2/Llama port
 other JAX model (a Flax NNX module through `nnx.split` / `nnx.merge`, a Linen `apply`, a
 plain function) joins by subclassing `CausalLM`, see README "Your own model".
 
+Above the samplers, the text-level tools (`degs_jax.text.sample`, `degs eval`'s
+`run_eval`, the probe, the analyses' L_sub sweep, the study) take a `LanguageModel`: a
+`CausalLM` with its parameters, a tokenizer, a name and its EOS ids
+(`degs_jax.models.load` returns a `LoadedModel`, which has the same attributes).
+
 This module imports JAX and nothing else of the package: implementing the protocol
 costs no model code, loaders or samplers.
 
@@ -99,6 +104,35 @@ class CausalLM(abc.ABC):
     @abc.abstractmethod
     def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
         """An empty cache of `batch` rows and `max_len` slots, stored in `dtype`."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LanguageModel:
+    """A `CausalLM` with what the text-level tools need (module docstring): wrap your own
+    model in one to sample text from it, evaluate it on a benchmark, probe it, sweep its
+    probe sets or run the paper's study on it.
+
+    lm: the model. params: its parameters (a pytree; the dtype of its first
+      floating-point leaf is recorded as the run's and is the KV cache's default).
+    tokenizer: Hugging Face-style: `encode(text)`, `decode(ids, skip_special_tokens=True)`
+      and, when prompts should go through a chat template, `chat_template` with
+      `apply_chat_template`.
+    name: a label for run records, tables and plots.
+    eos_ids: every token id that ends a completion.
+    source: where the weights came from, recorded with runs (None: nothing recorded).
+    """
+
+    lm: CausalLM
+    params: Any
+    tokenizer: Any
+    name: str
+    eos_ids: tuple[int, ...]
+    source: Optional[str] = None
+
+    @property
+    def architecture(self) -> str:
+        """What run records name as the model's architecture: the class of `lm`."""
+        return type(self.lm).__name__
 
 
 def params_dtype(params: Any):

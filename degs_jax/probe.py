@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 
 from .decoders import decode
 from .lens import DEFAULT_TAU, LensConfig
-from .models import TransformerLM, with_tuned_lens
+from .models import with_tuned_lens
 from .plots import plot_entropy_trajectories
 from .scoring import EntropyTrajectory, score_sequences
-from .text import encode_prompt, eos_ids_of
+from .text import encode_prompt
 
 
 def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
@@ -63,13 +63,13 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = DEFAULT_TA
     """Score every row's completion (greedy-completing rows without one) and write
     `probe.jsonl` (id, D, per-layer mean entropies, mean final-layer entropy, log p, the
     lens) and `entropy.png` (mean entropy per layer over all rows). tuned_lens: read the
-    layers through a tuned lens (`train.tuned_lens`) instead of the logit lens."""
-    cfg, params, tok = model.cfg, model.params, model.tokenizer
-    lm = TransformerLM(cfg)
-    lens = LensConfig.default(cfg.num_layers, tau=tau, lsub=lsub or None)
+    layers through a tuned lens (`train.tuned_lens`) instead of the logit lens.
+    model: a `degs_jax.model_api.LanguageModel` (or a loaded model)."""
+    lm, params, tok = model.lm, model.params, model.tokenizer
+    lens = LensConfig.default(lm.num_layers, tau=tau, lsub=lsub or None)
     rows = read_rows(input_path, limit)
     out_dir.mkdir(parents=True, exist_ok=True)
-    eos = eos_ids_of(cfg, tok)
+    eos = model.eos_ids
     prompts = [encode_prompt(tok, r["prompt"], chat) for r in rows]
     completions: list[list[int]] = [
         None if r.get("completion") is None else tok.encode(r["completion"], add_special_tokens=False)
@@ -84,7 +84,7 @@ def run_probe(model, input_path: Path, out_dir: Path, *, tau: float = DEFAULT_TA
             rows[i]["completion"] = tok.decode(out.chosen.tokens, skip_special_tokens=True)
 
     # One teacher-forced pass per batch: D(x) from L_sub and the entropy of every layer.
-    layers = tuple(range(cfg.num_layers + 1))
+    layers = tuple(range(lm.num_layers + 1))
     probe_lm, probe_params = with_tuned_lens(lm, params, tuned_lens)
     scores = []
     for start in tqdm(range(0, len(rows), batch_size), desc="probing", unit="batch"):

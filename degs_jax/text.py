@@ -1,6 +1,6 @@
-"""The text API: prompts in, decoded completions out, with a model from
-`degs_jax.models.loading.load` (its tokenizer and config). Everything below this
-module works on token ids (`degs_jax.decoders`)."""
+"""The text API: prompts in, decoded completions out, with a `degs_jax.model_api.LanguageModel`
+(or what `degs_jax.models.load` returns). Everything below this module works on token
+ids (`degs_jax.decoders`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 
 from .decoders import DecodeResult, decode
 from .hyperparameters import Hyperparameters
-from .models import ModelConfig, TransformerLM, with_tuned_lens
+from .models import with_tuned_lens
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
@@ -24,20 +24,11 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def eos_ids_of(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """EOS ids from the config and the tokenizer (chat models often end turns with a
-    different token than their base EOS)."""
-    ids = set(cfg.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
 def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = "degs_mcmc",
            key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None, seed: int = 0,
            chat: bool = True, progress: bool = False, tuned_lens=None,
            **hyperparameters) -> DecodeResult:
-    """Decode text prompts with a loaded model (`degs_jax.models.loading.load`).
+    """Decode text prompts with a `LanguageModel` (e.g. `degs_jax.models.load(...)`).
 
     method / hyperparameters: as `decode` (a method name with keyword overrides, or a
     hyperparameter dataclass). key: a PRNG key (default `jax.random.key(seed)`); or keys:
@@ -51,9 +42,8 @@ def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = 
         prompts = [prompts]
     key = jax.random.key(seed) if key is None and keys is None else key
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
-    eos = eos_ids_of(model.cfg, model.tokenizer)
-    lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned_lens)
-    result = decode(lm, params, ids, method, key, keys=keys, eos_ids=eos,
+    lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
+    result = decode(lm, params, ids, method, key, keys=keys, eos_ids=model.eos_ids,
                     progress=progress, **hyperparameters)
     for out in result.outputs:
         for cand in out.candidates:

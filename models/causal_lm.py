@@ -104,8 +104,13 @@ class TunedTransformerLM(TransformerLM):
 
 def with_tuned_lens(model: TransformerLM, params: Params,
                     tuned_lens: Optional[Any]) -> tuple[TransformerLM, Any]:
-    """(model, params) that probe through `tuned_lens`; unchanged when it is None."""
+    """(model, params) that probe through `tuned_lens`; unchanged when it is None.
+    ValueError for a model that is not this package's transformer (a tuned lens
+    translates its residuals)."""
     if tuned_lens is None:
         return model, params
+    if not isinstance(model, TransformerLM):
+        raise ValueError(f"a tuned lens reads this package's transformer; {type(model).__name__} "
+                         "has no residuals for it (use the logit lens)")
     return (TunedTransformerLM(cfg=model.cfg, lens_chunk=model.lens_chunk),
             TunedLensParams(model=params, lens=tuned_lens))

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from .causal_lm import TransformerLM
 from .checkpoint import CheckpointError, params_from_hf
 from .config import ConfigError, ModelConfig
 from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf, tokenizer_from_gguf
@@ -190,13 +191,33 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedModel:
     """What `load` returns. `source` is the resolved local path (for a built-in, its
-    converted cache entry), `name` a short label."""
+    converted cache entry), `name` a short label. It has the attributes of a
+    `degs_jax.model_api.LanguageModel` (`lm`, `eos_ids`, `architecture` below), so every
+    text-level tool takes it as it takes any other model."""
 
     cfg: ModelConfig
     params: Params
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     source: str
     name: str
+
+    @property
+    def lm(self) -> TransformerLM:
+        """The model as the samplers run it."""
+        return TransformerLM(self.cfg)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a completion: the config's and the tokenizer's EOS (chat models
+        often end turns with a different token than their base EOS)."""
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    @property
+    def architecture(self) -> str:
+        return self.cfg.architecture
 
 
 def default_cache_dir() -> Path:

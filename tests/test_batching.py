@@ -12,7 +12,7 @@ from degs_jax.batching import (MAX_AUTO_BATCH, STATE_BYTES_PER_SLOT, WORKING_VOC
                                choose_batch_size, parse_batch_size, peak_memory, pick_batch_size,
                                row_cost)
 from degs_jax.hyperparameters import hyperparameters_for
-from nnx_model import tiny_nnx_model
+from degs_jax.examples.nnx_lm import tiny_nnx_model
 
 LM, _ = tiny_nnx_model()
 

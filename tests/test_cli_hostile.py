@@ -20,7 +20,7 @@ from degs_jax.eval import sandbox
 from degs_jax.models import LoadedModel
 from degs_jax.models.config import ModelConfig
 from degs_jax.models.params import param_shapes
-from tiny_tokenizer import byte_tokenizer
+from degs_jax.examples.byte_tokenizer import byte_tokenizer
 
 # 2 blocks over 257 byte tokens; a context long enough for a HumanEval prompt in bytes.
 TINY_CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=257, hidden_size=32,

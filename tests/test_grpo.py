@@ -23,7 +23,7 @@ from degs_jax.train.checkpoints import latest_checkpoint, restore_checkpoint
 from degs_jax.train.data import default_gsm8k_train_path
 from degs_jax.train.grpo import make_optimizer
 from tiny_models import tiny_config
-from tiny_tokenizer import byte_tokenizer
+from degs_jax.examples.byte_tokenizer import byte_tokenizer
 
 # --------------------------------------------------------------------------- the objective
 

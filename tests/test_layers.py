@@ -26,6 +26,7 @@ MODELS = Path(degs_jax.models.__file__).parent
 LAYERS = [
     ("tiling / model API", ("degs_jax.tiling", "degs_jax.model_api")),
     ("models", ("degs_jax.models",)),
+    ("examples", ("degs_jax.examples",)),
     ("lens / generation / scoring", ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring")),
     ("mcmc / smc / sps", ("degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),

@@ -1,8 +1,9 @@
 """The model protocol (`degs_jax.model_api`) with a second implementation: a tiny Flax
-NNX model (tests/nnx_model.py) wrapped through nnx.split / nnx.merge runs power_mcmc
+NNX model (degs_jax/examples/nnx_lm.py) wrapped through nnx.split / nnx.merge runs power_mcmc
 and degs_mcmc through `decode` unchanged, and the values the chains store equal a
 direct full forward of the NNX module. Also: the NNX adapter honours the protocol's
-contract (the samplers' bookkeeping relies on it).
+contract (the samplers' bookkeeping relies on it), and the text-level tools (`degs eval`'s
+`run_eval`, the L_sub sweep, the study's layer statistics) take it as a `LanguageModel`.
 
 Tolerances: fp32 throughout; the cached one-token steps and a full forward differ by
 summation order, i.e. a few ulps of logits of size ~1 (1e-5); log p(x) sums <= 8 such
@@ -18,9 +19,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from degs_jax.analysis import lsub_sweep
 from degs_jax.decoders import decode
-from degs_jax.lens import collapse_depth
-from nnx_model import tiny_nnx_model
+from degs_jax.eval import load_benchmark
+from degs_jax.eval.results import read_records, read_run_file
+from degs_jax.eval.runner import problem_key, problem_prompt_ids, run_eval
+from degs_jax.examples.byte_tokenizer import byte_tokenizer
+from degs_jax.lens import collapse_depth, default_lsub
+from degs_jax.model_api import LanguageModel
+from degs_jax.models import with_tuned_lens
+from degs_jax.reproduce.study import sequence_layer_statistics
+from degs_jax.examples.nnx_lm import tiny_nnx_model
 
 LM, PARAMS = tiny_nnx_model()
 EOS = LM.vocab_size - 1
@@ -107,3 +116,46 @@ def test_mcmc_methods_run_on_an_nnx_model(method):
     assert accepted, "no MH step accepted: the chains did not move"
     if method == "degs_mcmc":
         assert len(depths) > 1, f"tau {TAU} gives a constant d_t: the D(x) check would be vacuous"
+
+
+def test_the_text_tools_take_any_causal_lm(tmp_path):
+    """`run_eval` (the Python side of `degs eval`) decodes with the NNX model exactly what
+    `decode` gives for the problems' keys and records it as that model's run; the L_sub
+    sweep's and the study's teacher-forced D(x) equal the recorded ones (exact: means of
+    integers). A tuned lens, which translates this package's transformer's residuals, is
+    refused for it."""
+    tokenizer = byte_tokenizer()
+    lm, params = tiny_nnx_model(vocab=len(tokenizer), dim=16, layers=3, heads=2, max_context=256)
+    model = LanguageModel(lm=lm, params=params, tokenizer=tokenizer, name="tiny-nnx",
+                          eos_ids=(tokenizer.eos_token_id,), source="tests")
+    # tau at the median lens entropy of a byte string: d_t takes several values
+    module = nnx.merge(lm.graphdef, params)
+    seq = jnp.asarray([list(b"What is 7 times 8? The answer is 56.")], jnp.int32)
+    _, _, entropy = module(seq, jnp.arange(seq.shape[1])[None], lm.init_cache(1, seq.shape[1], jnp.float32), LSUB)
+    tau = float(np.median(entropy))
+    hp = dict(n=2, max_new_tokens=6, tau=tau)
+    run = tmp_path / "run"
+    run_eval(model, run, benchmark="deepmind500", method="best_of_n", hyperparameters=hp, limit=2,
+             batch_size=2, keep_candidates=True, progress=False, print_table=False)
+    config = read_run_file(run / "run.json")["config"]["model"]
+    assert config == {"name": "tiny-nnx", "architecture": "NNXCausalLM", "num_layers": 3, "dtype": "float32"}
+    records = read_records(run / "results.jsonl")
+    problems = load_benchmark("deepmind500")[:2]
+    prompts = [problem_prompt_ids(p, tokenizer, chat=True) for p in problems]
+    direct = decode(lm, params, prompts, "best_of_n", keys=jnp.stack([problem_key(0, i) for i in range(2)]),
+                    eos_ids=(tokenizer.eos_token_id,), **hp)
+    for record, out in zip(records, direct.outputs):
+        assert [c["tokens"] for c in record["candidates"]] == [c.tokens for c in out.candidates]
+        assert [c["log_p"] for c in record["candidates"]] == [c.log_p for c in out.candidates]
+    recorded_d = [c["D"] for r in records for c in r["candidates"]]
+    assert len(set(recorded_d)) > 1, "constant D(x): the comparisons below would be vacuous"
+
+    sweep = lsub_sweep(model, run, [default_lsub(3)], batch_size=4, quiet=True)
+    assert abs(sweep["rows"][0]["mean_D"] - np.mean(recorded_d)) < 1e-6
+    sequences = [(prompt, c["tokens"], c["ended"]) for prompt, r in zip(prompts, records) for c in r["candidates"]]
+    stats = sequence_layer_statistics(lm, params, sequences, lsub_sets=[default_lsub(3)], tau=tau)
+    assert [s["D"][0] for s in stats] == pytest.approx(recorded_d, abs=1e-6)
+    assert all(len(s["entropy"]) == 4 for s in stats if s["n_scored"])
+
+    with pytest.raises(ValueError, match="tuned lens reads this package's transformer"):
+        with_tuned_lens(lm, params, object())

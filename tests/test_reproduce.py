@@ -177,7 +177,7 @@ def test_layer_statistics_match_score_sequences_and_trajectories():
     seqs.append(([5, 6], [96], True))  # nothing to score
     sets, tau = [(1, 2, 3), (2, 3), (3,)], 3.3  # tau in the bulk of this model's entropies
     # a small row budget: 3 rows of 16 positions, 1 of 32 (several calls, padded rows)
-    stats = study.sequence_layer_statistics(params, cfg, seqs, lsub_sets=sets, tau=tau,
+    stats = study.sequence_layer_statistics(TransformerLM(cfg), params, seqs, lsub_sets=sets, tau=tau,
                                             row_budget=4 * 16 * 3, bucket=16)
     assert [s["n_scored"] for s in stats] == [len(c) - e for _, c, e in seqs]
     for k, lsub in enumerate(sets):

@@ -263,7 +263,7 @@ def cmd_analyze(args, load_model) -> int:
         if args.dtype is None:
             args.dtype = model_cfg.get("dtype") or "bfloat16"
         model = load_model(args)
-        sets = parse_lsub_sweep(args.lsub_sweep, model.cfg.num_layers)
+        sets = parse_lsub_sweep(args.lsub_sweep, model.lm.num_layers)
         lenses = None
         if args.lens in ("tuned", "both"):
             from degs_jax.train.tuned_lens import resolve_lens

@@ -76,6 +76,7 @@ from degs_jax.eval.graders import Grader, pass_at_k
 from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
                                      raise_if_peer_failed, share, shared)
 from degs_jax.eval.prompts import template_hash, user_message, uses_chat_template
+from degs_jax.model_api import params_dtype
 from degs_jax.eval.results import (
     EVAL_RECORD_FIELDS,
     ResultStore,
@@ -167,8 +168,8 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
 
     bench = canonical_name(benchmark)
     resolved = hyperparameters_for(method, **hyperparameters)
-    hp = {**resolved.to_dict(), "lsub": resolved.lens_config(model.cfg.num_layers).lsub}
-    dtype = str(np.dtype(model.params.embed.dtype)) if hasattr(model.params, "embed") else None
+    hp = {**resolved.to_dict(), "lsub": resolved.lens_config(model.lm.num_layers).lsub}
+    dtype = str(np.dtype(params_dtype(model.params)))
     lens = {}
     if tuned_lens is not None:
         lens = {"lens": {"kind": "tuned", "layers": list(tuned_lens.layers),
@@ -179,9 +180,9 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
         "hyperparameters": hp,
         "seed": int(seed),
         "key_derivation": KEY_DERIVATION,
-        "model": {"name": model.name, "architecture": model.cfg.architecture,
-                  "num_layers": model.cfg.num_layers, "dtype": dtype,
-                  **({"batch_invariant": True} if model.cfg.batch_invariant else {})},
+        "model": {"name": model.name, "architecture": model.architecture,
+                  "num_layers": model.lm.num_layers, "dtype": dtype,
+                  **({"batch_invariant": True} if model.lm.batch_invariant else {})},
         "chat": bool(chat and uses_chat_template(model.tokenizer)),
         "keep_candidates": bool(keep_candidates),
         "template_sha256": template_hash(bench),
@@ -254,7 +255,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
              tuned_lens=None, allow_unsandboxed: bool = False) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmark`` with a loaded model, resumably, into ``out_dir``.
 
-    model: a ``LoadedModel`` (``degs_jax.models.loading.load``).
+    model: a :class:`~degs_jax.model_api.LanguageModel` (any ``CausalLM`` with its
+      parameters and tokenizer), or what ``degs_jax.models.load`` returns.
     hyperparameters: overrides of the method's defaults (as ``decode``).
     limit: the first ``limit`` problems; indices: explicit problem indices instead.
     batch_size: problems per ``decode`` call, or "auto" (the default): as many as fit in
@@ -277,8 +279,6 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     Returns the summary (also written to ``summary.json``).
     """
     import jax
-
-    from degs_jax.text import eos_ids_of
 
     group = process_group()
     if limit is not None and limit < 0:
@@ -307,7 +307,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv) if argv is not None else None,
         "limit": limit, "indices": list(indices) if indices is not None else None,
-        "batch_size": batch_size, "batch_choice": batch_choice, "model_source": str(model.source),
+        "batch_size": batch_size, "batch_choice": batch_choice, "model_source": None if model.source is None else str(model.source),
         "versions": package_versions(), "device": str(jax.local_devices()[0]),
         "process_count": jax.process_count(),
         **({"humaneval_isolation": code_isolation} if code_isolation else {}),
@@ -316,7 +316,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     grader = Grader(allow_unsandboxed=allow_unsandboxed) if own_grader else grader
     decode_batch = functools.partial(
         _decode_batch, model, seed=seed, method=method, hyperparameters=hyperparameters,
-        eos=eos_ids_of(model.cfg, model.tokenizer), grader=grader, chat=chat,
+        eos=model.eos_ids, grader=grader, chat=chat,
         keep_candidates=keep_candidates, tuned_lens=tuned_lens)
     bar_label = f"{bench} {method}"
     try:
@@ -340,14 +340,11 @@ def _choose_batch_size(model, requested: int | str, method: str,
     """``degs_jax.batching.choose_batch_size`` for these problems (their longest prompt)."""
     from degs_jax.batching import choose_batch_size
     from degs_jax.hyperparameters import hyperparameters_for
-    from degs_jax.model_api import params_dtype
-    from degs_jax.models import TransformerLM
-
     if requested != "auto":
         return choose_batch_size(requested, None, None, 0, len(problems), None)
     config = hyperparameters_for(method, **hyperparameters)
     longest = max((len(problem_prompt_ids(p, model.tokenizer, chat)) for p in problems), default=1)
-    return choose_batch_size("auto", TransformerLM(model.cfg), config, longest, len(problems),
+    return choose_batch_size("auto", model.lm, config, longest, len(problems),
                              config.cache_dtype or params_dtype(model.params))
 
 
@@ -367,17 +364,17 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
     import jax
 
     from degs_jax.decoders import decode
-    from degs_jax.models import TransformerLM, with_tuned_lens
+    from degs_jax.models import with_tuned_lens
 
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
-    lm, params = with_tuned_lens(TransformerLM(model.cfg), model.params, tuned_lens)
+    lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
     result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos, **hyperparameters)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
         yield _record(model, problem, index, output, result, len(batch), decode_s,
-                      model.cfg.num_layers, grader, chat, keep_candidates)
+                      model.lm.num_layers, grader, chat, keep_candidates)
 
 
 def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,

@@ -226,7 +226,7 @@ def cmd_reproduce(args, load_model) -> int:
         from degs_jax.analysis import parse_lsub_sweep
 
         request = dataclasses.replace(
-            request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.cfg.num_layers)))
+            request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.lm.num_layers)))
     run_study(model, out, request, budget=budget, progress=not args.no_progress,
               data_dir=args.data_dir, argv=sys.argv[1:],
               allow_unsandboxed=args.unsafe_unsandboxed_grading)

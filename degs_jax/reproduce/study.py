@@ -504,8 +504,8 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
     budget = budget or Budget(time_budget)
     log = log or (lambda message: print(f"[{budget.elapsed():7.1f} s] {message}",
                                         file=sys.stderr, flush=True))
-    lsub_sets = request.lsub_sets or paper_lsub_sets(model.cfg.num_layers)
-    study = open_study(out, model.name, model.cfg.num_layers, request, argv)
+    lsub_sets = request.lsub_sets or paper_lsub_sets(model.lm.num_layers)
+    study = open_study(out, model.name, model.lm.num_layers, request, argv)
     invocation = study["invocations"][-1]
     invocation["model"] = {"source": model.source,
                            "chat_template": uses_chat_template(model.tokenizer)}
@@ -627,9 +627,9 @@ def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rate
         return
     run = json.loads((pool_dir / "run.json").read_text())
     tau = float(run["config"]["hyperparameters"]["tau"])
-    meta = {"layers": list(range(model.cfg.num_layers + 1)), "tau": tau,
+    meta = {"layers": list(range(model.lm.num_layers + 1)), "tau": tau,
             "lsub_sets": [list(s) for s in lsub_sets], "model": model.name,
-            "num_layers": model.cfg.num_layers, "chat": run["config"]["chat"]}
+            "num_layers": model.lm.num_layers, "chat": run["config"]["chat"]}
     meta_path = pool_dir / LAYERS_META
     if meta_path.exists():
         stored = json.loads(meta_path.read_text())
@@ -679,7 +679,7 @@ def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) ->
             completion = cand["tokens"] if "tokens" in cand else unpack_tokens(cand["tokens_packed"])
             sequences.append((prompt, completion, bool(cand["ended"])))
             owners.append(ri)
-    stats = sequence_layer_statistics(model.params, model.cfg, sequences, lsub_sets=lsub_sets,
+    stats = sequence_layer_statistics(model.lm, model.params, sequences, lsub_sets=lsub_sets,
                                       tau=tau)
     out: list[list[dict]] = [[] for _ in items]
     for ri, s in zip(owners, stats):
@@ -687,12 +687,12 @@ def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) ->
     return out
 
 
-def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
+def sequence_layer_statistics(lm, params, sequences, *, lsub_sets, tau: float,
                               row_budget: Optional[int] = None,
                               bucket: int = LENGTH_BUCKET) -> list[dict]:
     """Per ``(prompt ids, completion ids, ended)``: the mean lens entropy at every layer
     0..L over the completion's scored tokens and D(x) under each probe set of
-    ``lsub_sets`` with threshold ``tau``.
+    ``lsub_sets`` with threshold ``tau``, for the ``CausalLM`` ``lm`` with ``params``.
 
     One teacher-forced forward per sequence (prompt + completion, right-padded to a
     multiple of ``bucket``, as many per call as fit in ``row_budget`` lens rows, default
@@ -703,18 +703,17 @@ def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
     scored), "D": [one per set]}`` per sequence, in order.
     """
     from degs_jax.lens import collapse_depth, sequence_depth
-    from degs_jax.models import TransformerLM
     from degs_jax.scoring import layer_entropies
 
     row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget
-    L = cfg.num_layers
+    L = lm.num_layers
     layers = tuple(range(L + 1))
     seqs = sorted(((i, np.asarray(list(p) + list(c), np.int32), len(p), len(c) - int(ended))
                    for i, (p, c, ended) in enumerate(sequences)), key=lambda s: s[1].size)
     out: list[Optional[dict]] = [None] * len(seqs)
     k = 0
     while k < len(seqs):
-        width = min(-(-seqs[k][1].size // bucket) * bucket, cfg.max_position_embeddings)
+        width = min(-(-seqs[k][1].size // bucket) * bucket, lm.max_context)
         rows = max(1, row_budget // (len(layers) * width))
         group = [s for s in seqs[k:k + rows] if s[1].size <= width]  # a prefix: sorted
         k += len(group)
@@ -724,7 +723,7 @@ def sequence_layer_statistics(params, cfg, sequences, *, lsub_sets, tau: float,
             tokens[r, :toks.size] = toks
             mask[r, first:first + n] = True
         # [L+1, rows, width]; positions 0..width-1 (padding after the real tokens)
-        entropy = np.asarray(layer_entropies(TransformerLM(cfg), params, tokens, layers))
+        entropy = np.asarray(layer_entropies(lm, params, tokens, layers))
         depths = [np.asarray(sequence_depth(collapse_depth(entropy[list(s)], s, L, tau), mask, L))
                   for s in lsub_sets]
         for r, (i, _, _, n) in enumerate(group):

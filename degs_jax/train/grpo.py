@@ -421,7 +421,6 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
     """
     from degs_jax.eval.results import ResultStore, package_versions
 
-    from ..text import eos_ids_of
     from .checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
     from .data import pad_prompts, step_tasks
 
@@ -441,7 +440,7 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
                              f"({config.micro_batch}) must be divisible by the mesh's data axis "
                              f"({n_data}): rows are split evenly over it")
     out = Path(out_dir)
-    eos = tuple(eos_ids) if eos_ids is not None else eos_ids_of(cfg, model.tokenizer)
+    eos = tuple(eos_ids) if eos_ids is not None else model.eos_ids
     spec = SamplerSpec(temperature=config.temperature, eos_ids=eos)
     compute_dtype = str(jnp.dtype(model.params.embed.dtype))
     invocation = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

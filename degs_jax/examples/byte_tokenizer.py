@@ -6,10 +6,12 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+
 EOS = "<|eos|>"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """The tokenizer (EOS: id 256)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     vocab[EOS] = len(vocab)

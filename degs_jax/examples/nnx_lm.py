@@ -1,6 +1,16 @@
-"""A second model implementation for the sampler protocol (`degs_jax.model_api`): a tiny
-Flax NNX causal LM with learned positions and a KV cache, wrapped through
-`nnx.split` / `nnx.merge`. Test helper (imported by test_model_protocol.py)."""
+"""A complete example of the model protocol (`degs_jax.model_api.CausalLM`) that is not
+this package's transformer: a tiny Flax NNX causal LM with learned positions and a KV
+cache, wrapped through `nnx.split` / `nnx.merge` (`NNXCausalLM`); `byte_tokenizer.py`
+gives it text. Everything the samplers and the evaluation harness
+do runs on it unchanged: the tests run the MCMC decoders through it, and
+notebooks/your_own_model.ipynb evaluates it on a benchmark through `LanguageModel`.
+Random weights: the text it writes is noise; it is here to show the machinery.
+
+The contract the step honours is in `degs_jax.model_api`: slots are positions (a token at
+position p writes slot p and attends to slots <= p of its own row), a position past the
+cache writes nothing (`mode="drop"`), logits are float32, the lens entropies are
+[K, B, T] float32 at the asked layers.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from degs_jax.model_api import CausalLM, StepOutput
+from ..model_api import CausalLM, StepOutput
 
 
 class Block(nnx.Module):
@@ -96,3 +106,4 @@ def tiny_nnx_model(vocab=12, dim=16, layers=3, heads=2, max_context=64, seed=0):
     graphdef, params = nnx.split(TinyLM(vocab, dim, layers, heads, max_context, nnx.Rngs(seed)))
     return NNXCausalLM(graphdef, num_layers=layers, vocab_size=vocab, max_context=max_context,
                        heads=heads, head_dim=dim // heads), params
+
