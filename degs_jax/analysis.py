@@ -40,170 +40,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from scipy import stats as _stats
+
+from degs_jax.stats import (BOOTSTRAP_RESAMPLES, CONFIDENCE, auc, bucket_accuracy, cluster_bootstrap_auc,
+                            mann_whitney, mean_gap, pairwise_ranking_accuracy, rerank_accuracy, spearman)
 
 __all__ = [
-    "Pool", "BucketStat", "auc", "mean_gap", "mann_whitney", "spearman",
-    "pairwise_ranking_accuracy", "bucket_accuracy", "predictive_validity", "rerank_accuracy",
-    "pool_from_records", "load_run", "analyze_run", "format_report", "format_interval",
-    "plot_predictive_validity", "parse_lsub_sweep", "lsub_sweep", "format_lsub_table",
+    "Pool", "predictive_validity", "pool_from_records", "load_run", "analyze_run", "format_report",
+    "format_interval", "plot_predictive_validity", "parse_lsub_sweep", "lsub_sweep", "format_lsub_table",
 ]
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def _split(scores, labels) -> tuple[np.ndarray, np.ndarray]:
-    scores = np.asarray(scores, np.float64)
-    labels = np.asarray(labels, bool)
-    if scores.shape != labels.shape or scores.ndim != 1:
-        raise ValueError(f"scores {scores.shape} and labels {labels.shape} must be equal 1-D shapes")
-    if np.isnan(scores).any():
-        raise ValueError("scores contain NaN")
-    return scores[labels], scores[~labels]
-
-
-def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
-    """Area under the ROC curve of ``scores`` for ``labels`` (True = positive).
-
-    Equals ``U / (n_pos · n_neg)`` with ``U`` the Mann–Whitney statistic of the positives:
-    the probability that a random positive scores above a random negative, ties counted
-    one half. NaN when either class is empty.
-    """
-    pos, neg = _split(scores, labels)
-    if len(pos) == 0 or len(neg) == 0:
-        return math.nan
-    ranks = _stats.rankdata(np.concatenate([pos, neg]))  # average ranks for ties
-    u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2
-    return float(u / (len(pos) * len(neg)))
-
-
-def mean_gap(scores: Sequence[float], labels: Sequence[bool]) -> float:
-    """``mean(score | correct) − mean(score | incorrect)`` (NaN if a class is empty)."""
-    pos, neg = _split(scores, labels)
-    if len(pos) == 0 or len(neg) == 0:
-        return math.nan
-    return float(pos.mean() - neg.mean())
-
-
-def mann_whitney(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, float]:
-    """Two-sided Mann–Whitney U test of correct vs incorrect scores: ``(U, p)``.
-
-    ``U`` is the statistic of the correct group (scipy's convention); NaNs when a class
-    is empty or every score is equal.
-    """
-    pos, neg = _split(scores, labels)
-    if len(pos) == 0 or len(neg) == 0 or np.all(np.concatenate([pos, neg]) == pos[0]):
-        return math.nan, math.nan
-    res = _stats.mannwhitneyu(pos, neg, alternative="two-sided")
-    return float(res.statistic), float(res.pvalue)
-
-
-def spearman(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, float]:
-    """Spearman ρ between scores and correctness (0/1), with its p-value.
-
-    NaNs when either variable is constant.
-    """
-    scores = np.asarray(scores, np.float64)
-    labels = np.asarray(labels, np.float64)
-    if len(scores) < 2 or np.all(scores == scores[0]) or np.all(labels == labels[0]):
-        return math.nan, math.nan
-    res = _stats.spearmanr(scores, labels)
-    return float(res.statistic), float(res.pvalue)
-
-
-@dataclass(frozen=True)
-class PairwiseStat:
-    """Within-problem ranking of (correct, incorrect) pairs.
-
-    accuracy: (wins + ½·ties) / pairs, where a win is a pair whose correct candidate has
-    the strictly larger score (NaN without pairs); ties: tied pairs; tie_fraction:
-    ties / pairs; problems: problems contributing at least one pair.
-    """
-
-    accuracy: float
-    pairs: int
-    wins: int
-    ties: int
-    tie_fraction: float
-    problems: int
-
-
-def pairwise_ranking_accuracy(groups: Iterable[tuple[Sequence[float], Sequence[bool]]]) -> PairwiseStat:
-    """Pairwise ranking accuracy over problems; ``groups`` yields (scores, labels) per problem."""
-    pairs = wins = ties = problems = 0
-    for scores, labels in groups:
-        pos, neg = _split(scores, labels)
-        if len(pos) == 0 or len(neg) == 0:
-            continue
-        diff = pos[:, None] - neg[None, :]
-        pairs += diff.size
-        wins += int((diff > 0).sum())
-        ties += int((diff == 0).sum())
-        problems += 1
-    if pairs == 0:
-        return PairwiseStat(math.nan, 0, 0, 0, math.nan, 0)
-    return PairwiseStat((wins + 0.5 * ties) / pairs, pairs, wins, ties, ties / pairs, problems)
-
-
-@dataclass(frozen=True)
-class BucketStat:
-    """One quantile bucket: score range ``(low, high]`` (the first bucket is closed), the
-    smallest and largest score actually in it, its size and accuracy with a 95% Wilson
-    interval (NaN when empty)."""
-
-    bucket: int
-    low: float
-    high: float
-    min_score: float
-    max_score: float
-    n: int
-    correct: int
-    accuracy: float
-    ci_low: float
-    ci_high: float
-
-
-def bucket_accuracy(scores: Sequence[float], labels: Sequence[bool],
-                    n_buckets: int = 4) -> list[BucketStat]:
-    """Accuracy by score quantile bucket (quartiles by default); see the module docstring."""
-    from degs_jax.eval.results import wilson_interval
-
-    if n_buckets < 1:
-        raise ValueError(f"n_buckets must be positive, got {n_buckets}")
-    scores = np.asarray(scores, np.float64)
-    labels = np.asarray(labels, bool)
-    _split(scores, labels)
-    if len(scores) == 0:
-        return []
-    edges = np.quantile(scores, np.linspace(0.0, 1.0, n_buckets + 1))
-    index = np.searchsorted(edges[1:-1], scores, side="left")
-    out = []
-    for b in range(n_buckets):
-        sel = index == b
-        n, k = int(sel.sum()), int(labels[sel].sum())
-        lo, hi = wilson_interval(k, n)
-        out.append(BucketStat(
-            bucket=b, low=float(edges[b]), high=float(edges[b + 1]),
-            min_score=float(scores[sel].min()) if n else math.nan,
-            max_score=float(scores[sel].max()) if n else math.nan,
-            n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=lo, ci_high=hi))
-    return out
-
-
-def rerank_accuracy(groups: Iterable[Mapping[str, Sequence]], alpha: float, beta: float) -> float:
-    """Accuracy of choosing, per problem, ``argmax alpha·log_p + beta·D`` (first on ties,
-    as `decoders.degs_rerank`); groups: dicts with ``log_p``, ``D`` and ``correct`` lists."""
-    chosen = []
-    for g in groups:
-        score = alpha * np.asarray(g["log_p"], np.float64) + beta * np.asarray(g["D"], np.float64)
-        chosen.append(bool(np.asarray(g["correct"])[int(np.argmax(score))]))
-    return float(np.mean(chosen)) if chosen else math.nan
 
 
 # --------------------------------------------------------------------------- pools
@@ -264,8 +113,6 @@ def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
     """Every statistic of the module docstring for ``pool`` (scored by ``scores``, default
     the pool's own D(x)), as a JSON-able dict. ``n_resamples``: of the cluster bootstrap
     (default :data:`degs_jax.stats.BOOTSTRAP_RESAMPLES`; 0: no intervals)."""
-    from degs_jax.stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, cluster_bootstrap_auc
-
     d = pool.D if scores is None else np.asarray(scores, np.float64)
     y = pool.correct
     u, p = mann_whitney(d, y)
@@ -473,17 +320,6 @@ def parse_lsub_sweep(spec: str, num_layers: int) -> list[tuple[int, ...]]:
     return sets
 
 
-def decode_tokens(candidate: Mapping[str, Any]) -> list[int]:
-    """A kept candidate's token ids (stored as a list, or packed for GPQA)."""
-    if "tokens" in candidate:
-        return list(candidate["tokens"])
-    if "tokens_packed" in candidate:
-        from degs_jax.eval.runner import unpack_tokens
-
-        return unpack_tokens(candidate["tokens_packed"])
-    raise ValueError("candidate has no stored tokens (run `degs eval --keep-candidates`)")
-
-
 def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[int]], *,
                alpha: Optional[float] = None, beta: Optional[float] = None,
                batch_size: int = 8, out_dir: str | os.PathLike | None = None,
@@ -502,8 +338,8 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     correct) for reference. Writes ``lsub_sweep.json`` into ``out_dir`` (default the run).
     """
     from degs_jax.eval import load_benchmark
-    from degs_jax.eval.results import write_json
-    from degs_jax.eval.runner import problem_prompt_ids
+    from degs_jax.eval.results import candidate_tokens, write_json
+    from degs_jax.eval.prompts import problem_prompt_ids
     from degs_jax.hyperparameters import DegsRerank
     from degs_jax.lens import LensConfig
     from degs_jax.models import with_tuned_lens
@@ -529,7 +365,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
         ids = problem_prompt_ids(problems[r["id"]], model.tokenizer, cfg_run["chat"])
         for c in r["candidates"]:
             prompts.append(ids)
-            completions.append(decode_tokens(c))
+            completions.append(candidate_tokens(c))
             owner.append(r["id"])
     eos = model.eos_ids
     base = pool_from_records([{**r, "candidates": [{**c, "D": 0.0} for c in r["candidates"]]}

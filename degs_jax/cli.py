@@ -284,7 +284,8 @@ def _sample_many(args, seed: int) -> int:
     from .hyperparameters import hyperparameters_for
     from .model_api import params_dtype
     from .probe import read_rows
-    from .text import encode_prompt, sample
+    from .chat import encode_prompt
+    from .text import sample
 
     args.batch_size = parse_batch_size(args.batch_size)
     rows = read_rows(Path(args.input))

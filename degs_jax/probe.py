@@ -16,7 +16,7 @@ from .lens import DEFAULT_TAU, LensConfig
 from .models import with_tuned_lens
 from .plots import plot_entropy_trajectories
 from .scoring import EntropyTrajectory, score_sequences
-from .text import encode_prompt
+from .chat import encode_prompt
 
 
 def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:

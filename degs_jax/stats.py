@@ -1,5 +1,10 @@
-"""Statistics that can be quoted: paired decoder comparisons and the predictive validity
-of a score, with intervals that respect how the data were drawn (no JAX, no model).
+"""Every statistic of the package, in one place (no JAX, no model; scipy on first use):
+accuracies with Wilson intervals, paired decoder comparisons and the predictive validity
+of a score, with intervals that respect how the data were drawn.
+
+**Accuracy** of ``k`` correct among ``n``: ``k / n`` with the 95% Wilson score interval
+(:func:`wilson_interval`; :func:`wilson_limits` element-wise; its ends are exactly 0 at
+``k = 0`` and 1 at ``k = n``), the interval of every `degs eval` summary.
 
 **Paired decoders.** Two decoders A and B answer the same ``n`` problems; problem ``i``
 gives a pair of verdicts ``(a_i, b_i)`` in {0, 1}², tabulated as ``both`` (both right),
@@ -41,7 +46,10 @@ problems are easy or hard for both), so everything uses the pairs:
 
 **Predictive validity of a score D** over a pool of graded candidates grouped by problem
 (``N`` candidates per problem): the AUC is ``P(D_correct > D_incorrect) + ½·P(tie)`` over
-all (correct, incorrect) pairs of the pool. Candidates of one problem share its
+all (correct, incorrect) pairs of the pool (:func:`auc`: the Mann–Whitney statistic
+normalised); beside it the mean gap, the Mann–Whitney test, Spearman's ρ, the pairwise
+ranking accuracy within problems, accuracy by score quantile and the accuracy of a rerank
+rule (what `degs_jax.analysis` reports; each defined at its function). Candidates of one problem share its
 difficulty, so they are not independent; two statistics respect that:
 
 - the **cluster bootstrap**: resample *problems* with replacement, each with all of its
@@ -69,20 +77,77 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from scipy import stats as _stats
 
-from degs_jax.eval.results import Z_95, wilson_interval
-
-__all__ = ["BOOTSTRAP_RESAMPLES", "CONFIDENCE", "PairedComparison", "mcnemar",
-           "newcombe_paired_interval", "wilson_limits", "compare_paired", "holm",
-           "sign_test", "wilson_interval", "demean_by_cluster",
-           "ClusterBootstrap", "cluster_bootstrap_auc"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "CONFIDENCE", "Z_95", "Accuracy", "accuracy", "wilson_interval",
+           "wilson_limits", "PairedComparison", "mcnemar", "newcombe_paired_interval",
+           "compare_paired", "holm", "sign_test", "auc", "mean_gap", "mann_whitney", "spearman",
+           "PairwiseStat", "pairwise_ranking_accuracy", "BucketStat", "bucket_accuracy",
+           "rerank_accuracy", "demean_by_cluster", "ClusterBootstrap", "cluster_bootstrap_auc"]
 
 BOOTSTRAP_RESAMPLES = 10_000
 CONFIDENCE = 0.95
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def _scipy():
+    """scipy.stats, imported on first use: it costs about a second of start-up, which
+    `degs eval` and the study (they need only the Wilson interval) do not pay."""
+    import scipy.stats
+
+    return scipy.stats
+
+
+# --------------------------------------------------------------------------- proportions
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Accuracy with a Wilson score interval (``z`` = 1.96 for 95%)."""
+
+    n: int
+    correct: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+
+
+def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (``(nan, nan)`` if n == 0): the
+    scalar form of :func:`wilson_limits`."""
+    if n == 0:
+        return (math.nan, math.nan)
+    low, high = wilson_limits(successes, n, z)
+    return (float(low), float(high))
+
+
+def wilson_limits(successes, n, z: float = Z_95) -> tuple[np.ndarray, np.ndarray]:
+    """Wilson score limits of ``successes / n``, element-wise over arrays (``n > 0``)."""
+    k = np.asarray(successes, np.float64)
+    n = np.asarray(n, np.float64)
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # exactly 0 at k = 0 and 1 at k = n (centre ∓ half reaches them only up to rounding)
+    low = np.where(k == 0, 0.0, np.maximum(0.0, centre - half))
+    high = np.where(k == n, 1.0, np.minimum(1.0, centre + half))
+    return low, high
+
+
+def accuracy(records: Iterable[Mapping[str, Any]], key: str = "correct") -> Accuracy:
+    """Accuracy of the boolean ``key`` over records, with a 95% Wilson interval."""
+    values = [bool(r[key]) for r in records]
+    n, k = len(values), sum(values)
+    low, high = wilson_interval(k, n)
+    return Accuracy(n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=low, ci_high=high)
+
+
+
+
+# --------------------------------------------------------------------------- paired decoders
 
 
 def _verdicts(a: Sequence[bool], b: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -107,22 +172,7 @@ def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> float:
     only_b = int(np.sum(~a & b))
     if only_a + only_b == 0:
         return 1.0
-    return float(min(1.0, _stats.binomtest(only_b, only_a + only_b, 0.5).pvalue))
-
-
-def wilson_limits(successes, n, z: float = Z_95) -> tuple[np.ndarray, np.ndarray]:
-    """Wilson score limits of ``successes / n``, element-wise over arrays (``n > 0``);
-    the same numbers as :func:`degs_jax.eval.results.wilson_interval`, vectorised."""
-    k = np.asarray(successes, np.float64)
-    n = np.asarray(n, np.float64)
-    p = k / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    # exactly 0 at k = 0 and 1 at k = n (centre ∓ half reaches them only up to rounding)
-    low = np.where(k == 0, 0.0, np.maximum(0.0, centre - half))
-    high = np.where(k == n, 1.0, np.minimum(1.0, centre + half))
-    return low, high
+    return float(min(1.0, _scipy().binomtest(only_b, only_a + only_b, 0.5).pvalue))
 
 
 def newcombe_paired_interval(both, only_a, only_b, neither,
@@ -132,7 +182,7 @@ def newcombe_paired_interval(both, only_a, only_b, neither,
     cells = [np.asarray(x, np.float64) for x in (both, only_a, only_b, neither)]
     both, only_a, only_b, neither = np.broadcast_arrays(*cells)
     n = both + only_a + only_b + neither
-    z = float(_stats.norm.ppf(0.5 + confidence / 2))
+    z = float(_scipy().norm.ppf(0.5 + confidence / 2))
     with np.errstate(invalid="ignore", divide="ignore"):
         safe_n = np.where(n > 0, n, 1.0)
         p_b, p_a = (both + only_b) / safe_n, (both + only_a) / safe_n
@@ -217,9 +267,161 @@ def sign_test(differences: Sequence[float], alternative: str = "greater") -> dic
         raise ValueError("sign_test needs a 1-D sequence of numbers without NaN")
     pos, neg = int(np.sum(d > 0)), int(np.sum(d < 0))
     n = pos + neg
-    p = float(_stats.binomtest(pos, n, 0.5, alternative=alternative).pvalue) if n else math.nan
+    p = float(_scipy().binomtest(pos, n, 0.5, alternative=alternative).pvalue) if n else math.nan
     return {"positive": pos, "negative": neg, "zero": int(d.size - n), "alternative": alternative,
             "p_value": p}
+
+
+# --------------------------------------------------------------------------- scores vs correctness
+
+
+def _split(scores, labels) -> tuple[np.ndarray, np.ndarray]:
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, bool)
+    if scores.shape != labels.shape or scores.ndim != 1:
+        raise ValueError(f"scores {scores.shape} and labels {labels.shape} must be equal 1-D shapes")
+    if np.isnan(scores).any():
+        raise ValueError("scores contain NaN")
+    return scores[labels], scores[~labels]
+
+
+def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """Area under the ROC curve of ``scores`` for ``labels`` (True = positive).
+
+    Equals ``U / (n_pos · n_neg)`` with ``U`` the Mann–Whitney statistic of the positives:
+    the probability that a random positive scores above a random negative, ties counted
+    one half. NaN when either class is empty.
+    """
+    pos, neg = _split(scores, labels)
+    if len(pos) == 0 or len(neg) == 0:
+        return math.nan
+    ranks = _scipy().rankdata(np.concatenate([pos, neg]))  # average ranks for ties
+    u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2
+    return float(u / (len(pos) * len(neg)))
+
+
+def mean_gap(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """``mean(score | correct) − mean(score | incorrect)`` (NaN if a class is empty)."""
+    pos, neg = _split(scores, labels)
+    if len(pos) == 0 or len(neg) == 0:
+        return math.nan
+    return float(pos.mean() - neg.mean())
+
+
+def mann_whitney(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, float]:
+    """Two-sided Mann–Whitney U test of correct vs incorrect scores: ``(U, p)``.
+
+    ``U`` is the statistic of the correct group (scipy's convention); NaNs when a class
+    is empty or every score is equal.
+    """
+    pos, neg = _split(scores, labels)
+    if len(pos) == 0 or len(neg) == 0 or np.all(np.concatenate([pos, neg]) == pos[0]):
+        return math.nan, math.nan
+    res = _scipy().mannwhitneyu(pos, neg, alternative="two-sided")
+    return float(res.statistic), float(res.pvalue)
+
+
+def spearman(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, float]:
+    """Spearman ρ between scores and correctness (0/1), with its p-value.
+
+    NaNs when either variable is constant.
+    """
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, np.float64)
+    if len(scores) < 2 or np.all(scores == scores[0]) or np.all(labels == labels[0]):
+        return math.nan, math.nan
+    res = _scipy().spearmanr(scores, labels)
+    return float(res.statistic), float(res.pvalue)
+
+
+@dataclass(frozen=True)
+class PairwiseStat:
+    """Within-problem ranking of (correct, incorrect) pairs.
+
+    accuracy: (wins + ½·ties) / pairs, where a win is a pair whose correct candidate has
+    the strictly larger score (NaN without pairs); ties: tied pairs; tie_fraction:
+    ties / pairs; problems: problems contributing at least one pair.
+    """
+
+    accuracy: float
+    pairs: int
+    wins: int
+    ties: int
+    tie_fraction: float
+    problems: int
+
+
+def pairwise_ranking_accuracy(groups: Iterable[tuple[Sequence[float], Sequence[bool]]]) -> PairwiseStat:
+    """Pairwise ranking accuracy over problems; ``groups`` yields (scores, labels) per problem."""
+    pairs = wins = ties = problems = 0
+    for scores, labels in groups:
+        pos, neg = _split(scores, labels)
+        if len(pos) == 0 or len(neg) == 0:
+            continue
+        diff = pos[:, None] - neg[None, :]
+        pairs += diff.size
+        wins += int((diff > 0).sum())
+        ties += int((diff == 0).sum())
+        problems += 1
+    if pairs == 0:
+        return PairwiseStat(math.nan, 0, 0, 0, math.nan, 0)
+    return PairwiseStat((wins + 0.5 * ties) / pairs, pairs, wins, ties, ties / pairs, problems)
+
+
+@dataclass(frozen=True)
+class BucketStat:
+    """One quantile bucket: score range ``(low, high]`` (the first bucket is closed), the
+    smallest and largest score actually in it, its size and accuracy with a 95% Wilson
+    interval (NaN when empty)."""
+
+    bucket: int
+    low: float
+    high: float
+    min_score: float
+    max_score: float
+    n: int
+    correct: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+
+
+def bucket_accuracy(scores: Sequence[float], labels: Sequence[bool],
+                    n_buckets: int = 4) -> list[BucketStat]:
+    """Accuracy by score quantile bucket (quartiles by default): bucket ``b`` holds
+    ``q_b < D ≤ q_{b+1}`` (the first bucket also ``D = q_0``), where ``q`` are the scores'
+    quantiles (numpy's linear interpolation), so equal scores always share a bucket and a
+    bucket may be empty when many scores tie."""
+    if n_buckets < 1:
+        raise ValueError(f"n_buckets must be positive, got {n_buckets}")
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, bool)
+    _split(scores, labels)
+    if len(scores) == 0:
+        return []
+    edges = np.quantile(scores, np.linspace(0.0, 1.0, n_buckets + 1))
+    index = np.searchsorted(edges[1:-1], scores, side="left")
+    out = []
+    for b in range(n_buckets):
+        sel = index == b
+        n, k = int(sel.sum()), int(labels[sel].sum())
+        lo, hi = wilson_interval(k, n)
+        out.append(BucketStat(
+            bucket=b, low=float(edges[b]), high=float(edges[b + 1]),
+            min_score=float(scores[sel].min()) if n else math.nan,
+            max_score=float(scores[sel].max()) if n else math.nan,
+            n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=lo, ci_high=hi))
+    return out
+
+
+def rerank_accuracy(groups: Iterable[Mapping[str, Sequence]], alpha: float, beta: float) -> float:
+    """Accuracy of choosing, per problem, ``argmax alpha·log_p + beta·D`` (first on ties,
+    as the decoder `degs_rerank`); groups: dicts with ``log_p``, ``D`` and ``correct`` lists."""
+    chosen = []
+    for g in groups:
+        score = alpha * np.asarray(g["log_p"], np.float64) + beta * np.asarray(g["D"], np.float64)
+        chosen.append(bool(np.asarray(g["correct"])[int(np.argmax(score))]))
+    return float(np.mean(chosen)) if chosen else math.nan
 
 
 # --------------------------------------------------------------------------- clustered AUC

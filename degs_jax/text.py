@@ -8,20 +8,10 @@ from typing import Optional, Sequence
 
 import jax
 
+from .chat import encode_prompt
 from .decoders import DecodeResult, decode
 from .hyperparameters import Hyperparameters
 from .models import with_tuned_lens
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of `prompt`, through the tokenizer's chat template when it has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer.encode(prompt)
 
 
 def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = "degs_mcmc",

@@ -1,4 +1,5 @@
-"""Predictive-validity statistics against hand-computed values (synthetic data, no model)."""
+"""Predictive-validity statistics (degs_jax.stats) and the analysis built on them against
+hand-computed values (synthetic data, no model)."""
 
 import json
 import math
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from degs_jax import analysis as A
+from degs_jax import stats as S
 
 # Two problems of four candidates (ties inside and across classes) and one all-correct.
 #            problem a                  problem b
@@ -18,27 +20,27 @@ PROBLEM = ["a"] * 4 + ["b"] * 4
 def test_auc_with_ties_by_hand():
     # positives 0.2 0.4 0.5 0.6, negatives 0.1 0.2 0.3 0.4: of the 16 pairs 12 are won
     # and 2 tied (0.2/0.2, 0.4/0.4): AUC = (12 + 2/2) / 16.
-    assert A.auc(SCORES, LABELS) == pytest.approx(13 / 16)
-    assert A.auc([0.5] * 4, [True, False, True, False]) == pytest.approx(0.5)
-    assert A.auc([1, 2, 3], [False, False, True]) == 1.0
-    assert A.auc([1, 2, 3], [True, False, False]) == 0.0
-    assert math.isnan(A.auc([1, 2], [True, True]))
+    assert S.auc(SCORES, LABELS) == pytest.approx(13 / 16)
+    assert S.auc([0.5] * 4, [True, False, True, False]) == pytest.approx(0.5)
+    assert S.auc([1, 2, 3], [False, False, True]) == 1.0
+    assert S.auc([1, 2, 3], [True, False, False]) == 0.0
+    assert math.isnan(S.auc([1, 2], [True, True]))
 
 
 def test_mann_whitney_u_is_the_unnormalised_auc():
-    u, p = A.mann_whitney(SCORES, LABELS)
+    u, p = S.mann_whitney(SCORES, LABELS)
     assert u == pytest.approx(13.0)
     assert 0 < p < 1
-    assert all(math.isnan(x) for x in A.mann_whitney([0.3] * 4, [True, False] * 2))
+    assert all(math.isnan(x) for x in S.mann_whitney([0.3] * 4, [True, False] * 2))
     # a clean separation of a larger sample is significant
-    _, p = A.mann_whitney(list(range(40)), [i >= 20 for i in range(40)])
+    _, p = S.mann_whitney(list(range(40)), [i >= 20 for i in range(40)])
     assert p < 1e-6
 
 
 def test_mean_gap():
-    assert A.mean_gap(SCORES, LABELS) == pytest.approx((0.2 + 0.4 + 0.5 + 0.6) / 4 - (0.1 + 0.2 + 0.3 + 0.4) / 4)
-    assert A.mean_gap(SCORES, LABELS) == pytest.approx(0.175)
-    assert math.isnan(A.mean_gap([1.0], [False]))
+    assert S.mean_gap(SCORES, LABELS) == pytest.approx((0.2 + 0.4 + 0.5 + 0.6) / 4 - (0.1 + 0.2 + 0.3 + 0.4) / 4)
+    assert S.mean_gap(SCORES, LABELS) == pytest.approx(0.175)
+    assert math.isnan(S.mean_gap([1.0], [False]))
 
 
 def test_spearman_by_hand_with_tied_ranks():
@@ -47,11 +49,11 @@ def test_spearman_by_hand_with_tied_ranks():
     rl = np.where(LABELS, 6.5, 2.5)
     expected = np.sum((rs - rs.mean()) * (rl - rl.mean())) / math.sqrt(
         np.sum((rs - rs.mean()) ** 2) * np.sum((rl - rl.mean()) ** 2))
-    rho, p = A.spearman(SCORES, LABELS)
+    rho, p = S.spearman(SCORES, LABELS)
     assert rho == pytest.approx(expected)
     assert 0 < p < 1
-    assert math.isnan(A.spearman([1, 2, 3], [True, True, True])[0])
-    assert math.isnan(A.spearman([1, 1, 1], [True, False, True])[0])
+    assert math.isnan(S.spearman([1, 2, 3], [True, True, True])[0])
+    assert math.isnan(S.spearman([1, 1, 1], [True, False, True])[0])
 
 
 def test_pairwise_ranking_accuracy_within_problems():
@@ -59,13 +61,13 @@ def test_pairwise_ranking_accuracy_within_problems():
     # b: incorrect 0.4 vs correct 0.4 (tie), 0.5 (win), 0.6 (win)
     # c: all correct, no pairs
     groups = [(SCORES[:4], LABELS[:4]), (SCORES[4:], LABELS[4:]), ([0.9, 0.1], [True, True])]
-    pw = A.pairwise_ranking_accuracy(groups)
+    pw = S.pairwise_ranking_accuracy(groups)
     assert (pw.pairs, pw.wins, pw.ties, pw.problems) == (6, 3, 2, 2)
     assert pw.accuracy == pytest.approx((3 + 0.5 * 2) / 6)
     assert pw.tie_fraction == pytest.approx(2 / 6)
     # pooled AUC differs: pairs across problems count there, not here
-    assert pw.accuracy != pytest.approx(A.auc(SCORES, LABELS))
-    empty = A.pairwise_ranking_accuracy([([1.0, 2.0], [True, True])])
+    assert pw.accuracy != pytest.approx(S.auc(SCORES, LABELS))
+    empty = S.pairwise_ranking_accuracy([([1.0, 2.0], [True, True])])
     assert math.isnan(empty.accuracy) and empty.pairs == 0
 
 
@@ -73,7 +75,7 @@ def test_bucket_accuracy_quartiles_by_hand():
     # sorted 0.1 0.2 0.2 0.3 0.4 0.4 0.5 0.6; numpy linear quantiles at positions 7q:
     # q25 = 0.2, q50 = 0.35, q75 = 0.425. Buckets: (<=0.2) {0.1F, 0.2T, 0.2F},
     # (0.2, 0.35] {0.3F}, (0.35, 0.425] {0.4T, 0.4F}, (0.425, 0.6] {0.5T, 0.6T}.
-    buckets = A.bucket_accuracy(SCORES, LABELS)
+    buckets = S.bucket_accuracy(SCORES, LABELS)
     assert [b.n for b in buckets] == [3, 1, 2, 2]
     assert [b.correct for b in buckets] == [1, 0, 1, 2]
     assert [b.accuracy for b in buckets] == pytest.approx([1 / 3, 0.0, 0.5, 1.0])
@@ -86,18 +88,18 @@ def test_bucket_accuracy_quartiles_by_hand():
 
 def test_bucket_accuracy_keeps_ties_together():
     # all equal: every candidate in the first bucket, the others empty (NaN accuracy)
-    buckets = A.bucket_accuracy([0.5] * 6, [True, False, False, True, True, False])
+    buckets = S.bucket_accuracy([0.5] * 6, [True, False, False, True, True, False])
     assert [b.n for b in buckets] == [6, 0, 0, 0]
     assert buckets[0].accuracy == pytest.approx(0.5)
     assert all(math.isnan(b.accuracy) for b in buckets[1:])
     # two blocks of equal scores: q25 = 0.1, q50 = 0.5 (halfway between the middle ones),
     # q75 = 0.9 (position 5.25 lies inside the 0.9 block), so the 0.9s fall in (0.5, 0.9]
     # and the top bucket is empty
-    buckets = A.bucket_accuracy([0.1] * 4 + [0.9] * 4, [False] * 4 + [True] * 4)
+    buckets = S.bucket_accuracy([0.1] * 4 + [0.9] * 4, [False] * 4 + [True] * 4)
     assert [b.high for b in buckets] == pytest.approx([0.1, 0.5, 0.9, 0.9])
     assert [b.n for b in buckets] == [4, 0, 4, 0]
     assert [buckets[0].accuracy, buckets[2].accuracy] == [0.0, 1.0]
-    assert sum(b.n for b in A.bucket_accuracy(np.linspace(0, 1, 10), [True] * 10, 3)) == 10
+    assert sum(b.n for b in S.bucket_accuracy(np.linspace(0, 1, 10), [True] * 10, 3)) == 10
 
 
 def test_rerank_accuracy():
@@ -105,13 +107,13 @@ def test_rerank_accuracy():
         {"log_p": [-1.0, -1.2], "D": [0.1, 0.9], "correct": [False, True]},
         {"log_p": [-5.0, -1.0], "D": [0.9, 0.1], "correct": [True, False]},
     ]
-    assert A.rerank_accuracy(groups, 1.0, 0.0) == 0.0  # likelihood picks the wrong ones
-    assert A.rerank_accuracy(groups, 0.0, 1.0) == 1.0  # depth-only picks the right ones
+    assert S.rerank_accuracy(groups, 1.0, 0.0) == 0.0  # likelihood picks the wrong ones
+    assert S.rerank_accuracy(groups, 0.0, 1.0) == 1.0  # depth-only picks the right ones
     # alpha 4, beta 5: problem 1: -4 + 0.5 = -3.5 vs -4.8 + 4.5 = -0.3 -> correct;
     # problem 2: -20 + 4.5 vs -4 + 0.5 -> the incorrect one
-    assert A.rerank_accuracy(groups, 4.0, 5.0) == 0.5
+    assert S.rerank_accuracy(groups, 4.0, 5.0) == 0.5
     # ties go to the first candidate, as the decoder's argmax
-    assert A.rerank_accuracy([{"log_p": [0, 0], "D": [0, 0], "correct": [True, False]}], 1, 1) == 1.0
+    assert S.rerank_accuracy([{"log_p": [0, 0], "D": [0, 0], "correct": [True, False]}], 1, 1) == 1.0
 
 
 def _records():

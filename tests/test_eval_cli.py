@@ -18,7 +18,7 @@ import pytest
 
 from degs_jax import cli
 from degs_jax.eval import Grader, load_benchmark
-from degs_jax.eval.runner import unpack_tokens
+from degs_jax.eval.results import unpack_tokens
 
 pytestmark = pytest.mark.slow
 

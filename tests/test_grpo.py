@@ -455,7 +455,7 @@ def test_step_tasks_visit_every_task_once_per_epoch():
 
 def test_gsm8k_train_tasks_use_the_eval_prompt_and_refuse_the_test_split():
     from degs_jax.eval.benchmarks import default_data_dir
-    from degs_jax.eval.runner import problem_prompt_ids
+    from degs_jax.eval.prompts import problem_prompt_ids
 
     tok = byte_tokenizer()
     tasks = gsm8k_train_tasks(tok, limit=20)

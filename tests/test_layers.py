@@ -24,15 +24,16 @@ ROOT = Path(degs_jax.__file__).parent
 MODELS = Path(degs_jax.models.__file__).parent
 
 LAYERS = [
-    ("tiling / model API", ("degs_jax.tiling", "degs_jax.model_api")),
+    ("tiling / model API / chat", ("degs_jax.tiling", "degs_jax.model_api", "degs_jax.chat")),
     ("models", ("degs_jax.models",)),
     ("examples", ("degs_jax.examples",)),
+    ("statistics", ("degs_jax.stats",)),
     ("lens / generation / scoring", ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring")),
     ("mcmc / smc / sps", ("degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
-    ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots", "degs_jax.stats")),
+    ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots")),
     ("training", ("degs_jax.train",)),
     ("reproduction", ("degs_jax.reproduce",)),
     ("CLI", ("degs_jax.cli", "degs_jax.eval.commands", "degs_jax.train.commands",

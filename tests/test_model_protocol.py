@@ -23,7 +23,8 @@ from degs_jax.analysis import lsub_sweep
 from degs_jax.decoders import decode
 from degs_jax.eval import load_benchmark
 from degs_jax.eval.results import read_records, read_run_file
-from degs_jax.eval.runner import problem_key, problem_prompt_ids, run_eval
+from degs_jax.eval.prompts import problem_prompt_ids
+from degs_jax.eval.runner import problem_key, run_eval
 from degs_jax.examples.byte_tokenizer import byte_tokenizer
 from degs_jax.lens import collapse_depth, default_lsub
 from degs_jax.model_api import LanguageModel

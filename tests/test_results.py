@@ -9,15 +9,14 @@ from degs_jax.eval.benchmarks import Problem
 from degs_jax.eval.results import (
     EVAL_RECORD_FIELDS,
     ResultStore,
-    accuracy,
     numeric_means,
     package_versions,
     read_records,
     summarize,
     transcript_fields,
-    wilson_interval,
     write_summary,
 )
+from degs_jax.stats import accuracy, wilson_interval
 
 
 def test_append_resume_and_skip(tmp_path):

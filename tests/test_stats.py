@@ -7,9 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from degs_jax import analysis as A
 from degs_jax import stats as S
-from degs_jax.eval.results import wilson_interval
+from degs_jax.stats import wilson_interval
 
 Z = 1.959963984540054
 
@@ -233,7 +232,7 @@ def _demeaned(problem):
 def test_auc_and_problem_demeaned_auc_by_hand():
     # raw: correct .9 .3 .6 .2 .4 vs incorrect .7 .5 .1: wins 3 + 1 + 2 + 1 + 1 = 8 of 15
     whole = S.cluster_bootstrap_auc(SCORES, LABELS, CLUSTERS, n_resamples=0)
-    assert whole.estimate == pytest.approx(8 / 15) == A.auc(SCORES, LABELS)
+    assert whole.estimate == pytest.approx(8 / 15) == S.auc(SCORES, LABELS)
     assert math.isnan(whole.ci_low) and whole.clusters == 4
     # demeaned (problem means .8, .3, .6, .3): correct .1, 0, 0, −.1, .1 vs incorrect
     # −.1, .2, −.2: wins 2 + 2 + 2 + (1 + ½ tie) + 2 = 9.5 of 15

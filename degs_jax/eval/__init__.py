@@ -41,16 +41,14 @@ from degs_jax.eval.graders import (
 )
 from degs_jax.eval.prompts import build_prompt, template_hash, uses_chat_template
 from degs_jax.eval.results import (
-    Accuracy,
     ResultStore,
-    accuracy,
     numeric_means,
     package_versions,
     summarize,
     transcript_fields,
-    wilson_interval,
     write_summary,
 )
+from degs_jax.stats import Accuracy, accuracy, wilson_interval  # the summaries' statistics
 from degs_jax.eval.sandbox import (
     ExecutionResult,
     HumanEvalCheck,

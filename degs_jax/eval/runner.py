@@ -53,7 +53,6 @@ and verdict, for `degs analyze`.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import hashlib
@@ -62,7 +61,6 @@ import math
 import socket
 import sys
 import time
-import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -75,12 +73,12 @@ from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
 from degs_jax.eval.graders import Grader, pass_at_k
 from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
                                      raise_if_peer_failed, share, shared)
-from degs_jax.eval.prompts import template_hash, user_message, uses_chat_template
-from degs_jax.model_api import params_dtype
+from degs_jax.eval.prompts import problem_prompt_ids, template_hash, uses_chat_template
 from degs_jax.eval.results import (
     EVAL_RECORD_FIELDS,
     ResultStore,
     merge_shards,
+    pack_tokens,
     package_versions,
     read_records,
     read_run_file,
@@ -89,6 +87,7 @@ from degs_jax.eval.results import (
     write_json,
     write_summary,
 )
+from degs_jax.model_api import params_dtype
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -98,8 +97,8 @@ GPQA = "gpqa_diamond"
 
 SHARD_PATTERN = "results.process-*-of-*.jsonl"
 
-__all__ = ["run_eval", "run_config", "problem_prompt_ids", "problem_key", "pack_tokens",
-           "unpack_tokens", "format_summary", "shard_file", "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
+__all__ = ["run_eval", "run_config", "problem_key", "format_summary", "shard_file", "check_run_directory",
+           "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
 
 
 def shard_file(process: int, count: int) -> str:
@@ -111,31 +110,11 @@ def _shards(out: Path) -> list[Path]:
     return sorted(out.glob(SHARD_PATTERN))
 
 
-def problem_prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
-    """Token ids of ``problem``'s prompt: the benchmark template, through the tokenizer's
-    chat template when ``chat`` (same ids as ``build_prompt`` + tokenize)."""
-    from degs_jax.text import encode_prompt
-
-    chat = chat and uses_chat_template(tokenizer)
-    return encode_prompt(tokenizer, user_message(problem, chat=chat), chat=chat)
-
-
 def problem_key(seed: int, index: int):
     """The PRNG key of problem ``index``: ``fold_in(key(seed), index)``."""
     import jax
 
     return jax.random.fold_in(jax.random.key(seed), index)
-
-
-def pack_tokens(tokens: Sequence[int]) -> str:
-    """Token ids as base64(zlib(int32 little-endian)): used for GPQA candidates, whose
-    transcripts must not be stored as (trivially decodable) readable text."""
-    return base64.b64encode(zlib.compress(np.asarray(tokens, "<i4").tobytes())).decode("ascii")
-
-
-def unpack_tokens(packed: str) -> list[int]:
-    """Inverse of :func:`pack_tokens`."""
-    return np.frombuffer(zlib.decompress(base64.b64decode(packed)), "<i4").tolist()
 
 
 def _jsonable(value: Any) -> Any:

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from degs_jax.eval.results import wilson_interval, write_json
+from degs_jax.eval.results import write_json
 from degs_jax.reproduce import paper
 from degs_jax.reproduce.study import (
     LAYERS_FILE,
@@ -53,7 +53,7 @@ from degs_jax.reproduce.study import (
     read_jsonl,
     read_records,
 )
-from degs_jax.stats import compare_paired, holm, sign_test
+from degs_jax.stats import compare_paired, holm, rerank_accuracy, sign_test, wilson_interval
 
 # (treatment, baseline, question): paired comparisons reported when both rows exist.
 PAIRS = (
@@ -310,7 +310,7 @@ def _default_set(pool: Mapping[str, Any]) -> Optional[int]:
 
 
 def lsub_table(study: Study) -> dict:
-    from degs_jax.analysis import pool_from_records, predictive_validity, rerank_accuracy
+    from degs_jax.analysis import pool_from_records, predictive_validity
 
     weights = {b: sel["pool_rerank"] for b, sel in study.latest("selections").items()}
     out = {}

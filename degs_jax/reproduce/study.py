@@ -669,15 +669,14 @@ def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rate
 def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) -> list[list[dict]]:
     """:func:`sequence_layer_statistics` of every candidate of each ``(problem, record)``
     (prompt as the pool's run built it), grouped per record."""
-    from degs_jax.eval.runner import problem_prompt_ids, unpack_tokens
+    from degs_jax.eval.prompts import problem_prompt_ids
+    from degs_jax.eval.results import candidate_tokens
 
     sequences, owners = [], []
     for ri, (problem, record) in enumerate(items):
         prompt = problem_prompt_ids(problem, model.tokenizer, chat)
         for cand in record["candidates"]:
-            # as analysis.decode_tokens, without importing the analysis (scipy, matplotlib)
-            completion = cand["tokens"] if "tokens" in cand else unpack_tokens(cand["tokens_packed"])
-            sequences.append((prompt, completion, bool(cand["ended"])))
+            sequences.append((prompt, candidate_tokens(cand), bool(cand["ended"])))
             owners.append(ri)
     stats = sequence_layer_statistics(model.lm, model.params, sequences, lsub_sets=lsub_sets,
                                       tau=tau)

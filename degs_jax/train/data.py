@@ -123,7 +123,7 @@ def gsm8k_train_tasks(tokenizer, path: Optional[str | os.PathLike] = None, *, ch
     when nothing is left). limit: the first `limit` problems.
     """
     from degs_jax.eval.benchmarks import SHA256, Problem, gsm8k_gold
-    from degs_jax.eval.runner import problem_prompt_ids
+    from degs_jax.eval.prompts import problem_prompt_ids
 
     path = Path(path) if path is not None else default_gsm8k_train_path()
     if not path.is_file():
