@@ -27,9 +27,10 @@ Statistics over a pool of graded candidates, each with a score ``D(x)`` and a ve
 and writes ``analysis.json`` and ``analysis.png``; ``lsub_sweep`` re-scores the kept
 candidates with :func:`degs_jax.scoring.score_sequences` for each probe set ``L_sub`` and
 reports the predictive statistics and DEGS-rerank accuracy per set (the paper's L_sub
-table). Nothing here imports JAX except ``lsub_sweep``, nor the evaluation harness
-(``degs_jax.eval``) at load time: the functions that read run directories or re-score
-import it lazily; ``degs_jax.eval`` never imports this module (the CLI does).
+table). The statistics themselves are :mod:`degs_jax.stats`'s. The evaluation harness
+(``degs_jax.eval``, whose package imports the sandbox and the graders) is not loaded with
+this module: the functions that read run directories import it when called;
+``degs_jax.eval`` never imports this module (the CLI does).
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from degs_jax.hyperparameters import DegsRerank
+from degs_jax.lens import LensConfig
+from degs_jax.models import with_tuned_lens
+from degs_jax.scoring import score_sequences
+
 from degs_jax.stats import (BOOTSTRAP_RESAMPLES, CONFIDENCE, auc, bucket_accuracy, cluster_bootstrap_auc,
                             mann_whitney, mean_gap, pairwise_ranking_accuracy, rerank_accuracy, spearman)
 
 __all__ = [
     "Pool", "predictive_validity", "pool_from_records", "load_run", "analyze_run", "format_report",
-    "format_interval", "plot_predictive_validity", "parse_lsub_sweep", "lsub_sweep", "format_lsub_table",
+    "format_interval", "plot_predictive_validity", "lsub_sweep", "format_lsub_table",
 ]
 
 
@@ -148,6 +154,7 @@ def predictive_validity(pool: Pool, scores: Optional[Sequence[float]] = None,
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     """(run.json, result records) of a ``degs eval`` directory."""
+    # the harness when a run is read, not when this module is imported (module docstring)
     from degs_jax.eval.results import EVAL_RECORD_FIELDS, read_records, read_run_file
 
     run_dir = Path(run_dir)
@@ -270,7 +277,7 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
                 n_buckets: int = 4, quiet: bool = False) -> dict[str, Any]:
     """Predictive validity of D(x) on a ``degs eval`` run: prints the report and writes
     ``analysis.json`` and ``analysis.png`` into ``out_dir`` (default ``run_dir``)."""
-    from degs_jax.eval.results import write_json
+    from degs_jax.eval.results import write_json  # the harness when called (module docstring)
 
     run, records = load_run(run_dir)
     pool = pool_from_records(records)
@@ -294,32 +301,6 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
 # --------------------------------------------------------------------------- L_sub sweep
 
 
-def parse_lsub_sweep(spec: str, num_layers: int) -> list[tuple[int, ...]]:
-    """``"4,8,12;16,20,24,28;all;default"`` -> probe sets (``all`` = 1..L, ``default`` =
-    the default grid of docs/design.md §3). Each set is validated against ``num_layers``."""
-    from degs_jax.lens import default_lsub, validate_lsub
-
-    sets = []
-    for part in spec.split(";"):
-        part = part.strip()
-        if not part:
-            continue
-        if part == "all":
-            layers = tuple(range(1, num_layers + 1))
-        elif part == "default":
-            layers = default_lsub(num_layers)
-        else:
-            try:
-                layers = tuple(int(x) for x in part.split(","))
-            except ValueError:
-                raise ValueError(f"bad L_sub {part!r} in --lsub-sweep: expected comma-separated "
-                                 "layer numbers, 'all' or 'default'") from None
-        sets.append(validate_lsub(layers, num_layers))
-    if not sets:
-        raise ValueError("--lsub-sweep is empty")
-    return sets
-
-
 def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[int]], *,
                alpha: Optional[float] = None, beta: Optional[float] = None,
                batch_size: int = 8, out_dir: str | os.PathLike | None = None,
@@ -337,13 +318,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
     likelihood-only (Best-of-N) and depth-only choices and the oracle (any candidate
     correct) for reference. Writes ``lsub_sweep.json`` into ``out_dir`` (default the run).
     """
-    from degs_jax.eval import load_benchmark
-    from degs_jax.eval.results import candidate_tokens, write_json
-    from degs_jax.eval.prompts import problem_prompt_ids
-    from degs_jax.hyperparameters import DegsRerank
-    from degs_jax.lens import LensConfig
-    from degs_jax.models import with_tuned_lens
-    from degs_jax.scoring import score_sequences
+    from degs_jax.eval import load_benchmark, prompts, results  # when called (module docstring)
 
     run, records = load_run(run_dir)
     cfg_run = run["config"]
@@ -360,12 +335,12 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
                  else rerank.beta if beta is None else beta)
     tau = float(hp.get("tau", rerank.tau))
     problems = {p.id: p for p in load_benchmark(cfg_run["benchmark"], data_dir=data_dir)}
-    prompts, completions, owner = [], [], []
+    prompt_ids, completions, owner = [], [], []
     for r in records:
-        ids = problem_prompt_ids(problems[r["id"]], model.tokenizer, cfg_run["chat"])
+        ids = prompts.problem_prompt_ids(problems[r["id"]], model.tokenizer, cfg_run["chat"])
         for c in r["candidates"]:
-            prompts.append(ids)
-            completions.append(candidate_tokens(c))
+            prompt_ids.append(ids)
+            completions.append(results.candidate_tokens(c))
             owner.append(r["id"])
     eos = model.eos_ids
     base = pool_from_records([{**r, "candidates": [{**c, "D": 0.0} for c in r["candidates"]]}
@@ -382,10 +357,10 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
         lens = LensConfig(lsub=tuple(lsub), tau=tau).validate_for(model.lm.num_layers)
         # Compile outside the timing (first batch once); the timed pass is warm.
         lm, params = with_tuned_lens(model.lm, model.params, tuned)
-        score_sequences(lm, params, prompts[:batch_size], completions[:batch_size],
+        score_sequences(lm, params, prompt_ids[:batch_size], completions[:batch_size],
                         lens, eos, batch_size=batch_size)
         t0 = time.perf_counter()
-        scored = score_sequences(lm, params, prompts, completions, lens, eos,
+        scored = score_sequences(lm, params, prompt_ids, completions, lens, eos,
                                  batch_size=batch_size)
         seconds = time.perf_counter() - t0
         d = np.array([s["depth"] for s in scored])
@@ -405,7 +380,7 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
               "reference": reference, "rows": rows}
     out = Path(out_dir) if out_dir is not None else Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "lsub_sweep.json", result)
+    results.write_json(out / "lsub_sweep.json", result)
     if not quiet:
         print(format_lsub_table(result))
         print(f"wrote {out / 'lsub_sweep.json'}", file=sys.stderr)

@@ -34,6 +34,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from .generation import PROMPT_BUCKET
+from .hyperparameters import MCMCHyperparameters, ScalablePower
+
 DEFAULT_MEMORY_FRACTION = 0.7
 MAX_AUTO_BATCH = 256
 STATE_BYTES_PER_SLOT = 20
@@ -75,9 +78,6 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
     model: a `CausalLM`; config: the method's `Hyperparameters`; longest_prompt: tokens of
     the longest prompt of the batch (padded as `pad_prompts` pads it).
     """
-    from .generation import PROMPT_BUCKET
-    from .hyperparameters import MCMCHyperparameters, ScalablePower
-
     padded = -(-int(longest_prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
     max_len = padded + config.max_new_tokens
     shapes = jax.eval_shape(lambda: model.init_cache(1, max_len, cache_dtype))

@@ -95,7 +95,7 @@ Z_95 = 1.959963984540054  # two-sided 95% normal quantile
 def _scipy():
     """scipy.stats, imported on first use: it costs about a second of start-up, which
     `degs eval` and the study (they need only the Wilson interval) do not pay."""
-    import scipy.stats
+    import scipy.stats  # start-up: see the docstring
 
     return scipy.stats
 

@@ -77,7 +77,7 @@ def remove_damaged_entries(directory: str | Path) -> list[str]:
     mtime, recorded in `degs-verified.json`) are not read again; entries younger than
     SETTLED_SECONDS are left for a later run. Nothing happens if this JAX's cache codec
     cannot be found."""
-    try:
+    try:  # jax's private codec: looked up where used, as it may move between versions
         from jax._src.compilation_cache import decompress_executable
     except ImportError:
         return []

@@ -85,7 +85,7 @@ class GGUFError(CheckpointError):
 def open_gguf(path: str | os.PathLike):
     """A `gguf.GGUFReader` over `path` (memory-mapped); unreadable files raise GGUFError
     naming the file, a missing file FileNotFoundError."""
-    import gguf
+    import gguf  # ~0.2 s of start-up, paid only when a GGUF file is read (not its cached conversion)
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -161,8 +161,9 @@ def tokenizer_from_gguf(reader):
     """A `transformers.PreTrainedTokenizerFast` built from the GGUF's tokenizer metadata
     (module docstring), without torch. GGUFError for tokenizer types it does not know
     (name the file's `tokenizer.ggml.model` / `pre`)."""
+    # tokenizers and transformers: ~2 s of start-up, paid only when a GGUF file is converted
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # (see the line above)
 
     where = reader.data.filename
     kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "gpt2")
@@ -245,7 +246,7 @@ def iter_hf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]
     llama files only, and only when the row count fits the config (otherwise the
     array is passed through and the shape check names it).
     """
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize  # as in open_gguf: only when a GGUF file is read
 
     for t in reader.tensors:
         try:

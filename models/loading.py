@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -62,14 +63,21 @@ from typing import Any, Iterator, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from tqdm.auto import tqdm
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locking
+    fcntl = None
 
 from .causal_lm import TransformerLM
 from .checkpoint import CheckpointError, params_from_hf
 from .config import ConfigError, ModelConfig
 from .gguf_io import config_from_gguf, iter_hf_tensors, open_gguf, tokenizer_from_gguf
-from .sharding import param_shardings
 from .params import Params
+from .sharding import param_shardings
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -302,9 +310,7 @@ def _exclusive(lock_path: Path, blocking: bool = True, waiting: str = "") -> Ite
     """Hold an exclusive flock on `lock_path` (created if needed). Blocking: waits for it,
     printing `waiting` first if another process holds it; otherwise yields False at once
     when it is held. Without fcntl (not POSIX) it yields True and locks nothing."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         yield True
         return
     lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,8 +387,6 @@ def builtin_gguf(name: str, cache_dir: str | os.PathLike | None = None, progress
 def _installed_part(part: WheelPart) -> Optional[Path]:
     """Where an installed wheel put `part`, found without importing its package (whose
     `__init__` may import its undeclared-here dependencies); None if not installed."""
-    import importlib.util
-
     package, _, rest = part.member.partition("/")
     try:
         found = importlib.util.find_spec(package)
@@ -538,8 +542,6 @@ def _read_safetensors(directory: Path, weight_map: dict[str, str] | None, cfg: M
     bf16; HF checkpoints usually are bf16), which go through the flax reader into
     host (CPU) jax arrays. Each tensor is converted to `dtype` once, in `params_from_hf`.
     """
-    from safetensors import safe_open
-
     files = sorted(set(weight_map.values())) if weight_map is not None else ["model.safetensors"]
     cpu = jax.devices("cpu")[0]
     with contextlib.ExitStack() as stack:
@@ -578,7 +580,7 @@ def _read_safetensors(directory: Path, weight_map: dict[str, str] | None, cfg: M
 
 
 def _tokenizer(directory: Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: ~2 s of start-up, only when loading
 
     try:
         return AutoTokenizer.from_pretrained(directory)
@@ -589,7 +591,7 @@ def _tokenizer(directory: Path):
 
 def _hub_snapshot(repo_id: str) -> Path:
     """Download config, safetensors and tokenizer files of a hub model; the local directory."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # with the hub only (start-up, as transformers)
 
     patterns = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "*.model"]
@@ -628,7 +630,7 @@ def _load_gguf(source, sha256: str, dtype, cache_dir: Path, progress: bool, name
                 model = _convert(path, entry, dtype, progress, name, mesh)
                 return dataclasses.replace(model, source=str(entry) if callable(source) else str(source))
     _note(f"using converted fp32 weights cached in {entry}", progress)
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # start-up: see _tokenizer
 
     try:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(entry)
@@ -706,8 +708,6 @@ def _write_hf_dir(entry: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray],
                   source: str) -> None:
     """Write an HF directory and its checksum list (last) into a temporary directory, then
     rename it into place (a damaged entry there is moved aside and deleted first)."""
-    from safetensors.numpy import save_file
-
     tmp = _temporary_of(entry)
     tmp.mkdir(parents=True)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),

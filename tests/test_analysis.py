@@ -9,6 +9,7 @@ import pytest
 
 from degs_jax import analysis as A
 from degs_jax import stats as S
+from degs_jax.cli.options import parse_lsub_sweep
 
 # Two problems of four candidates (ties inside and across classes) and one all-correct.
 #            problem a                  problem b
@@ -182,14 +183,14 @@ def test_degenerate_pools_still_report_and_plot(tmp_path):
 
 
 def test_parse_lsub_sweep():
-    assert A.parse_lsub_sweep("4,8,12; 16,20,24,28;all;default", 30) == [
+    assert parse_lsub_sweep("4,8,12; 16,20,24,28;all;default", 30) == [
         (4, 8, 12), (16, 20, 24, 28), tuple(range(1, 31)), (4, 9, 14, 18, 22, 26, 30)]
     with pytest.raises(ValueError, match="out of range"):
-        A.parse_lsub_sweep("4,40", 30)
+        parse_lsub_sweep("4,40", 30)
     with pytest.raises(ValueError, match="bad L_sub"):
-        A.parse_lsub_sweep("4,x", 30)
+        parse_lsub_sweep("4,x", 30)
     with pytest.raises(ValueError, match="empty"):
-        A.parse_lsub_sweep(" ; ", 30)
+        parse_lsub_sweep(" ; ", 30)
 
 
 def test_degs_analyze_cli(tmp_path, capsys):

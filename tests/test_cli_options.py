@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from degs_jax.cli import _cli_fields, _hyperparameters, build_parser
+from degs_jax.cli import build_parser
+from degs_jax.cli.options import _cli_fields, _hyperparameters
 from degs_jax.hyperparameters import METHOD_HYPERPARAMETERS
 
 

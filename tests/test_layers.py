@@ -1,13 +1,25 @@
-"""The package's layering: a module may import only from its own layer or lower ones.
+"""The package's import graph: layers, the rules between them, no cycles, few lazy imports.
 
-    tiling, model API  <  models  <  lens / generation / scoring  <  mcmc / smc / sps
-            <  decoders (+ hyperparameters)  <  text API  <  eval  <  analysis / probe
-            <  CLI (degs_jax.cli, degs_jax.eval.commands)
+    tiling, model protocol, chat  <  models  <  examples  <  statistics
+        <  lens / generation / scoring  <  mcmc / smc / sps  <  decoders (+ hyperparameters)
+        <  text API  <  eval  <  analysis / probe  <  training  <  reproduction  <  CLI
 
-`models/` knows nothing about sampling; samplers know a model only through the
-protocol (`degs_jax.model_api`); the evaluation harness never imports the analyses
-(the CLI wires them together). Every import statement counts, including the lazy
-ones inside functions. A new module must be given a layer here.
+A module may import only from its own layer or lower ones. On top of that:
+
+- the protocol (`model_api`), the row tiles (`tiling`) and `chat` import nothing of the
+  package: implementing the protocol costs no model, loader or sampler (checked on the
+  source and by importing `degs_jax.model_api` alone);
+- `models/` imports nothing above the protocol and the tiles (test_params_table.py);
+- the samplers never import the model file: nothing of `degs_jax.models` but the adapter
+  that decoders.py still names for `lens_chunk` (ALLOWED_MODEL_IMPORTS);
+- nothing outside the CLI layer (`degs_jax.cli`) imports it, and nothing in the library
+  imports `degs_jax.examples`;
+- no cycle among modules, nor among packages (a subpackage counts as one node);
+- function-local imports only where they buy start-up time or availability, each with
+  its reason in a comment on its line or the line above, at most LOCAL_IMPORTS_MAX.
+
+Every import statement counts, including the lazy ones inside functions. A new module
+must be given a layer here.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ ROOT = Path(degs_jax.__file__).parent
 MODELS = Path(degs_jax.models.__file__).parent
 
 LAYERS = [
-    ("tiling / model API / chat", ("degs_jax.tiling", "degs_jax.model_api", "degs_jax.chat")),
+    ("tiling / model protocol / chat", ("degs_jax.tiling", "degs_jax.model_api", "degs_jax.chat")),
     ("models", ("degs_jax.models",)),
     ("examples", ("degs_jax.examples",)),
     ("statistics", ("degs_jax.stats",)),
@@ -36,9 +48,16 @@ LAYERS = [
     ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots")),
     ("training", ("degs_jax.train",)),
     ("reproduction", ("degs_jax.reproduce",)),
-    ("CLI", ("degs_jax.cli", "degs_jax.eval.commands", "degs_jax.train.commands",
-             "degs_jax.reproduce.command")),
+    ("CLI", ("degs_jax.cli",)),
 ]
+PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
+SAMPLERS = ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring", "degs_jax.mcmc", "degs_jax.smc",
+            "degs_jax.sps", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")
+# decoders.py checks isinstance(model, TransformerLM) for the `lens_chunk` hyperparameter, a
+# transformer knob; it goes when the method redesign (issue 26, part B) moves that knob
+# onto the adapter. Nothing else of the samplers may name degs_jax.models.
+ALLOWED_MODEL_IMPORTS = {("degs_jax.decoders", "degs_jax.models.causal_lm")}
+LOCAL_IMPORTS_MAX = 20
 
 
 def layer_of(module: str) -> int | None:
@@ -89,6 +108,71 @@ def imports_of(name: str, path: Path) -> set[str]:
     return out
 
 
+def graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (the package root excluded)."""
+    return {name: imports_of(name, path) - {"degs_jax"} for name, path in modules().items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the directed graph as [a, b, ..., a] (self-loops ignored), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt == node:
+                continue
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def package_of(module: str) -> str:
+    """The node of `module` in the package graph: its subpackage of degs_jax (eval, train,
+    models, ...), or the module itself for a top-level module."""
+    parts = module.split(".")
+    if len(parts) >= 2 and (ROOT / parts[1]).is_dir() or parts[:2] == ["degs_jax", "models"]:
+        return ".".join(parts[:2])
+    return module
+
+
+def local_imports(path: Path) -> list[tuple[int, bool]]:
+    """(line, has a reason) of every import statement inside a function body of `path`; the
+    reason is a comment on the statement's lines or on the line above."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        owner = parents.get(node)
+        while owner is not None and not isinstance(owner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            owner = parents.get(owner)
+        if owner is None:
+            continue
+        own = lines[node.lineno - 1:node.end_lineno]
+        above = lines[node.lineno - 2] if node.lineno >= 2 else ""
+        out.append((node.lineno, any("#" in line for line in own + [above])))
+    return sorted(out)
+
+
 def test_every_module_has_a_layer():
     missing = sorted(m for m in modules() if layer_of(m) is None)
     assert not missing, f"give these modules a layer in tests/test_layers.py: {missing}"
@@ -108,13 +192,64 @@ def test_no_import_from_a_lower_layer_to_a_higher_one():
     assert not violations, "\n".join(violations)
 
 
-def test_layer_check_sees_a_violation(tmp_path):
-    """The checker itself: an upward import inside a function body is reported."""
+def test_the_protocol_imports_nothing_of_the_package():
+    edges = graph()
+    assert {m: edges[m] for m in PROTOCOL} == {m: set() for m in PROTOCOL}
+    code = ("import sys, degs_jax.model_api; "
+            "print(sorted(m for m in sys.modules if m.startswith(('degs_jax', 'transformers', 'tokenizers', "
+            "'flax', 'optax'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['degs_jax', 'degs_jax.model_api']", out.stdout
+
+
+def test_samplers_do_not_import_the_model_file():
+    found = {(m, t) for m in SAMPLERS for t in graph()[m] if t.startswith("degs_jax.models")}
+    assert found <= ALLOWED_MODEL_IMPORTS, sorted(found - ALLOWED_MODEL_IMPORTS)
+
+
+def test_only_the_cli_imports_the_cli_and_nothing_imports_the_examples():
+    edges = graph()
+    to_cli = sorted(f"{m} -> {t}" for m, ts in edges.items() for t in ts
+                    if t.startswith("degs_jax.cli") and not m.startswith("degs_jax.cli"))
+    assert not to_cli, to_cli
+    to_examples = sorted(f"{m} -> {t}" for m, ts in edges.items() for t in ts
+                         if t.startswith("degs_jax.examples") and not m.startswith("degs_jax.examples"))
+    assert not to_examples, to_examples
+
+
+def test_no_cycle_among_modules_or_packages():
+    edges = graph()
+    assert find_cycle(edges) is None, " -> ".join(find_cycle(edges))
+    packages: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        packages.setdefault(package_of(module), set()).update(package_of(t) for t in targets)
+    assert find_cycle(packages) is None, " -> ".join(find_cycle(packages))
+
+
+def test_function_local_imports_are_few_and_say_why():
+    found = {f"{path.relative_to(ROOT.parent)}:{line}": reason
+             for path in sorted(modules().values()) for line, reason in local_imports(path)}
+    unexplained = sorted(where for where, reason in found.items() if not reason)
+    assert not unexplained, f"say why these imports are inside a function (start-up time): {unexplained}"
+    assert len(found) <= LOCAL_IMPORTS_MAX, sorted(found)
+
+
+def test_the_checks_see_violations(tmp_path):
+    """The checkers themselves: an upward import inside a function body is reported, a
+    cycle is found, an unexplained lazy import is seen."""
     bad = tmp_path / "generation.py"
-    bad.write_text("def f():\n    from .decoders import decode\n    from degs_jax import text\n")
+    bad.write_text("def f():\n    from .decoders import decode\n    from degs_jax import text\n\n\n"
+                   "def g():\n    # start-up: heavy\n    import json\n    import os  # heavy too\n"
+                   "    try:  # optional\n        import datasets\n    except ImportError:\n        pass\n\n\n"
+                   "def h():\n    x = 1\n    import sys\n")
     assert imports_of("degs_jax.generation", bad) >= {"degs_jax.decoders", "degs_jax.text"}
     assert layer_of("degs_jax.decoders") > layer_of("degs_jax.generation")
-    assert layer_of("degs_jax.eval.commands") > layer_of("degs_jax.analysis") > layer_of("degs_jax.eval.runner")
+    assert layer_of("degs_jax.cli.evaluation") > layer_of("degs_jax.analysis") > layer_of("degs_jax.eval.runner")
+    assert local_imports(bad) == [(2, False), (3, False), (8, True), (9, True), (11, True), (18, False)]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a", "b"}, "b": set()}) is None
+    assert package_of("degs_jax.eval.runner") == "degs_jax.eval" and package_of("degs_jax.lens") == "degs_jax.lens"
+    assert package_of("degs_jax.models.transformer") == "degs_jax.models"
 
 
 def test_analysis_does_not_load_the_evaluation_harness():

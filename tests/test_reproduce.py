@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from degs_jax import stats
-from degs_jax.reproduce import command, report, study
+from degs_jax.cli import reproduction as command
+from degs_jax.reproduce import report, study
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
 

@@ -293,7 +293,7 @@ def _load_from_hub(key: str) -> list[Problem]:
     if key not in HUB_DATASETS:
         raise ValueError(f"{key} has no hub copy; it is a fixed local sample (see the data README)")
     try:
-        import datasets
+        import datasets  # an optional dependency (the `hub` extra), needed here only
     except ImportError as err:
         raise ImportError("source='hub' needs the 'datasets' package: pip install datasets") from err
     repo, config, split = HUB_DATASETS[key]

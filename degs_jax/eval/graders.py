@@ -134,7 +134,7 @@ def verify_boxed(gold: str, pred: str) -> bool:
     words = {"true", "false"}
     if gold.strip().lower() in words:
         return _plain_word(pred) == gold.strip().lower()
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # math-verify and sympy: a second; in the worker only
 
     gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=_VERIFY_TIMEOUT_S)
     pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=_VERIFY_TIMEOUT_S)
@@ -149,7 +149,7 @@ def _plain_word(text: str) -> str:
 
 def _import_math_verify() -> None:
     """Worker warm-up: importing math-verify (and sympy) takes about a second."""
-    import math_verify  # noqa: F401
+    import math_verify  # noqa: F401  (the warm-up is the import itself)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import jax
+from jax._src import distributed
+
 __all__ = ["PeerProcessError", "ProcessGroup", "process_group", "publish_failure",
            "failures_published", "raise_if_peer_failed", "barrier", "share", "shared"]
 
@@ -50,15 +53,11 @@ class ProcessGroup:
 
 
 def _client():
-    from jax._src import distributed
-
     return distributed.global_state.client
 
 
 def process_group() -> Optional[ProcessGroup]:
     """The job's processes, or None when this is the only one."""
-    import jax
-
     if jax.process_count() == 1:
         return None
     if _client() is None:
@@ -73,8 +72,6 @@ def publish_failure(error: BaseException) -> None:
     ``error``: they raise :class:`PeerProcessError` at their next barrier or batch
     instead of waiting for it. A no-op outside a job, and for a PeerProcessError (the
     failure is another process's, already published)."""
-    import jax
-
     client = _client()
     if client is None or isinstance(error, PeerProcessError):
         return

@@ -29,6 +29,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locking
+    fcntl = None
+
 from degs_jax.eval.benchmarks import Problem
 from degs_jax.stats import accuracy
 
@@ -228,9 +233,7 @@ def merge_shards(store: ResultStore, shards: Sequence[str | os.PathLike],
 
 def _lock(file: Any) -> None:
     """Exclusive non-blocking ``flock``; a clear error if another run holds it."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no locking
+    if fcntl is None:
         return
     try:
         fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -65,9 +65,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from degs_jax.batching import choose_batch_size, peak_memory
+from degs_jax.decoders import decode
 from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
 from degs_jax.eval.graders import Grader, pass_at_k
@@ -87,7 +90,9 @@ from degs_jax.eval.results import (
     write_json,
     write_summary,
 )
+from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.model_api import params_dtype
+from degs_jax.models import with_tuned_lens
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -112,8 +117,6 @@ def _shards(out: Path) -> list[Path]:
 
 def problem_key(seed: int, index: int):
     """The PRNG key of problem ``index``: ``fold_in(key(seed), index)``."""
-    import jax
-
     return jax.random.fold_in(jax.random.key(seed), index)
 
 
@@ -143,8 +146,6 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
     default, adds nothing, so earlier runs keep their configuration); so is
     `--batch-invariant` (other numerics, hence other records).
     """
-    from degs_jax.hyperparameters import hyperparameters_for
-
     bench = canonical_name(benchmark)
     resolved = hyperparameters_for(method, **hyperparameters)
     hp = {**resolved.to_dict(), "lsub": resolved.lens_config(model.lm.num_layers).lsub}
@@ -257,8 +258,6 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     failure ends the job (the failing process's error is published to the others).
     Returns the summary (also written to ``summary.json``).
     """
-    import jax
-
     group = process_group()
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -317,8 +316,6 @@ def _choose_batch_size(model, requested: int | str, method: str,
                        hyperparameters: Mapping[str, Any], problems: Sequence[Problem],
                        chat: bool) -> dict[str, Any]:
     """``degs_jax.batching.choose_batch_size`` for these problems (their longest prompt)."""
-    from degs_jax.batching import choose_batch_size
-    from degs_jax.hyperparameters import hyperparameters_for
     if requested != "auto":
         return choose_batch_size(requested, None, None, 0, len(problems), None)
     config = hyperparameters_for(method, **hyperparameters)
@@ -329,8 +326,6 @@ def _choose_batch_size(model, requested: int | str, method: str,
 
 def _record_peak_memory(out: Path, run: dict) -> None:
     """Store the device's peak memory in this invocation's entry of run.json."""
-    from degs_jax.batching import peak_memory
-
     run["invocations"][-1]["peak_memory"] = peak_memory()
     write_json(out / RUN_FILE, run)
 
@@ -340,11 +335,6 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
                   keep_candidates: bool, tuned_lens=None):
     """Decode one batch of ``(index, problem)`` with the problems' own keys; yield each
     problem's graded record, in order."""
-    import jax
-
-    from degs_jax.decoders import decode
-    from degs_jax.models import with_tuned_lens
-
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()

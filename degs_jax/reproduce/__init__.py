@@ -5,7 +5,7 @@
 - :mod:`degs_jax.reproduce.report`: tables, figures and ``report.md`` from the stored
   files alone; a compact export for committing.
 - :mod:`degs_jax.reproduce.paper`: the paper's numbers, quoted, for side-by-side tables.
-- :mod:`degs_jax.reproduce.command`: the `degs reproduce` command line.
+- :mod:`degs_jax.cli.reproduction` (the CLI layer): the `degs reproduce` command line.
 
 Running a study needs neither scipy nor matplotlib (they are imported by the report
 only), so a GPU machine can run it with ``--no-report`` and the report be written
@@ -29,8 +29,8 @@ __all__ = ["StudyRequest", "available_methods", "format_plan", "paper_lsub_sets"
 
 
 def __getattr__(name):
-    if name in _REPORT:  # the report's imports (scipy, matplotlib) only when asked for
-        from degs_jax.reproduce import report
+    if name in _REPORT:
+        from degs_jax.reproduce import report  # scipy, matplotlib: only when asked for
 
         return getattr(report, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,8 +40,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
+from degs_jax.analysis import format_interval, plot_predictive_validity, pool_from_records, predictive_validity
+from degs_jax.eval.benchmarks import BENCHMARKS
 from degs_jax.eval.results import write_json
+from degs_jax.models.loading import BUILTIN_MODELS
+from degs_jax.plots import plot_entropy_trajectories
 from degs_jax.reproduce import paper
 from degs_jax.reproduce.study import (
     LAYERS_FILE,
@@ -133,8 +139,6 @@ def _ordered(methods) -> list[str]:
 
 
 def _benchmarks(study: Study) -> list[str]:
-    from degs_jax.eval.benchmarks import BENCHMARKS
-
     present = {b for b, _ in study.runs}
     return [b for b in BENCHMARKS if b in present]
 
@@ -292,8 +296,6 @@ def _sampling(hyperparameters: Mapping[str, Any]) -> str:
 
 
 def predictive_validity_table(study: Study) -> dict:
-    from degs_jax.analysis import pool_from_records, predictive_validity
-
     out = {}
     for b, pool in study.pools.items():
         if pool["records"]:
@@ -310,8 +312,6 @@ def _default_set(pool: Mapping[str, Any]) -> Optional[int]:
 
 
 def lsub_table(study: Study) -> dict:
-    from degs_jax.analysis import pool_from_records, predictive_validity
-
     weights = {b: sel["pool_rerank"] for b, sel in study.latest("selections").items()}
     out = {}
     for b, pool in study.pools.items():
@@ -498,8 +498,6 @@ def _deviation(setting, paper_value, used, deviates, effect=None) -> dict:
 
 def _model_rows(study: Study, configs: Mapping) -> list[dict]:
     """The model and how it was prompted; HumanEval's prompt."""
-    from degs_jax.models.loading import BUILTIN_MODELS
-
     name = study.meta["model"]["name"]
     cfg = next(iter(configs.values()), {}).get("model", {})
     recorded = [inv["model"] for inv in study.meta["invocations"] if inv.get("model")]
@@ -707,8 +705,6 @@ def beta_verdict(cells: Sequence[Mapping[str, Any]]) -> str:
 
 def claims_table(paired: Mapping, validity: Mapping, compute: Mapping) -> list[dict]:
     """The paper's four checkable claims next to what this study measured."""
-    from degs_jax.analysis import format_interval
-
     out = []
     beta = [c for c in paired["comparisons"]
             if (c["treatment"], c["baseline"]) == ("degs_mcmc", "power_mcmc")]
@@ -780,9 +776,6 @@ def _pct(x) -> str:
 
 
 def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(width, height), dpi=130)
     FigureCanvasAgg(fig)
     return fig
@@ -861,9 +854,6 @@ def write_report(study_dir, out_dir=None) -> dict[str, Any]:
     """Write ``tables/``, ``figures/`` and ``report.md`` for the study in ``study_dir``
     (into ``out_dir``, default the study directory). Returns the tables and, under
     ``"figures"``, the PNG paths and, under ``"report"``, the path of report.md."""
-    from degs_jax.analysis import plot_predictive_validity, pool_from_records
-    from degs_jax.plots import plot_entropy_trajectories
-
     study = load_study(study_dir)
     out = Path(out_dir) if out_dir is not None else study.directory
     (out / "tables").mkdir(parents=True, exist_ok=True)
@@ -911,8 +901,6 @@ def _md_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> str:
     """report.md from the tables (figure paths relative to the report)."""
-    from degs_jax.analysis import format_interval
-
     st = tables["status"]
     model = st["model"]["name"]
     md = [f"# Reproduction study: {model}", ""]

@@ -53,11 +53,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+import jax
 import numpy as np
 
-from degs_jax.eval.benchmarks import canonical_name
-from degs_jax.eval.results import ResultStore, write_json
+from degs_jax.eval import Grader, results, runner, sandbox
+from degs_jax.eval.benchmarks import canonical_name, load_benchmark
+from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
+from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
+from degs_jax.hyperparameters import METHODS, resolve_hyperparameters
+from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
+from degs_jax.scoring import layer_entropies
 
 STUDY_FILE = "study.json"
 LAYERS_FILE = "layers.jsonl"
@@ -95,8 +101,6 @@ UNMEASURED_RESERVE = 0.15
 def available_methods() -> tuple[str, ...]:
     """Every row the study can produce, in Table 1 order: the decoders of
     ``degs_jax.decoders.METHODS`` (discovered at run time) plus the pool selections."""
-    from degs_jax.hyperparameters import METHODS
-
     known = set(METHODS) | {"depth_only"}
     ordered = [m for m in TABLE1_ORDER if m in known]
     return tuple(ordered + [m for m in METHODS if m not in ordered])
@@ -104,8 +108,6 @@ def available_methods() -> tuple[str, ...]:
 
 def method_defaults(method: str) -> dict[str, Any]:
     """The decoder's resolved default hyperparameters (the paper's, docs/design.md §4)."""
-    from degs_jax.hyperparameters import resolve_hyperparameters
-
     return dict(resolve_hyperparameters(method, {}))
 
 
@@ -231,8 +233,6 @@ def job_hyperparameters(method: str, benchmark: str,
     paper's): the paper's HumanEval settings, then the request's ``*`` and per-method
     overrides. For a pool selection: the selection's weights (``alpha``, ``beta`` of
     degs_rerank; ``alpha = 0`` for depth-only). Errors name the bad hyperparameter."""
-    from degs_jax.hyperparameters import resolve_hyperparameters
-
     decoder = "degs_rerank" if method == "depth_only" else method
     defaults = method_defaults(decoder)
     hp: dict[str, Any] = {}
@@ -269,8 +269,6 @@ def selection_weights(method: str, hyperparameters: Mapping[str, Any]) -> dict[s
 def pool_hyperparameters(benchmark: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict:
     """The predictive-validity pool's best_of_n overrides: N = 16, T = 0.8, top-p 0.9,
     the request's ``*`` overrides and ``pool.`` overrides."""
-    from degs_jax.hyperparameters import resolve_hyperparameters
-
     defaults = method_defaults(POOL_METHOD)
     hp = {**POOL_SETTINGS, **_scoped(overrides, POOL_METHOD, defaults, scope=POOL_SCOPE)}
     resolve_hyperparameters(POOL_METHOD, hp)
@@ -342,8 +340,6 @@ def paper_lsub_sets(num_layers: int) -> tuple[tuple[int, ...], ...]:
     toward the input ({12..24}, {8..20}, {4..16}), {1,4,8,12} and {1,2,3,4}. For
     another depth the same roles on that model's default grid (``lens.default_lsub``).
     """
-    from degs_jax.lens import default_lsub
-
     grid = default_lsub(num_layers)
     sets = [tuple(range(1, num_layers + 1)), grid, grid[1:], grid[2:], grid[3:], grid[2:6],
             grid[1:5], grid[0:4], tuple(sorted({1, *grid[0:3]})),
@@ -365,10 +361,6 @@ def _now() -> str:
 def open_study(out: Path, model_name: str, num_layers: int, request: StudyRequest,
                argv: Optional[Sequence[str]]) -> dict:
     """Create or extend ``study.json``; refuse a study of another model."""
-    import jax
-
-    from degs_jax.eval.results import package_versions
-
     path = out / STUDY_FILE
     if path.exists():
         study = json.loads(path.read_text())
@@ -398,15 +390,11 @@ def read_jsonl(path: Path, fields: Mapping[str, type] = {}) -> list[dict]:
     rules (:mod:`degs_jax.eval.results`): a torn last line is ignored (the next
     ``ResultStore`` opening drops it and the problem runs again), corruption is an error
     naming the file and line."""
-    from degs_jax.eval.results import read_records as read_store
-
-    return read_store(path, fields=fields) if path.exists() else []
+    return results.read_records(path, fields=fields) if path.exists() else []
 
 
 def read_records(run_dir: Path) -> list[dict]:
     """The records of a ``run_eval`` directory (empty when it has none yet)."""
-    from degs_jax.eval.results import EVAL_RECORD_FIELDS
-
     return read_jsonl(Path(run_dir) / "results.jsonl", EVAL_RECORD_FIELDS)
 
 
@@ -490,11 +478,6 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
     Returns ``study.json``'s content after this invocation. The report is not written
     here (see :func:`degs_jax.reproduce.report.write_report`).
     """
-    from degs_jax.eval import Grader, load_benchmark
-    from degs_jax.eval.prompts import uses_chat_template
-    from degs_jax.eval.runner import run_eval
-
-    from degs_jax.eval import sandbox
 
     out = Path(out_dir)
     if grader is not None:
@@ -541,7 +524,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                         skipped.append(f"{job.label} problems {todo[0]}-{todo[-1]}")
                         continue
                     t0 = time.monotonic()
-                    run_eval(model, out / job.directory, benchmark=job.benchmark,
+                    runner.run_eval(model, out / job.directory, benchmark=job.benchmark,
                              method=job.method, hyperparameters=dict(job.hyperparameters),
                              seed=request.seed, indices=todo, batch_size=len(todo),
                              keep_candidates=job.keep_candidates, chat=request.chat,
@@ -669,9 +652,6 @@ def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rate
 def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) -> list[list[dict]]:
     """:func:`sequence_layer_statistics` of every candidate of each ``(problem, record)``
     (prompt as the pool's run built it), grouped per record."""
-    from degs_jax.eval.prompts import problem_prompt_ids
-    from degs_jax.eval.results import candidate_tokens
-
     sequences, owners = [], []
     for ri, (problem, record) in enumerate(items):
         prompt = problem_prompt_ids(problem, model.tokenizer, chat)
@@ -701,9 +681,6 @@ def sequence_layer_statistics(lm, params, sequences, *, lsub_sets, tau: float,
     generation score. Returns ``{"n_scored", "entropy": [L+1] (None if nothing is
     scored), "D": [one per set]}`` per sequence, in order.
     """
-    from degs_jax.lens import collapse_depth, sequence_depth
-    from degs_jax.scoring import layer_entropies
-
     row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget
     L = lm.num_layers
     layers = tuple(range(L + 1))
@@ -740,8 +717,6 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     """Per job: target and finished problems, the worst-case generated tokens per problem
     and the measured seconds per problem (this job, else the same method elsewhere in the
     study) with the estimate for what is left. No model is loaded."""
-    from degs_jax.eval import load_benchmark
-
     out = Path(out_dir)
     jobs = plan_jobs(request)
     sizes = {b: len(load_benchmark(b, data_dir=data_dir)) for b in {j.benchmark for j in jobs}}

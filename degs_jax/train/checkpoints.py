@@ -27,6 +27,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 from flax import serialization
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from ..models import ModelConfig, Params
 from ..models.checkpoint import params_from_hf, params_to_hf
@@ -47,8 +49,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, master: Params, opt_s
                     keep: int = 2) -> Path:
     """Write the checkpoint of `step` (masters fp32, optimizer state, trainer state) and
     keep the newest `keep` checkpoints. Returns its directory."""
-    from safetensors.numpy import save_file
-
     final = checkpoint_dir(run_dir, step)
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -92,8 +92,6 @@ def restore_checkpoint(path: str | os.PathLike, cfg: ModelConfig, opt_template,
     whose leaves' placements the restored leaves take. shardings: a Params of shardings
     for the masters (None: default device).
     """
-    from safetensors import safe_open
-
     path = Path(path)
     with safe_open(path / MODEL_FILE, framework="numpy") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}

@@ -24,6 +24,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..eval.benchmarks import SHA256, Problem, default_data_dir, gsm8k_gold
+from ..eval.prompts import problem_prompt_ids
+
 GSM8K_TRAIN_FILE = "gsm8k_train.jsonl"
 GSM8K_TRAIN_SHA256 = "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"
 
@@ -73,8 +76,6 @@ def pad_prompts(tasks: Sequence[Task], length: int) -> tuple[np.ndarray, np.ndar
 
 
 def default_gsm8k_train_path() -> Path:
-    from degs_jax.eval.benchmarks import default_data_dir
-
     return default_data_dir() / GSM8K_TRAIN_FILE
 
 
@@ -122,9 +123,6 @@ def gsm8k_train_tasks(tokenizer, path: Optional[str | os.PathLike] = None, *, ch
     max_prompt_len: drop problems whose prompt is longer (their number is in the error
     when nothing is left). limit: the first `limit` problems.
     """
-    from degs_jax.eval.benchmarks import SHA256, Problem, gsm8k_gold
-    from degs_jax.eval.prompts import problem_prompt_ids
-
     path = Path(path) if path is not None else default_gsm8k_train_path()
     if not path.is_file():
         raise FileNotFoundError(f"training data not found: {path}")

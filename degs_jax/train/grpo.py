@@ -74,12 +74,14 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from ..generation import SamplerSpec, generate, prefill, repeat_rows
-from ..models import TransformerLM
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from ..models import ModelConfig, Params, forward
-from ..models.sharding import MODEL, param_specs
+from ..eval.results import ResultStore, package_versions, read_run_file, write_json
+from ..generation import SamplerSpec, generate, prefill, repeat_rows
+from ..models import ModelConfig, Params, TransformerLM, forward
+from ..models.sharding import DATA, MODEL, param_shardings, param_specs
+from .checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
+from .data import pad_prompts, step_tasks, tasks_fingerprint
 from .optim import accumulate_gradients, cast_tree, split_micro_batches
 
 Array = jax.Array
@@ -343,8 +345,6 @@ LOG_FILE = "log.jsonl"
 
 
 def _run_record(model, config: GRPOConfig, tasks, reward_fn) -> dict[str, Any]:
-    from .data import tasks_fingerprint
-
     return {
         "grpo": dataclasses.asdict(config),
         "model": {"name": model.name, "source": str(model.source),
@@ -356,8 +356,6 @@ def _run_record(model, config: GRPOConfig, tasks, reward_fn) -> dict[str, Any]:
 
 
 def _prepare_run(out: Path, record: dict, invocation: dict) -> None:
-    from degs_jax.eval.results import read_run_file, write_json
-
     run_file = out / RUN_FILE
     if run_file.exists():
         run = read_run_file(run_file)
@@ -397,10 +395,6 @@ def _place_rows(x, mesh):
     """Put a host array on the mesh split by rows over "data" (default device without one)."""
     if mesh is None:
         return jnp.asarray(x)
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from ..models.sharding import DATA
-
     return jax.device_put(x, NamedSharding(mesh, PartitionSpec(DATA, *([None] * (np.ndim(x) - 1)))))
 
 
@@ -419,11 +413,6 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
     time_limit: seconds; stop (after a checkpoint) before a step that would likely end
     past it, so the next invocation resumes there. Returns a summary dict.
     """
-    from degs_jax.eval.results import ResultStore, package_versions
-
-    from .checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
-    from .data import pad_prompts, step_tasks
-
     t_start = time.perf_counter()
     if steps < 0 or checkpoint_every < 1:
         raise ValueError("steps must be >= 0 and checkpoint_every >= 1")
@@ -432,8 +421,6 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
         raise ValueError(f"max_prompt_len + max_new_tokens = {config.max_prompt_len + config.max_new_tokens} "
                          f"exceeds the model's context of {cfg.max_position_embeddings}")
     if mesh is not None:
-        from ..models.sharding import DATA
-
         n_data = mesh.shape[DATA]
         if config.micro_batch % n_data or config.prompts_per_step % n_data:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) and micro_batch "
@@ -452,8 +439,6 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
     master = _cast(model.params, "float32")
     opt_state = jax.jit(optimizer.init)(master)
     if mesh is not None:
-        from ..models.sharding import param_shardings
-
         shardings = param_shardings(cfg, mesh)
         # Adam moments in the masters' layout (optax.init makes them on the default device).
         opt_state = jax.tree.map(lambda x: jax.device_put(x, shardings) if isinstance(x, Params) else x,

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..eval.graders import DEFAULT_MATH_TIMEOUT_S, MathGrader
 from .data import Task
 
 
@@ -28,8 +29,6 @@ class MathReward:
     """
 
     def __init__(self, tokenizer, timeout: float | None = None):
-        from degs_jax.eval.graders import DEFAULT_MATH_TIMEOUT_S, MathGrader
-
         self.tokenizer = tokenizer
         self.grader = MathGrader(timeout=DEFAULT_MATH_TIMEOUT_S if timeout is None else timeout)
 

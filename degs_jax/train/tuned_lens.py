@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -51,9 +52,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from ..eval.benchmarks import SHA256
 from ..models import LensTranslators, ModelConfig, Params, forward, rms_norm, translate_residuals
+from ..models.loading import default_cache_dir
+from .data import default_gsm8k_train_path, read_gsm8k_rows
 from .optim import accumulate_gradients, split_micro_batches
 
 Array = jax.Array
@@ -235,10 +241,6 @@ def chunk_corpus(documents: Sequence[Sequence[int]], seq_len: int, separator: Op
 def gsm8k_lens_corpus(tokenizer, seq_len: int, path: Optional[str | os.PathLike] = None) -> np.ndarray:
     """The GSM8K train split's questions and worked solutions as [n, seq_len] sequences
     (documents `question\\nsolution`, separated by the tokenizer's EOS)."""
-    from degs_jax.eval.benchmarks import SHA256
-
-    from .data import default_gsm8k_train_path, read_gsm8k_rows
-
     path = Path(path) if path is not None else default_gsm8k_train_path()
     if not path.is_file():
         raise FileNotFoundError(f"corpus not found: {path}")
@@ -310,8 +312,6 @@ def lens_fingerprint(lens: TunedLens) -> str:
 
 
 def default_lens_path(fingerprint: str, cache_dir: Optional[str | os.PathLike] = None) -> Path:
-    from ..models.loading import default_cache_dir
-
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return root / LENS_DIR / f"{fingerprint}.safetensors"
 
@@ -319,8 +319,6 @@ def default_lens_path(fingerprint: str, cache_dir: Optional[str | os.PathLike] =
 def save_tuned_lens(lens: TunedLens, path: str | os.PathLike, cfg: ModelConfig, fingerprint: str,
                     report: Optional[dict] = None) -> Path:
     """Write `lens` as safetensors with its layers, model shape and fingerprint (atomic)."""
-    from safetensors.numpy import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"layers": json.dumps(list(lens.layers)), "model_fingerprint": fingerprint,
@@ -339,8 +337,6 @@ def save_tuned_lens(lens: TunedLens, path: str | os.PathLike, cfg: ModelConfig, 
 def check_lens_destination(path: str | os.PathLike, option: str = "--out") -> Path:
     """`path` if a lens file can be written there (checked by writing, then removing, an
     empty file beside it: before hours of fitting, not after); ValueError otherwise."""
-    import tempfile
-
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{option} {path} is a directory; give a file path (e.g. {path}/lens.safetensors)")
@@ -358,8 +354,6 @@ def check_lens_destination(path: str | os.PathLike, option: str = "--out") -> Pa
 def read_lens_file(path: str | os.PathLike) -> tuple[dict, np.ndarray, np.ndarray, tuple[int, ...]]:
     """(metadata, weight [K, D, D], bias [K, D], layers) of a saved lens; ValueError naming
     the file if it is not one (another safetensors file, or none)."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tuned lens not found: {path}")
@@ -404,8 +398,6 @@ def load_tuned_lens(path: str | os.PathLike, cfg: ModelConfig,
 
 def lens_report(path: str | os.PathLike) -> dict:
     """The fitting report stored with a saved lens."""
-    from safetensors import safe_open
-
     with safe_open(Path(path), framework="numpy") as f:
         return json.loads((f.metadata() or {}).get("report", "{}"))
 

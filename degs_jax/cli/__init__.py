@@ -3,9 +3,14 @@
   degs generate "prompt"                      greedy continuation (embedded default model)
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
-  degs eval / degs analyze                    benchmarks and the paper's analyses (eval/commands.py)
-  degs train-grpo / degs train-lens           GRPO reference and tuned lens (train/commands.py)
-  degs reproduce --model M --out DIR          the paper's whole study, resumable (reproduce/)
+  degs eval / degs analyze                    benchmarks and the paper's analyses (cli/evaluation.py)
+  degs train-grpo / degs train-lens           GRPO reference and tuned lens (cli/training.py)
+  degs reproduce --model M --out DIR          the paper's whole study, resumable (cli/reproduction.py)
+
+This package is the one command-line layer: it imports the library, nothing in the
+library imports it. The options and checks the commands share are in `options.py`; each
+command module registers its subcommands with `add_commands(sub, load_model)`, where
+`load_model` is this module's `_load` (one place that loads a model for every command).
 
 Failures a user can cause (bad input, missing files, no network, a run directory in use)
 end in one `degs: error: ...` line and exit status 2, never a traceback. Ctrl-C ends the
@@ -19,185 +24,49 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-METHOD_HELP = """decoders: greedy, temperature, best_of_n, best_of_n_entropy, degs_rerank,
-power_mcmc, degs_mcmc, power_smc, degs_smc, scalable_power (docs/design.md §4). Hyperparameters a
-method does not take are rejected."""
+import jax
+from tqdm.auto import tqdm
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="built-in name (smollm2-135m [default], qwen2.5-coder-0.5b, "
-                        "qwen2.5-coder-1.5b), a local HF directory, a .gguf file, or a hub id "
-                        "(needs network)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="parameter dtype (default bfloat16)")
-    p.add_argument("--no-chat", action="store_true",
-                   help="feed the prompt as raw text even if the tokenizer has a chat template")
-    p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxMODEL",
-                   help="spread over local devices: DATA replicas (rows split between them) x "
-                        "MODEL-way tensor parallelism (heads and MLP split), e.g. 1x4 for a model "
-                        "too big for one GPU, 4x1 for four independent replicas (default: one device)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="make each prompt's results bitwise independent of the batch it shares and "
-                        "of --batch-size (fixed matmul row tiles and attention chunks; slower, see "
-                        "the README's Reproducibility section)")
-
-
-def _mesh_shape(text: str) -> tuple[int, int]:
-    from .models.sharding import parse_mesh
-
-    try:
-        return parse_mesh(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
-    """--method, --seed and one option per hyperparameter field of the methods
-    (`degs_jax.hyperparameters`: names, types, documentation and defaults come from there)."""
-    from .hyperparameters import METHODS
-
-    p.add_argument("--method", default=default_method, help=METHOD_HELP)
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed (same seed, same tokens)")
-    g = p.add_argument_group("hyperparameters (unset: the method's default, as in the paper)")
-    for name, (kind, texts) in _cli_fields().items():
-        flag = "--" + name.replace("_", "-")
-        help_text = "; ".join(
-            text + " (" + ("every method" if len(methods) == len(METHODS) else ", ".join(methods))
-            + ("" if default is None else f": default {default}") + ")"
-            for (text, default), methods in texts.items())
-        if kind is bool:  # --x / --no-x (unset: the method's default)
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif kind is tuple:
-            g.add_argument(flag, type=int_list, metavar="L1,L2,...", help=help_text)
-        else:
-            g.add_argument(flag, type=kind, help=help_text)
-    _add_lens_args(g)
-
-
-def _add_lens_args(p) -> None:
-    p.add_argument("--lens", choices=["logit", "tuned"], default="logit",
-                   help="how layer residuals are read for d_t and D(x): the logit lens (default, "
-                        "the paper's) or a tuned lens (`degs train-lens`)")
-    p.add_argument("--tuned-lens", default=None, metavar="FILE",
-                   help="tuned-lens file (default: the one cached for the model's weights)")
-
-
-def _tuned_lens(args, model):
-    """The TunedLens `--lens tuned` asks for, or None."""
-    from .train.tuned_lens import resolve_lens
-
-    return resolve_lens(args.lens, model, args.tuned_lens)
-
-
-BATCH_SIZE_HELP = (
-    "{what} per decode call, or 'auto' (default): as many as fit in the device's free memory "
-    "with the method's buffer (prompt + max new tokens of KV cache per candidate or chain; "
-    "the choice and its terms are recorded). In float32 results do not depend on it; in "
-    "bfloat16 they can (README, 'Reproducibility')")
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """An option's comma-separated integers (argparse type)."""
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]:
-    """name -> (argument type, {(help, default): methods}) over every method's fields
-    shown on the command line, in the order the methods define them."""
-    import typing
-
-    from .hyperparameters import METHOD_HYPERPARAMETERS, field_types
-
-    fields: dict = {}
-    for method, cls in METHOD_HYPERPARAMETERS.items():
-        types = field_types(cls)
-        for f in dataclasses.fields(cls):
-            if not f.metadata.get("cli"):
-                continue
-            kind = types[f.name]
-            if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
-                kind = next(a for a in typing.get_args(kind) if a is not type(None))
-            kind = typing.get_origin(kind) or kind  # tuple[int, ...] -> tuple
-            entry = fields.setdefault(f.name, (kind, {}))
-            entry[1].setdefault((f.metadata["help"], f.default), []).append(method)
-    return fields
-
-
-def _hyperparameters(args) -> dict:
-    """The hyperparameters given on the command line (the others keep their defaults)."""
-    return {k: getattr(args, k) for k in _cli_fields() if getattr(args, k, None) is not None}
-
-
-SEED_RANGE = (0, 2**63 - 1)  # jax.random.key takes a signed 64-bit seed
-
-
-def check_seed(seed: int) -> int:
-    """`seed` if jax can take it; ValueError naming the range otherwise."""
-    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ValueError(f"--seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {seed}")
-    return seed
-
-
-def prompt_text(prompt: str) -> str:
-    """The prompt argument, if it is text: the shell passes bytes, and bytes that are not
-    UTF-8 reach Python as lone surrogates, which no tokenizer can encode."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"the prompt is not valid UTF-8 text (byte 0x{ord(prompt[e.start]) & 0xFF:02x} "
-                         f"at character {e.start})") from None
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
-    return prompt
-
-
-def check_output_dir(path: Path, option: str = "--out") -> Path:
-    """`path` if a directory can be created or used there; ValueError saying why not."""
-    for parent in [path, *path.parents]:
-        if parent.exists():
-            if not parent.is_dir():
-                where = "is a file" if parent == path else f"is under {parent}, which is a file"
-                raise ValueError(f"{option} {path} {where}; give a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ValueError(f"{option} {path}: {parent} is not writable")
-            return path
-    return path
-
+from ..batching import choose_batch_size, parse_batch_size, peak_memory
+from ..chat import encode_prompt
+from ..eval.results import RunInUseError
+from ..eval.sandbox import IsolationUnavailableError
+from ..hyperparameters import hyperparameters_for, resolve_hyperparameters
+from ..lens import DEFAULT_TAU
+from ..model_api import params_dtype
+from ..models import loading
+from ..models.compilation import enable_compilation_cache
+from ..models.sharding import make_mesh
+from ..text import sample
+from ..train.tuned_lens import read_lens_file
+from . import evaluation, reproduction, training
+from .options import (BATCH_SIZE_HELP, METHOD_HELP, _add_decoder_args, _add_lens_args, _add_model_args,
+                      _hyperparameters, _tuned_lens, check_output_dir, check_seed, prompt_text)
 
 def _load(args):
-    from .models.compilation import enable_compilation_cache
-    from .models.loading import DEFAULT_MODEL, load
-
+    """The model `--model` names (default: the built-in default), on `--mesh`, with
+    `--batch-invariant` numerics; a `--tuned-lens` file is checked first."""
     if getattr(args, "tuned_lens", None) is not None:  # before loading: a file that is no lens
         if args.lens not in ("tuned", "both"):
             raise ValueError("--tuned-lens needs --lens tuned"
                              + (" or --lens both" if args.command == "analyze" else ""))
-        from .train.tuned_lens import read_lens_file
-
         read_lens_file(args.tuned_lens)
 
     enable_compilation_cache()  # compiled programs persist across runs (models/compilation.py)
-    source = args.model or DEFAULT_MODEL
+    source = args.model or loading.DEFAULT_MODEL
     t0 = time.perf_counter()
     mesh = None
     if getattr(args, "mesh", None) is not None:
-        import jax
-
-        from .models.sharding import make_mesh
-
         mesh = make_mesh(*args.mesh)
         args.scope.enter_context(jax.set_mesh(mesh))  # every later jitted call sees it
-    model = load(source, dtype=args.dtype, progress=True, mesh=mesh)
+    model = loading.load(source, dtype=args.dtype, progress=True, mesh=mesh)
     if getattr(args, "batch_invariant", False):
         model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, batch_invariant=True))
     print(f"loaded {model.name} ({model.cfg.architecture}, {model.cfg.num_layers} layers) "
@@ -206,8 +75,6 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-    from .text import sample
-
     prompt = prompt_text(args.prompt)
     model = _load(args)
     result = sample(model, prompt, "greedy", chat=not args.no_chat,
@@ -217,12 +84,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import jax
-
-    from .batching import peak_memory
-    from .hyperparameters import resolve_hyperparameters
-    from .text import sample
-
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE (one of them)")
     seed = check_seed(args.seed)
@@ -277,15 +138,7 @@ def _sample_report(result, out, seed, num_layers) -> dict:
 
 def _sample_many(args, seed: int) -> int:
     """`degs sample --input FILE`: every prompt, in batches (--batch-size, auto by default)."""
-    import jax
-    from tqdm.auto import tqdm
-
-    from .batching import choose_batch_size, parse_batch_size, peak_memory
-    from .hyperparameters import hyperparameters_for
-    from .model_api import params_dtype
-    from .probe import read_rows
-    from .chat import encode_prompt
-    from .text import sample
+    from ..probe import read_rows  # the probe's plots: matplotlib, ~0.5 s that other commands skip
 
     args.batch_size = parse_batch_size(args.batch_size)
     rows = read_rows(Path(args.input))
@@ -319,7 +172,7 @@ def _sample_many(args, seed: int) -> int:
 
 
 def cmd_probe(args) -> int:
-    from .probe import read_rows, run_probe
+    from ..probe import read_rows, run_probe  # matplotlib, as in _sample_many
 
     read_rows(Path(args.input), args.limit)  # input errors before loading the model
     out = check_output_dir(Path(args.out))
@@ -362,8 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True,
                    help="JSONL with 'prompt' and optional 'completion' (else completed greedily)")
     p.add_argument("--out", required=True, help="output directory (probe.jsonl, entropy.png)")
-    from .lens import DEFAULT_TAU
-
     p.add_argument("--tau", type=float, default=DEFAULT_TAU,
                    help=f"collapse threshold in nats ({DEFAULT_TAU})")
     p.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
@@ -374,26 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lens_args(p)
     p.set_defaults(func=cmd_probe)
 
-    from .eval.commands import add_commands  # degs eval, degs analyze
-
-    add_commands(sub, _add_model_args, _add_decoder_args, _hyperparameters, _load)
-
-    from .train.commands import add_commands as add_training_commands  # train-grpo, train-lens
-
-    add_training_commands(sub, _add_model_args, _load)
-
-    from .reproduce.command import add_command as add_reproduce  # degs reproduce
-
-    add_reproduce(sub, _add_model_args, _load)
+    evaluation.add_commands(sub, _load)  # degs eval, degs analyze
+    training.add_commands(sub, _load)  # train-grpo, train-lens
+    reproduction.add_commands(sub, _load)  # degs reproduce
     return parser
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that report a problem with the input or the environment (one line)
     rather than a bug (a traceback)."""
-    from .eval.results import RunInUseError
-    from .eval.sandbox import IsolationUnavailableError
-
     return (ValueError, OSError, RunInUseError, IsolationUnavailableError)
 
 
@@ -437,8 +277,6 @@ def interruptible(message: str, grace_s: float = 3.0):
     def watch() -> None:
         deadline = None
         while not done.is_set():
-            import select
-
             ready, _, _ = select.select([read_fd], [], [], 0.2 if deadline is None else
                                         max(0.0, min(0.2, deadline - time.monotonic())))
             if ready:
@@ -510,6 +348,3 @@ def entry_point() -> None:
         os._exit(130)
     sys.exit(code)
 
-
-if __name__ == "__main__":
-    entry_point()

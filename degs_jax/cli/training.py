@@ -1,5 +1,4 @@
-"""`degs train-grpo` and `degs train-lens` (registered by degs_jax.cli through
-`add_commands`).
+"""`degs train-grpo` and `degs train-lens` (registered by `degs_jax.cli`).
 
   degs train-grpo --model qwen2.5-coder-0.5b --out runs/grpo --steps 200     GRPO on GSM8K train
   degs train-lens --model qwen2.5-coder-0.5b                                 tuned lens, cached
@@ -12,6 +11,14 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from ..models.sharding import make_mesh
+from ..train.data import gsm8k_train_tasks, read_gsm8k_rows
+from ..train.grpo import GRPOConfig, train_grpo
+from ..train.rewards import MathReward
+from ..train.tuned_lens import (TunedLensConfig, check_lens_destination, check_lens_layers, default_lens_path,
+                                fit_tuned_lens, gsm8k_lens_corpus, params_fingerprint, save_tuned_lens)
+from .options import _add_model_args, check_output_dir, int_list
 
 GRPO_DESCRIPTION = """GRPO with a verifiable math reward (math-verify on the last boxed answer) on the
 GSM8K train split, with the evaluation harness's prompt template.
@@ -86,14 +93,12 @@ def _config_from(cls, args, **extra):
     return cls(**given, **extra)
 
 
-def add_commands(sub, add_model_args, load_model) -> None:
-    """Register `train-grpo` and `train-lens` on the `degs` subparsers object."""
-    from .grpo import GRPOConfig
-    from .tuned_lens import TunedLensConfig
-
+def add_commands(sub, load_model) -> None:
+    """Register `train-grpo` and `train-lens` on the `degs` subparsers object; `load_model(args)`
+    loads the model the options name."""
     g = sub.add_parser("train-grpo", help="GRPO on GSM8K train with a math-verify reward (resumable)",
                        description=GRPO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(g)
+    _add_model_args(g)
     g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
     g.add_argument("--steps", type=int, required=True, help="train up to this many steps in total")
     g.add_argument("--data", default=None,
@@ -109,14 +114,12 @@ def add_commands(sub, add_model_args, load_model) -> None:
 
     t = sub.add_parser("train-lens", help="fit a tuned lens (per-layer affine translators)",
                        description=LENS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(t)
+    _add_model_args(t)
     t.add_argument("--out", default=None,
                    help="lens file (default: the cache entry `--lens tuned` reads for this model)")
     t.add_argument("--corpus", default=None,
                    help="GSM8K-format JSONL whose question + solution texts are the corpus "
                         "(default: the gsm8k_train.jsonl installed with degs_jax)")
-    from degs_jax.cli import int_list
-
     t.add_argument("--layers", type=int_list, default=None, metavar="L1,L2,...",
                    help="layers to translate, comma-separated, increasing, in 0..L (default 0..L-1)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,12 +128,6 @@ def add_commands(sub, add_model_args, load_model) -> None:
 
 
 def cmd_train_grpo(args, load_model) -> int:
-    from degs_jax.cli import check_output_dir
-
-    from .data import gsm8k_train_tasks, read_gsm8k_rows
-    from .grpo import GRPOConfig, train_grpo
-    from .rewards import MathReward
-
     # Bad values and files fail before the model loads.
     config = _config_from(GRPOConfig, args)
     for flag, value in (("--steps", args.steps), ("--checkpoint-every", args.checkpoint_every),
@@ -150,8 +147,6 @@ def cmd_train_grpo(args, load_model) -> int:
                               verify_checksum=args.data is None)
     mesh = None
     if args.mesh is not None:  # the mesh `load_model` put the weights on (same devices, same axes)
-        from ..models.sharding import make_mesh
-
         mesh = make_mesh(*args.mesh)
     with MathReward(model.tokenizer) as reward:
         result = train_grpo(model, Path(args.out), config, tasks=tasks, reward_fn=reward,
@@ -163,12 +158,6 @@ def cmd_train_grpo(args, load_model) -> int:
 
 
 def cmd_train_lens(args, load_model) -> int:
-    from .tuned_lens import (TunedLensConfig, check_lens_destination, check_lens_layers,
-                             default_lens_path, fit_tuned_lens, gsm8k_lens_corpus,
-                             params_fingerprint, save_tuned_lens)
-
-    from .data import read_gsm8k_rows
-
     config = _config_from(TunedLensConfig, args)  # --layers included; bad values fail here
     if args.out is not None:
         check_lens_destination(args.out)  # before the fit, not after

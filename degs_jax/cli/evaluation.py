@@ -1,4 +1,4 @@
-"""`degs eval` and `degs analyze` subcommands (registered by degs_jax.cli).
+"""`degs eval` and `degs analyze` (registered by `degs_jax.cli`).
 
   degs eval --benchmark math500 --method degs_mcmc --out runs/m500   resumable benchmark run
   degs analyze runs/pool                                             D(x) as a predictor of correctness
@@ -7,10 +7,24 @@
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import signal
 import sys
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
+
+import jax
+
+from ..batching import parse_batch_size
+from ..eval import runner
+from ..eval.benchmarks import load_benchmark
+from ..eval.processes import PeerProcessError, publish_failure
+from ..hyperparameters import resolve_hyperparameters
+from ..models.loading import BUILTIN_MODELS
+from ..train.tuned_lens import resolve_lens
+from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, _hyperparameters,
+                      add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
+                      parse_lsub_sweep)
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
@@ -52,17 +66,14 @@ to the logit lens, e.g. `degs analyze runs/pool --lens both`.
 """
 
 
-def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_model) -> None:
-    """Register the evaluation subcommands on the `degs` subparsers object."""
-    import argparse
-
-    from degs_jax.cli import BATCH_SIZE_HELP
-
+def add_commands(sub, load_model) -> None:
+    """Register the evaluation subcommands on the `degs` subparsers object; `load_model(args)`
+    loads the model the options name."""
     e = sub.add_parser("eval", help="evaluate a decoder on a benchmark (resumable)",
                        description=EVAL_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(e)
-    add_decoder_args(e, "degs_mcmc")
+    _add_model_args(e)
+    _add_decoder_args(e, "degs_mcmc")
     g = e.add_argument_group("evaluation")
     g.add_argument("--benchmark", required=True, choices=BENCHMARK_CHOICES)
     g.add_argument("--out", required=True, help="run directory (created; resumed if it exists)")
@@ -83,7 +94,7 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
     d.add_argument("--distributed", action="store_true",
                    help="join a jax.distributed job, detecting what the three options above "
                         "leave out from the cluster environment (Slurm, Open MPI, TPU)")
-    e.set_defaults(func=lambda args: cmd_eval(args, hyperparameters, load_model))
+    e.set_defaults(func=lambda args: cmd_eval(args, load_model))
 
     a = sub.add_parser("analyze", help="D(x) as a predictor of correctness; L_sub sweep",
                        description=ANALYZE_DESCRIPTION,
@@ -104,41 +115,8 @@ def add_commands(sub, add_model_args, add_decoder_args, hyperparameters, load_mo
                         "by side, AUC and Spearman per lens); implies --lsub-sweep default")
     a.add_argument("--tuned-lens", default=None, metavar="FILE",
                    help="tuned-lens file (default: the one cached for the model's weights)")
-    add_model_args(a)
+    _add_model_args(a)
     a.set_defaults(dtype=None, func=lambda args: cmd_analyze(args, load_model))
-
-
-def add_unsafe_grading_flag(group) -> None:
-    """The opt-in to grading HumanEval without namespaces (`degs eval`, `degs reproduce`)."""
-    from degs_jax.eval.sandbox import UNSAFE_FLAG
-
-    group.add_argument(UNSAFE_FLAG, dest="unsafe_unsandboxed_grading", action="store_true",
-                       help="HumanEval where bubblewrap cannot create namespaces: run the "
-                            "model-written programs under process-level guards only (where the "
-                            "kernel lacks Landlock they can read and write this user's files); "
-                            "results are labelled isolation=process. Without it such a run "
-                            "stops before loading the model")
-
-
-@contextlib.contextmanager
-def code_isolation(benchmarks: Iterable[str], allow_unsandboxed: bool):
-    """Around a command that grades ``benchmarks``: before the model loads, how HumanEval
-    programs will be isolated (``None`` without HumanEval), or the one-line refusal
-    (:class:`~degs_jax.eval.sandbox.IsolationUnavailableError`); under the fallback a
-    warning at the start and at the end of the run."""
-    from degs_jax.eval import sandbox
-    from degs_jax.eval.benchmarks import canonical_name
-
-    level = None
-    if "humaneval" in {canonical_name(b) for b in benchmarks}:
-        level = sandbox.isolation(allow_unsandboxed)
-    if level == sandbox.PROCESS:
-        print(sandbox.unsandboxed_warning(), file=sys.stderr, flush=True)
-    try:
-        yield level
-    finally:
-        if level == sandbox.PROCESS:
-            print(sandbox.unsandboxed_warning(), file=sys.stderr, flush=True)
 
 
 def _distributed_options(args) -> Optional[dict]:
@@ -174,10 +152,6 @@ def _join_job(options: dict) -> None:
     tells the others to stop (``run_eval``'s failure publishing). jax's preemption
     service, which would otherwise catch SIGTERM and carry on, is switched off: an eval
     has no preemption sync points."""
-    import signal
-
-    import jax
-
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(**options)
@@ -188,29 +162,19 @@ def _join_job(options: dict) -> None:
 
 
 def _terminated(signum, frame):
-    import signal
-
     raise SystemExit(f"degs: terminated by {signal.Signals(signum).name}")
 
 
-def cmd_eval(args, hyperparameters, load_model) -> int:
-    from degs_jax.batching import parse_batch_size
-    from degs_jax.cli import check_output_dir, check_seed
-    from degs_jax.eval.benchmarks import load_benchmark
-    from degs_jax.hyperparameters import resolve_hyperparameters
-    from degs_jax.eval.processes import PeerProcessError, publish_failure
-    from degs_jax.eval.runner import check_run_directory, run_eval
-    from degs_jax.train.tuned_lens import resolve_lens
-
+def cmd_eval(args, load_model) -> int:
     # Everything that can be checked without the model, before loading it.
-    hp = hyperparameters(args)
+    hp = _hyperparameters(args)
     resolve_hyperparameters(args.method, hp)
     check_seed(args.seed)
     args.batch_size = parse_batch_size(args.batch_size)
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))
-    check_run_directory(Path(args.out))  # what a resume would read
+    runner.check_run_directory(Path(args.out))  # what a resume would read
     args.scope.enter_context(code_isolation([args.benchmark], args.unsafe_unsandboxed_grading))
     options = _distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
@@ -223,12 +187,12 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
         publish_failure(e)
         raise
     try:
-        run_eval(model, Path(args.out), benchmark=args.benchmark, method=args.method,
-                 hyperparameters=hp, seed=args.seed, limit=args.limit,
-                 batch_size=args.batch_size, keep_candidates=args.keep_candidates,
-                 chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
-                 argv=sys.argv[1:], tuned_lens=tuned_lens,
-                 allow_unsandboxed=args.unsafe_unsandboxed_grading)
+        runner.run_eval(model, Path(args.out), benchmark=args.benchmark, method=args.method,
+                        hyperparameters=hp, seed=args.seed, limit=args.limit,
+                        batch_size=args.batch_size, keep_candidates=args.keep_candidates,
+                        chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
+                        argv=sys.argv[1:], tuned_lens=tuned_lens,
+                        allow_unsandboxed=args.unsafe_unsandboxed_grading)
     except PeerProcessError as e:  # the failing process reports the details
         print(f"degs: error: {e}", file=sys.stderr)
         return 2
@@ -236,7 +200,9 @@ def cmd_eval(args, hyperparameters, load_model) -> int:
 
 
 def cmd_analyze(args, load_model) -> int:
-    from degs_jax.analysis import analyze_run, load_run, lsub_sweep, parse_lsub_sweep
+    # the analyses' figures and statistics (matplotlib, scipy): seconds of start-up that
+    # the other commands do not pay
+    from ..analysis import analyze_run, load_run, lsub_sweep
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir
@@ -255,8 +221,6 @@ def cmd_analyze(args, load_model) -> int:
             raise ValueError(f"{run_dir / 'run.json'}: 'config' has no model name to re-score "
                              "with; repair it")
         if args.model is None:  # the run's model: a built-in name, else its recorded path
-            from degs_jax.models.loading import BUILTIN_MODELS
-
             source = (run.get("invocations") or [{}])[-1].get("model_source")
             args.model = (model_cfg["name"] if model_cfg["name"] in BUILTIN_MODELS or not source
                           else source)
@@ -266,8 +230,6 @@ def cmd_analyze(args, load_model) -> int:
         sets = parse_lsub_sweep(args.lsub_sweep, model.lm.num_layers)
         lenses = None
         if args.lens in ("tuned", "both"):
-            from degs_jax.train.tuned_lens import resolve_lens
-
             tuned = resolve_lens("tuned", model, args.tuned_lens)
             lenses = {"tuned": tuned} if args.lens == "tuned" else {"logit": None, "tuned": tuned}
         elif args.tuned_lens is not None:

@@ -1,4 +1,5 @@
-"""`degs reproduce`: command-line front end of :mod:`degs_jax.reproduce`."""
+"""`degs reproduce` (registered by `degs_jax.cli`): the command-line front end of
+:mod:`degs_jax.reproduce`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+import jax
+
+from .. import reproduce  # its report (scipy, matplotlib) loads on first use
+from ..eval.benchmarks import canonical_name, load_benchmark
+from ..models.loading import default_cache_dir
+from ..reproduce.study import Budget, StudyRequest, available_methods, format_plan, plan_table, run_study
+from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
+                      parse_lsub_sweep)
 
 DESCRIPTION = """Run the paper's study for one model into one directory, resumably, and report it.
 
@@ -40,12 +50,13 @@ ALL_BENCHMARKS = "math500,deepmind500,gsm8k,humaneval,gpqa"
 PAPER_POOL_BENCHMARKS = "math500,deepmind500"
 
 
-def add_command(sub, add_model_args, load_model) -> None:
-    """Register `degs reproduce` on the `degs` subparsers object."""
+def add_commands(sub, load_model) -> None:
+    """Register `degs reproduce` on the `degs` subparsers object; `load_model(args)` loads
+    the model the options name."""
     r = sub.add_parser("reproduce", help="the paper's study for one model (resumable) and its report",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--out", required=True, help="study directory (created; continued if it exists)")
-    add_model_args(r)
+    _add_model_args(r)
     g = r.add_argument_group("what to run")
     g.add_argument("--benchmarks", default=ALL_BENCHMARKS,
                    help=f"comma-separated, in priority order ({ALL_BENCHMARKS}); 'none' for no "
@@ -97,8 +108,6 @@ def add_command(sub, add_model_args, load_model) -> None:
     m.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA, else "
                                                     "the copies installed with degs_jax)")
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
-    from degs_jax.eval.commands import add_unsafe_grading_flag
-
     add_unsafe_grading_flag(m)
     r.set_defaults(func=lambda args: cmd_reproduce(args, load_model))
 
@@ -155,13 +164,10 @@ def parse_overrides(specs) -> dict[str, dict[str, Any]]:
 
 def build_request(args):
     """The :class:`StudyRequest` of the command line (validated; no model needed)."""
-    from degs_jax.reproduce.study import StudyRequest, available_methods
-
     benchmarks = _split(args.benchmarks)
     pool = _split(args.pool_benchmarks)
     limits = _scoped_ints(args.limit, "--limit")
     pool_limits = _scoped_ints(args.pool_limit, "--pool-limit")
-    from degs_jax.eval.benchmarks import canonical_name
 
     def limit(table, b, fallback=None):
         canonical = {canonical_name(k) if k != "*" else "*": v for k, v in table.items()}
@@ -180,10 +186,6 @@ def build_request(args):
 def _compilation_cache(choice: Optional[str]) -> Optional[Path]:
     if choice is not None and choice.lower() == "none":
         return None
-    import jax
-
-    from degs_jax.models.loading import default_cache_dir
-
     path = Path(choice) if choice else default_cache_dir() / "xla"
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
@@ -191,31 +193,20 @@ def _compilation_cache(choice: Optional[str]) -> Optional[Path]:
 
 
 def cmd_reproduce(args, load_model) -> int:
-    from degs_jax.reproduce.study import Budget, format_plan, plan_table, run_study
-
-    from degs_jax.cli import check_output_dir, check_seed
-
     budget = Budget(args.time_budget)  # counted from here: loading and compiling included
     out = check_output_dir(Path(args.out))
     check_seed(args.seed)
     if args.export:
-        from degs_jax.reproduce.report import export_study
-
-        result = export_study(out, args.export)
+        result = reproduce.export_study(out, args.export)
         print(f"exported {out} to {args.export}; report: {result['report']}")
         return 0
     if args.report_only:
-        from degs_jax.reproduce.report import write_report
-
-        print(f"report: {write_report(out)['report']}")
+        print(f"report: {reproduce.write_report(out)['report']}")
         return 0
     request = build_request(args)
     if args.plan:
         print(format_plan(plan_table(out, request, data_dir=args.data_dir)))
         return 0
-    from degs_jax.eval.benchmarks import load_benchmark
-    from degs_jax.eval.commands import code_isolation
-
     benchmarks = {**request.benchmarks, **request.pool_benchmarks}
     for benchmark in benchmarks:
         load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
@@ -223,17 +214,13 @@ def cmd_reproduce(args, load_model) -> int:
     _compilation_cache(args.compilation_cache)
     model = load_model(args)
     if args.lsub_sets != "paper":
-        from degs_jax.analysis import parse_lsub_sweep
-
         request = dataclasses.replace(
             request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.lm.num_layers)))
     run_study(model, out, request, budget=budget, progress=not args.no_progress,
               data_dir=args.data_dir, argv=sys.argv[1:],
               allow_unsandboxed=args.unsafe_unsandboxed_grading)
     if not args.no_report:
-        from degs_jax.reproduce.report import write_report
-
         t0 = time.perf_counter()
-        result = write_report(out)
+        result = reproduce.write_report(out)
         print(f"report: {result['report']} ({time.perf_counter() - t0:.1f} s)")
     return 0
