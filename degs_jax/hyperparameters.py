@@ -322,8 +322,9 @@ class ScalablePower(Hyperparameters):
     rollout_horizon: int = _field(192, "rollout length cap, H")
     jackknife: bool = _field(True, "jackknife-corrected block probabilities "
                              "(--no-jackknife: the plain ratio estimate)")
-    candidate_temperature: Optional[float] = _field(
-        None, "temperature of the candidate blocks (default 1/alpha)")
+    candidate_temperature: float = _field(
+        1.0, "temperature of the candidate blocks: 1 draws them from p (docs/design.md §4); "
+        "the public SPS ports use 1/alpha (0.25 at alpha 4)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -349,13 +350,11 @@ class ScalablePower(Hyperparameters):
 
     def sps_config(self, eos_ids: tuple[int, ...]) -> SPSConfig:
         """The block sampler's settings."""
-        temperature = self.candidate_temperature
         return SPSConfig(alpha=float(self.alpha), max_new_tokens=self.max_new_tokens,
                          block_len=self.block_len, candidate_pool=self.candidate_pool,
                          candidates_kept=self.candidates_kept, rollouts=self.rollouts,
                          rollout_horizon=self.rollout_horizon, jackknife=bool(self.jackknife),
-                         candidate_temperature=None if temperature is None else float(temperature),
-                         eos_ids=tuple(eos_ids))
+                         candidate_temperature=float(self.candidate_temperature), eos_ids=tuple(eos_ids))
 
 
 METHOD_HYPERPARAMETERS: dict[str, type[Hyperparameters]] = {

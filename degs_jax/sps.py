@@ -23,15 +23,29 @@ term, leaving O(1/M²); negative entries are clipped to 0 and the rest renormali
 nothing is left, p_hat is used). The block is drawn from p_jk.
 
 Block form (the default): per block, L candidate blocks of `block_len` tokens (or to EOS /
-the budget) are sampled at `candidate_temperature` (default 1/alpha, as both public
-ports do), duplicates are removed (a block drawn twice would otherwise count twice), the
-K most likely distinct blocks under p are kept, and M rollouts of horizon H run from each
-kept block that is not complete. A candidate that completes the sequence has zeta = 1
-exactly, so the last block is drawn by p^alpha alone. With C every possible block and
-H covering the rest of the budget, E[zeta_hat] = zeta and p_jk → the exact block
-marginal of pi_alpha as M grows (tests/test_sps.py checks this on an enumerable model).
-Token form (`block_len` = 1, the paper's Algorithm 1): the candidate set is the K most
-likely next tokens under p (deterministic, no candidate sampling).
+the budget) are sampled at `candidate_temperature` (default 1: from p), duplicates are
+removed (a block drawn twice would otherwise count twice), the K most likely distinct
+blocks under p are kept, and M rollouts of horizon H run from each kept block that is not
+complete. A candidate that completes the sequence has zeta = 1 exactly, so the last block
+is drawn by p^alpha alone. Token form (`block_len` = 1, the paper's Algorithm 1): the
+candidate set is the K most likely next tokens under p (deterministic, no candidate
+sampling).
+
+What is exact, and what is not. SPS approximates p^alpha by design; nothing it returns
+is exact at finite settings. Exact: the factorisation above, and each block is drawn
+from p^alpha · zeta restricted to its candidate set C (with zeta estimated). The errors:
+(1) C misses blocks (finite L, the top-K cut), which then have probability 0; (2) zeta_hat
+is cut at H tokens (biased unless H covers the rest of the budget); (3) the ratio bias,
+O(1/M²) after the jackknife. With C every possible block and H covering the rest of the
+budget, E[zeta_hat] = zeta and p_jk → the exact block marginal of pi_alpha as M grows
+(tests/test_sps.py checks this on an enumerable model). How far the returned answer is at
+default-shaped settings, and which settings bring it close, was measured on that model
+(bench/finite_n_bias.py, table in docs/design.md §4; blocks of 2 tokens of a 3-token
+budget): TV to p^alpha 0.0077 at L 32, K 8, M 8 with candidates from p, 0.056 with
+candidates at 1/alpha (the base model: 0.57).
+
+Differences from the public ports (sums of log-probabilities, not per-token means;
+duplicate candidates removed before the top-K; candidates from p): docs/design.md §4.
 
 All prompts' candidates run as one batch (P·L rows, or P·K in the token form), then all
 rollouts as one batch (P·K·M rows), each row carrying its own copy of the prefix's KV
@@ -49,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +100,9 @@ class SPSConfig:
     rollouts: M rollouts per kept candidate.
     rollout_horizon: H, the rollouts' length cap (they also stop at EOS and the budget).
     jackknife: use the jackknife-corrected probabilities (else the plain ratio p_hat).
-    candidate_temperature: temperature of the candidate blocks; None is 1/alpha (both
-      public ports; the issue says "from p", i.e. 1: choose it here).
+    candidate_temperature: temperature of the candidate blocks (block form). Default 1:
+      from p, as docs/design.md §4 specifies; both public ports draw them at 1/alpha,
+      which was measured farther from the target per forward (docs/design.md §4).
     eos_ids: tokens that end a completion.
     """
 
@@ -99,7 +114,7 @@ class SPSConfig:
     rollouts: int
     rollout_horizon: int
     jackknife: bool
-    candidate_temperature: Optional[float] = None
+    candidate_temperature: float
     eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -113,7 +128,7 @@ class SPSConfig:
         if self.block_len > 1 and self.candidates_kept > self.candidate_pool:
             raise ValueError(f"candidates_kept ({self.candidates_kept}) cannot exceed candidate_pool "
                              f"({self.candidate_pool})")
-        if self.candidate_temperature is not None and not self.candidate_temperature > 0:
+        if not self.candidate_temperature > 0:
             raise ValueError(f"candidate_temperature must be > 0, got {self.candidate_temperature}")
 
     @property
@@ -122,8 +137,7 @@ class SPSConfig:
 
     @property
     def candidate_spec(self) -> SamplerSpec:
-        temperature = self.candidate_temperature or 1.0 / self.alpha
-        return SamplerSpec(temperature=temperature, eos_ids=self.eos_ids)
+        return SamplerSpec(temperature=self.candidate_temperature, eos_ids=self.eos_ids)
 
     @property
     def rollout_spec(self) -> SamplerSpec:

@@ -153,7 +153,8 @@ def test_pool_and_predictive_validity_from_records():
 
 
 def test_analyze_run_writes_json_and_png(tmp_path, capsys):
-    run = {"config": {"model": {"name": "synthetic"}, "benchmark": "math500", "method": "best_of_n"}}
+    run = {"config": {"model": {"name": "synthetic"}, "benchmark": "math500", "method": "best_of_n"},
+           "invocations": []}
     (tmp_path / "run.json").write_text(json.dumps(run))
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
     stats = A.analyze_run(tmp_path)
@@ -196,7 +197,8 @@ def test_parse_lsub_sweep():
 def test_degs_analyze_cli(tmp_path, capsys):
     from degs_jax import cli
 
-    run = {"config": {"model": {"name": "synthetic"}, "benchmark": "math500", "method": "best_of_n"}}
+    run = {"config": {"model": {"name": "synthetic"}, "benchmark": "math500", "method": "best_of_n"},
+           "invocations": []}
     (tmp_path / "run.json").write_text(json.dumps(run))
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
     assert cli.main(["analyze", str(tmp_path), "--out", str(tmp_path / "a")]) == 0

@@ -67,10 +67,12 @@ def test_streamed_entropy_matches_naive_softmax(arch, tie, chunk):
     np.testing.assert_allclose(np.asarray(out.lens.entropy), ent, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(out.lens.top1), top1)
     np.testing.assert_allclose(np.asarray(out.lens.top1_prob), ptop, atol=1e-5, rtol=0)
-    # layer_entropies is the same numbers without the [B, T, V] output logits
+    # layer_entropies is the same numbers without the [B, T, V] output logits, from another
+    # compiled program: fusion and vector width differ by CPU (CI's differed by 3e-6, about
+    # 25 float32 ulps at entropy 2), so the naive comparison's tolerance applies
     np.testing.assert_allclose(
         np.asarray(scoring.layer_entropies(TransformerLM(cfg, lens_chunk=chunk), params, tokens, layers)),
-        np.asarray(out.lens.entropy), atol=1e-6, rtol=0)
+        np.asarray(out.lens.entropy), atol=1e-5, rtol=0)
 
 
 def engineered_rows(V=97, spike_height=6.0):

@@ -42,8 +42,9 @@ MODEL_SEED, MODEL_SCALE = 70, 0.3
 WARM_STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def model():
+def enumerable_model():
+    """(config, fp32 params) of the tiny model whose completions are enumerated here (also
+    used by test_smc_exactness, test_sps and bench/finite_n_bias.py)."""
     cfg = tiny_config("LlamaForCausalLM", vocab=4, layers=3, hidden=16, head_dim=4,
                       num_heads=4, num_kv_heads=2, intermediate=24)
     # Seed and scale chosen (by enumerating pi) so that pi (beta = 0) spreads over
@@ -51,6 +52,11 @@ def model():
     # no completion above 0.37): with a concentrated pi a wrong ratio could go unnoticed.
     params = init_params(cfg, jax.random.key(MODEL_SEED), jnp.float32, scale=MODEL_SCALE)
     return cfg, params
+
+
+@pytest.fixture(scope="module")
+def model():
+    return enumerable_model()
 
 
 def support():
@@ -61,6 +67,21 @@ def support():
             out.append(tuple(body) + (EOS,))
     out.extend(itertools.product(range(EOS), repeat=BLOCK))
     return out
+
+
+def completion_index(tokens, lengths):
+    """Index into `support()` of each row's completion ([B] int; len(support()) for a
+    completion outside it). tokens: [B, S] prompt + completion; lengths: [B]."""
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    P = len(PROMPT)
+    slots = np.arange(BLOCK)[None]
+    body = np.where(slots < (lengths - P)[:, None], tokens[:, P:P + BLOCK], EOS + 1)
+    codes = body @ (EOS + 2) ** np.arange(BLOCK)  # base EOS + 2; EOS + 1 marks an empty slot
+    seqs = support()
+    known = np.array([list(x) + [EOS + 1] * (BLOCK - len(x)) for x in seqs]) @ (EOS + 2) ** np.arange(BLOCK)
+    order = np.argsort(known)
+    at = np.minimum(np.searchsorted(known[order], codes), len(seqs) - 1)
+    return np.where(known[order][at] == codes, order[at], len(seqs))
 
 
 def exact_stats(cfg, params, tau):

@@ -22,8 +22,12 @@ from degs_jax.eval.results import ResultStore, accuracy, merge_shards
 pytestmark = pytest.mark.slow
 
 # deepmind500 problems 0, 1, 3, 4 share a prompt-length bucket, problem 2 has its own.
+# A problem is decoded in different batches by one and by two processes (and on resume):
+# --batch-invariant makes its numbers independent of the batch, so records compare
+# bitwise (without it, log_p and the entropies differ in the last bits on some CPUs).
 EVAL = ["eval", "--benchmark", "deepmind500", "--method", "temperature", "--temperature", "1.0",
-        "--seed", "7", "--max-new-tokens", "16", "--dtype", "float32", "--no-progress"]
+        "--seed", "7", "--max-new-tokens", "16", "--dtype", "float32", "--no-progress",
+        "--batch-invariant"]
 FIELDS = ("id", "index", "completion", "correct", "extracted", "n_tokens", "log_p", "D",
           "final_entropy", "generated_tokens")
 TIMEOUT_S = 300  # per command: a hung barrier fails the test instead of hanging it

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -244,8 +245,28 @@ def facts():
             "uid": os.getuid(), "fork": fork,
             "writable": [p for p in ("/x", "/usr/x", "/sandbox/x", "/dev/x") if can_write(p)],
             "scratch_writable": can_write("/scratch/x"),
-            "seen": [p for p in (CANARY_PATH, TEST_FILE, "/etc/passwd") if os.path.exists(p)]}
+            "seen": [p for p in (CANARY_PATH, TEST_FILE, "/etc/passwd") if os.path.exists(p)],
+            "private_dirs": {d: sorted(os.listdir("/" + d)) for d in PRIVATE_DIRS
+                             if os.path.isdir("/" + d)}}
 '''
+
+PRIVATE_DIRS = ("etc", "home", "tmp", "var", "opt", "mnt")
+
+
+def mounted_paths() -> dict[str, list[str]]:
+    """What the sandbox shows of each private top-level folder: nothing, unless the Python
+    runtime or the environment's site-packages it mounts lies below it (a venv under
+    ``/tmp``, as in CI's fresh copy, or under a home directory); then only the next
+    component of that path."""
+    mounted = [*sandbox._runtime_dirs()[0], *sandbox._package_dirs()]
+    shown = {}
+    for name in PRIVATE_DIRS:
+        below = {Path(p).relative_to("/" + name).parts[0] for p in mounted
+                 if p.startswith(f"/{name}/")}
+        if below:
+            shown[name] = sorted(below)
+    return shown
+
 
 FACTS_TEST = r'''
 def check(candidate):
@@ -254,7 +275,9 @@ def check(candidate):
     assert set(facts["environ"]) <= {"HOME", "TMPDIR", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                      "MKL_NUM_THREADS", "PWD", "LC_CTYPE"}, facts
     # (the environment's site-packages are there, read-only, wherever they are)
-    assert not {"etc", "home", "tmp", "var", "opt", "mnt"} & set(facts["root"]), facts
+    # /tmp or /home exist only as the path to a mounted runtime or site-packages (a venv
+    # under /tmp or a home directory), and show nothing but that path
+    assert facts["private_dirs"] == MOUNTED_PATHS, facts
     assert facts["interfaces"] == ["lo"], facts               # its own network namespace
     assert facts["capabilities"] == "0000000000000000", facts
     assert facts["writable"] == [] and facts["scratch_writable"], facts
@@ -371,7 +394,9 @@ def test_hostile_programs(problem, listeners, tmp_path, monkeypatch, layers):
     checks = [check_of(problem, fill(HOSTILE[n])) for n in names]
     # Positive controls in the same batch: the reference solution, and the facts.
     checks.append(check_of(problem, problem.question + problem.answer))
-    checks.append(HumanEvalCheck(solution=fill(FACTS_SOLUTION), test=FACTS_TEST,
+    checks.append(HumanEvalCheck(solution=fill(FACTS_SOLUTION).replace(
+                                     "PRIVATE_DIRS", repr(PRIVATE_DIRS)),
+                                 test=FACTS_TEST.replace("MOUNTED_PATHS", repr(mounted_paths())),
                                  entry_point="facts"))
     *hostile, canonical, facts = run_checks(checks)
     results = dict(zip(names, hostile))

@@ -21,7 +21,7 @@ from degs_jax import smc as smc_mod
 from degs_jax.cli import _hyperparameters, build_parser
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts, prefill, repeat_rows
-from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, resolve_hyperparameters
+from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, hyperparameters_for, resolve_hyperparameters
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward
 from degs_jax.scoring import token_stats
@@ -165,7 +165,7 @@ def test_smc_config_validation(kwargs, match):
 ])
 def test_sps_config_validation(kwargs, match):
     base = dict(alpha=4.0, max_new_tokens=64, block_len=16, candidate_pool=32, candidates_kept=8, rollouts=8,
-                rollout_horizon=16, jackknife=True)
+                rollout_horizon=16, jackknife=True, candidate_temperature=1.0)
     with pytest.raises(ValueError, match=match):
         SPSConfig(**{**base, **kwargs})
 
@@ -195,6 +195,13 @@ def test_cli_passes_the_new_hyperparameters():
     hp = resolve_hyperparameters(args.method, _hyperparameters(args))
     assert (hp["block_len"], hp["candidates_kept"], hp["rollouts"], hp["rollout_horizon"], hp["jackknife"],
             hp["candidate_temperature"], hp["candidate_pool"]) == (1, 4, 2, 32, False, 0.5, 9)
+    # Both candidate temperatures of docs/design.md §4 (the default 1, the public ports' 1/alpha)
+    # reach the kernel's candidate sampler.
+    for flags, temperature in (([], 1.0), (["--candidate-temperature", "1"], 1.0),
+                               (["--candidate-temperature", "0.25"], 0.25)):
+        args = build_parser().parse_args(["sample", "hi", "--method", "scalable_power", *flags])
+        config = hyperparameters_for("scalable_power", **_hyperparameters(args))
+        assert config.sps_config(()).candidate_spec.temperature == temperature
 
 
 def test_defaults_one_home():
@@ -210,7 +217,7 @@ def test_defaults_one_home():
     sps = ScalablePower().sps_config(())
     assert (sps.alpha, sps.max_new_tokens, sps.block_len, sps.candidate_pool, sps.candidates_kept, sps.rollouts,
             sps.rollout_horizon, sps.jackknife, sps.candidate_temperature) == (4.0, 3072, 192, 32, 8, 8, 192, True,
-                                                                               None)
+                                                                               1.0)
 
 
 @pytest.mark.parametrize("method", NEW_METHODS)
