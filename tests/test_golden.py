@@ -1,7 +1,9 @@
 """Golden numbers: every decoder of `degs_jax.hyperparameters.METHODS`, on CPU, on a
 tiny random transformer with fixed keys, gives bit for bit the values recorded in
 `tests/golden/decoders.json` (written from the code of 827a286, before the layering
-refactor of issue 26). A refactor that claims to change no numerics proves it here.
+refactor of issue 26; the `scalable_power` entry from 209f809, after issue 25 made SPS
+draw its candidate blocks at temperature 1 by default). A refactor that claims to change
+no numerics proves it here.
 
 Recorded, for `decode` (every method): each candidate's tokens, log p, D(x), mean
 final-layer entropy, EOS flag, MCMC acceptance per block and SMC weight; each prompt's
