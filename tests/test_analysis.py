@@ -121,8 +121,9 @@ def _records():
     by_problem = {}
     for pid, d, y in zip(PROBLEM, SCORES, LABELS):
         by_problem.setdefault(pid, []).append({"tokens": [1, 2], "log_p": -d, "D": d, "correct": y})
-    return [{"id": pid, "correct": cands[0]["correct"], "D": cands[0]["D"], "log_p": -1.0,
-             "candidates": cands} for pid, cands in by_problem.items()]
+    return [{"id": pid, "index": index, "correct": cands[0]["correct"], "D": cands[0]["D"],
+             "log_p": -1.0, "candidates": cands}
+            for index, (pid, cands) in enumerate(by_problem.items())]
 
 
 def test_pool_and_predictive_validity_from_records():
@@ -206,7 +207,7 @@ def test_degs_analyze_cli(tmp_path, capsys):
     assert (tmp_path / "a" / "analysis.png").exists()
     # outputs without D(x) (power_mcmc does not probe): a clear error unless re-scored
     (tmp_path / "results.jsonl").write_text(json.dumps(
-        {"id": "x", "correct": True, "D": None, "log_p": -1.0}) + "\n")
+        {"id": "x", "index": 0, "correct": True, "D": None, "log_p": -1.0}) + "\n")
     assert cli.main(["analyze", str(tmp_path)]) == 2
     assert "--lsub-sweep default" in capsys.readouterr().err
     assert cli.main(["analyze", str(tmp_path / "missing")]) == 2
