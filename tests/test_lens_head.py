@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from degs_jax.models import forward, init_params, rms_norm, streamed_head
-from hf_reference import tiny_config
+from tiny_models import tiny_config
 
 
 @pytest.mark.parametrize("lens_layers", [(1, 3), (3, 1, 2), (3,), (0, 2)])
