@@ -188,7 +188,8 @@ def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: i
     import jax
     import jax.numpy as jnp
 
-    from degs_jax.generation import prefill, repeat_rows
+    from degs_jax.generation import prefill
+    from degs_jax.rows import repeat_rows
     from degs_jax.mcmc import mcmc_block_donating
     from degs_jax.smc import final_weights, init_state, run_smc, smc_steps
     from degs_jax.sps import run_sps, sps_block

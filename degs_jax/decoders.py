@@ -39,7 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .generation import (GenState, SamplerSpec, completions, generate, generate_chunk, initial_active,
-                         pad_prompts, prefill, repeat_rows)
+                         pad_prompts, prefill)
 from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, Hyperparameters,
                               MCMCHyperparameters, ScalablePower, SMCHyperparameters,
                               hyperparameters_for)
@@ -47,6 +47,7 @@ from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
 from .model_api import CausalLM, params_dtype
 from .models.causal_lm import TransformerLM
+from .rows import repeat_rows, work_totals
 from .smc import SMCConfig, final_weights, run_smc
 from .sps import SPSConfig, run_sps
 
@@ -102,9 +103,7 @@ class DecodeResult:
         return self.counters["forward_tokens"] + self.counters["probed_token_layers"] / num_layers
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["state", "accepted", "ran", "log_p", "depth", "final_entropy",
-                                "chosen"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Decoded:
     """`decode_tokens`' result. Rows: prompt i's candidate j is row i·n + j."""
@@ -256,12 +255,6 @@ def generate_in_chunks(model: CausalLM, params: Any, state: GenState, limit: Arr
             steps = max(steps // 2, 1)
 
 
-def _counters(state: GenState) -> dict[str, int]:
-    g, f, p = jax.device_get((state.n_generated, state.n_forward, state.n_probed))
-    return dict(generated_tokens=int(g.sum()), forward_tokens=int(f.sum()),
-                probed_token_layers=int(p.sum()))
-
-
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
            method: str | Hyperparameters, key: Optional[Array] = None, *,
            keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
@@ -360,5 +353,5 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
                       diagnostics=diagnostics[i])
                for i in range(len(prompts))]
     return DecodeResult(method=config.method, config=config, outputs=outputs,
-                        counters={**_counters(state), **extra_counters},
+                        counters={**work_totals(state), **extra_counters},
                         seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))

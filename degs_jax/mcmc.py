@@ -34,9 +34,10 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate, select_rows
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
 from .model_api import CausalLM
+from .rows import fold_in_rows, settle_rows, work_counters
 
 Array = jax.Array
 
@@ -150,55 +151,7 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: 
     return log_r
 
 
-def _row_keys(keys: Array, *tags: int | Array) -> Array:
-    """fold_in(..fold_in(keys[b], tags[0]).., tags[-1]) for every row b."""
-    for tag in tags:
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
-    return keys
-
-
-_COUNTERS = ("n_generated", "n_forward", "n_probed")
-
-
-# Rows copied per gather/scatter in `_copy_cache_rows`.
-_ROWS_PER_COPY = 8
-
-
-def _copy_cache_rows(current: Any, proposal: Any, rows: Array, take_proposal: Array, axis: int):
-    """For every row r with rows[r]: both caches' row r := proposal's if take_proposal[r]
-    else current's (rows along `axis` of every cache leaf). Rows go _ROWS_PER_COPY at a
-    time through one gather and in-place scatters (a full-cache select would move the
-    whole cache on every step that ends a proposal); with the batch split over a mesh,
-    XLA partitions the gather and scatters per device (a dynamic slice of the split
-    batch axis would all-gather the cache)."""
-    B = rows.shape[0]
-    R = min(B, _ROWS_PER_COPY)
-    order = jnp.nonzero(rows, size=B + R, fill_value=B)[0]  # B: out of range, dropped
-    leading = (slice(None),) * axis
-
-    def copy_chunk(i, caches):
-        cur, prop = caches
-        idx = jax.lax.dynamic_slice_in_dim(order, i * R, R)
-        take = take_proposal[jnp.minimum(idx, B - 1)]
-        cur_leaves, treedef = jax.tree.flatten(cur)
-        new_cur, new_prop = [], []
-        for c, p in zip(cur_leaves, treedef.flatten_up_to(prop)):
-            shape = [1] * c.ndim
-            shape[axis] = R
-            chosen = jnp.where(take.reshape(shape), jnp.take(p, idx, axis=axis, mode="clip"),
-                               jnp.take(c, idx, axis=axis, mode="clip"))
-            new_cur.append(c.at[leading + (idx,)].set(chosen, mode="drop"))
-            new_prop.append(p.at[leading + (idx,)].set(chosen, mode="drop"))
-        return treedef.unflatten(new_cur), treedef.unflatten(new_prop)
-
-    chunks = (jnp.sum(rows) + R - 1) // R
-    return jax.lax.fori_loop(0, chunks, copy_chunk, (current, proposal))
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["current", "proposal", "generating", "step", "cut",
-                                "proposal_limit", "proposal_keys", "accepted"],
-                   meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MHState:
     """The carry of `mh_steps`' loop: a chain and its running proposal, per row."""
@@ -233,17 +186,17 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     the steps in lock-step (or the row alone).
     """
     spec = mc.proposal
-    block_keys = _row_keys(keys, block)
+    block_keys = fold_in_rows(keys, block)
 
     def step_keys(step: Array) -> Array:
-        return jax.vmap(jax.random.fold_in)(block_keys, FIRST_MH_STREAM + step)
+        return fold_in_rows(block_keys, FIRST_MH_STREAM + step)
 
     def begin(chain: MHState, starting: Array) -> MHState:
         """Start step `chain.step` of the rows in `starting`: draw the cut, truncate the proposal."""
         keys_now = step_keys(chain.step)
         n_x = chain.current.length - chain.current.prompt_len
         m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(
-            _row_keys(keys_now, CUT_STREAM), n_x)
+            fold_in_rows(keys_now, CUT_STREAM), n_x)
         # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
         new_cut = chain.current.prompt_len + m
         new_limit = chain.current.length if mc.reference_quirks else limit
@@ -253,7 +206,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
         return dataclasses.replace(
             chain, proposal=proposal, cut=jnp.where(starting, new_cut, chain.cut),
             proposal_limit=jnp.where(starting, new_limit, chain.proposal_limit),
-            proposal_keys=jnp.where(starting, _row_keys(keys_now, REGENERATE_STREAM),
+            proposal_keys=jnp.where(starting, fold_in_rows(keys_now, REGENERATE_STREAM),
                                     chain.proposal_keys),
             generating=chain.generating | starting)
 
@@ -263,18 +216,13 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
                                           chain.proposal_limit, chain.proposal_keys, chain.cut, spec)
         done = chain.generating & ~still
         with jax.named_scope("accept_reject"):
-            log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys(chain.step), ACCEPT_STREAM)))
+            accept_keys = fold_in_rows(step_keys(chain.step), ACCEPT_STREAM)
+            log_u = jnp.log(jax.vmap(jax.random.uniform)(accept_keys))
             accept = done & (log_u < log_acceptance_ratio(chain.current, proposal, chain.cut, mc,
                                                           model.num_layers, model.batch_invariant))
-            # Both states take the decided row (caches row by row above; select_rows' own
-            # cache select is replaced, so XLA drops it); the proposal keeps the work
-            # counters (work on rejected proposals counts in the compute accounting).
-            counters = {name: getattr(proposal, name) for name in _COUNTERS}
-            k_cache, p_cache = _copy_cache_rows(chain.current.cache, proposal.cache, done, accept,
-                                                chain.current.cache_row_axis)
-            current = dataclasses.replace(select_rows(accept, proposal, chain.current), cache=k_cache)
-            proposal = dataclasses.replace(select_rows(done, current, proposal), cache=p_cache,
-                                           **counters)
+            # Both states take the decided row; the proposal keeps the work counters (work
+            # on rejected proposals counts in the compute accounting).
+            current, proposal = settle_rows(chain.current, proposal, done, accept)
         step = chain.step + done
         chain = MHState(current=current, proposal=proposal, generating=chain.generating & still,
                         step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
@@ -286,8 +234,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
                     cut=state.length, proposal_limit=state.length, proposal_keys=keys,
                     accepted=zeros)
     chain = jax.lax.while_loop(lambda c: jnp.any(c.generating), body, begin(chain, active))
-    final = dataclasses.replace(chain.current,
-                                **{name: getattr(chain.proposal, name) for name in _COUNTERS})
+    final = dataclasses.replace(chain.current, **work_counters(chain.proposal))
     return final, chain.accepted
 
 
@@ -306,7 +253,7 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
     limit = jnp.where(active, boundary, state.length)
     with jax.named_scope("extend"):
-        state = generate(model, params, state, limit, _row_keys(keys, block, EXTENSION_STREAM),
+        state = generate(model, params, state, limit, fold_in_rows(keys, block, EXTENSION_STREAM),
                          mc.proposal)
     with jax.named_scope("mh_steps"):
         state, accepted = mh_steps(model, params, state, keys, block, limit, active, mc)
@@ -320,8 +267,7 @@ mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", 
                               donate_argnames=("state",))
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["state", "block", "accepted", "ran"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ChainRun:
     """The carry of `run_chains`' loop over blocks, and its result."""

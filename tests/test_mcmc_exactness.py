@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 
 from degs_jax import mcmc as mcmc_mod
-from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.generation import pad_prompts, prefill
 from degs_jax.lens import LensConfig, collapse_depth, span_sum
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params
+from degs_jax.rows import repeat_rows
 from tiny_models import tiny_config
 
 EOS = 3
