@@ -23,6 +23,16 @@ so a chain's draws do not depend on the batch it runs in):
     cut index                fold_in(step key, CUT_STREAM)
     regeneration             fold_in(step key, REGENERATE_STREAM), then per position
     accept / reject          fold_in(step key, ACCEPT_STREAM)
+
+Depth-decided decisions: next to its accepted steps, every block counts the MH decisions
+that the depth term decided, i.e. where accepting with beta·[D(x') - D(x)] in log r and
+accepting without it (power-MCMC's log r of the same x, x' and cut) differ for the same
+uniform u. With beta = 0 the count is 0. Under common random numbers a DEGS-MCMC chain and
+a power-MCMC chain draw the same cuts, proposals and u until their decisions first differ,
+so while this count is 0 the two chains are identical, token for token: a GPU study found
+them identical on all 64 problems it ran, and this count shows why (beta·ΔD never flipped a
+decision there). It adds no model work: the second ratio is made of the same stored
+per-token sums, compared with the same u (a few [B] operations per decision).
 """
 
 from __future__ import annotations
@@ -164,17 +174,20 @@ class MHState:
     proposal_limit: Array  # [B] int32: length the running proposal may reach
     proposal_keys: Array  # [B] PRNG keys of the running proposal's tokens
     accepted: Array  # [B] int32: accepted steps in this block
+    depth_decided: Array  # [B] int32: decisions in this block that beta·ΔD decided (module docstring)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mc"))
 def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array]:
+             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array, Array]:
     """`mc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
     active: [B] rows that move (others are left untouched). keys: [B] chain keys;
-    streams as in the module docstring. Returns (state, accepted [B] int32). `state`
-    is not donated.
+    streams as in the module docstring. Returns (state, accepted [B] int32,
+    depth_decided [B] int32: the decisions that accepting with and without the depth term
+    beta·ΔD would have taken differently, from the same u; 0 when beta = 0; module
+    docstring). `state` is not donated.
 
     Rows advance independently: every loop iteration is one decode step of every row's
     proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
@@ -218,36 +231,43 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
         with jax.named_scope("accept_reject"):
             accept_keys = fold_in_rows(step_keys(chain.step), ACCEPT_STREAM)
             log_u = jnp.log(jax.vmap(jax.random.uniform)(accept_keys))
-            accept = done & (log_u < log_acceptance_ratio(chain.current, proposal, chain.cut, mc,
-                                                          model.num_layers, model.batch_invariant))
+            ratio = lambda config: log_acceptance_ratio(chain.current, proposal, chain.cut, config,
+                                                        model.num_layers, model.batch_invariant)
+            accepts = log_u < ratio(mc)
+            accept = done & accepts
+            depth_decided = jnp.zeros_like(done)
+            if mc.beta > 0:  # the power-MCMC decision from the same u
+                depth_decided = done & (accepts != (log_u < ratio(dataclasses.replace(mc, beta=0.0))))
             # Both states take the decided row; the proposal keeps the work counters (work
             # on rejected proposals counts in the compute accounting).
             current, proposal = settle_rows(chain.current, proposal, done, accept)
         step = chain.step + done
         chain = MHState(current=current, proposal=proposal, generating=chain.generating & still,
                         step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
-                        proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept)
+                        proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept,
+                        depth_decided=chain.depth_decided + depth_decided)
         return begin(chain, done & (step < mc.mh_steps))
 
     zeros = jnp.zeros(active.shape, jnp.int32)
     chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active), step=zeros,
                     cut=state.length, proposal_limit=state.length, proposal_keys=keys,
-                    accepted=zeros)
+                    accepted=zeros, depth_decided=zeros)
     chain = jax.lax.while_loop(lambda c: jnp.any(c.generating), body, begin(chain, active))
     final = dataclasses.replace(chain.current, **work_counters(chain.proposal))
-    return final, chain.accepted
+    return final, chain.accepted, chain.depth_decided
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mc"))
 def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
+               mc: MCMCConfig) -> tuple[GenState, Array, Array, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
     (block + 1)·block_len, then `mc.mh_steps` MH steps.
 
     state: GenState of B chains (not donated: the caller may keep using it; see
     `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
-    key, the block and the step). Returns (state, accepted [B] int32 count, active [B]
-    bool: rows that ran this block, i.e. had not ended before it).
+    key, the block and the step). Returns (state, accepted [B] int32 count, depth_decided
+    [B] int32 count (`mh_steps`), active [B] bool: rows that ran this block, i.e. had not
+    ended before it).
     """
     active = ~state.ended
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
@@ -256,8 +276,8 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
         state = generate(model, params, state, limit, fold_in_rows(keys, block, EXTENSION_STREAM),
                          mc.proposal)
     with jax.named_scope("mh_steps"):
-        state, accepted = mh_steps(model, params, state, keys, block, limit, active, mc)
-    return state, accepted, active
+        state, accepted, depth_decided = mh_steps(model, params, state, keys, block, limit, active, mc)
+    return state, accepted, depth_decided, active
 
 
 # `mcmc_block` with `state` donated, for host loops that replace their state every block
@@ -275,6 +295,7 @@ class ChainRun:
     state: GenState
     block: Array  # int32 scalar: blocks run so far
     accepted: Array  # [B, num_blocks] int32: accepted MH steps per row and block
+    depth_decided: Array  # [B, num_blocks] int32: MH decisions beta·ΔD decided (`mh_steps`)
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
 
 
@@ -292,12 +313,14 @@ def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
 
     def body(run: ChainRun) -> ChainRun:
         with jax.named_scope("block"):
-            state, accepted, active = mcmc_block(model, params, run.state, keys, run.block, mc)
+            state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mc)
         return ChainRun(state=state, block=run.block + 1,
                         accepted=run.accepted.at[:, run.block].set(accepted),
+                        depth_decided=run.depth_decided.at[:, run.block].set(depth_decided),
                         ran=run.ran.at[:, run.block].set(active))
 
     start = ChainRun(state=state, block=jnp.int32(0),
                      accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
+                     depth_decided=jnp.zeros((B, mc.num_blocks), jnp.int32),
                      ran=jnp.zeros((B, mc.num_blocks), bool))
     return jax.lax.while_loop(keep_going, body, start)
