@@ -55,10 +55,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests")
 from test_mcmc_exactness import (BLOCK, EOS, LSUB, PROMPT, completion_index,  # noqa: E402
                                  enumerable_model, exact_stats, pick_tau, target)
 
-from degs_jax.generation import GenState, pad_prompts, prefill, repeat_rows  # noqa: E402
+from degs_jax.generation import GenState, pad_prompts, prefill  # noqa: E402
 from degs_jax.hyperparameters import hyperparameters_for  # noqa: E402
 from degs_jax.mcmc import run_chains  # noqa: E402
 from degs_jax.models import TransformerLM, forward  # noqa: E402
+from degs_jax.rows import repeat_rows  # noqa: E402
 from degs_jax.smc import final_weights, run_smc  # noqa: E402
 from degs_jax.sps import run_sps  # noqa: E402
 

@@ -184,7 +184,8 @@ def compile_mcmc_block(model, params, prompts, method, beta, sizes, eos) -> floa
     """Seconds to compile the prefill and the block program ahead of time, as `decode`
     calls them (they land in the persistent compilation cache, from which the timed run
     then loads them)."""
-    from degs_jax.generation import pad_prompts, prefill, repeat_rows
+    from degs_jax.generation import pad_prompts, prefill
+    from degs_jax.rows import repeat_rows
 
     mcmc_config = default_mcmc(method, model.num_layers, (eos,), beta=beta, **sizes)
     tokens, lengths = pad_prompts(prompts)

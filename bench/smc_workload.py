@@ -188,7 +188,8 @@ def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: i
     import jax
     import jax.numpy as jnp
 
-    from degs_jax.generation import prefill, repeat_rows
+    from degs_jax.generation import prefill
+    from degs_jax.rows import repeat_rows
     from degs_jax.mcmc import mcmc_block_donating
     from degs_jax.smc import final_weights, init_state, run_smc, smc_steps
     from degs_jax.sps import run_sps, sps_block
@@ -244,7 +245,7 @@ def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: i
         state = rows_of(tokens, lengths, 1)
         accepted = []
         for block in range(config.num_blocks):
-            state, acc, _ = mcmc_block_donating(lm, params, state, keys, jnp.int32(block), config)
+            state, acc, _, _ = mcmc_block_donating(lm, params, state, keys, jnp.int32(block), config)
             accepted.append(float(jax.device_get(acc).mean()) / config.mh_steps)
         jax.block_until_ready(state.length)
         seconds = time.perf_counter() - t

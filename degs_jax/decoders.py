@@ -39,7 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .generation import (GenState, SamplerSpec, completions, generate, generate_chunk, initial_active,
-                         pad_prompts, prefill, repeat_rows)
+                         pad_prompts, prefill)
 from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, Hyperparameters,
                               MCMCHyperparameters, ScalablePower, SMCHyperparameters,
                               hyperparameters_for)
@@ -47,6 +47,7 @@ from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
 from .model_api import CausalLM, params_dtype
 from .models.causal_lm import TransformerLM
+from .rows import repeat_rows, work_totals
 from .smc import SMCConfig, final_weights, run_smc
 from .sps import SPSConfig, run_sps
 
@@ -67,6 +68,10 @@ class Candidate:
     final_entropy: float
     ended: bool  # False: stopped by the token budget without EOS
     acceptance: Optional[list[float]] = None  # MCMC: per-block acceptance rate
+    # MCMC: per block, the MH decisions that the depth term beta·ΔD decided (accepting
+    # with and without it differ for the same u; 0 for power-MCMC). While 0, the chain is
+    # the power-MCMC chain of the same key, token for token (`degs_jax.mcmc`'s docstring).
+    depth_decisions: Optional[list[int]] = None
     text: Optional[str] = None
     weight: Optional[float] = None  # SMC: normalised final importance weight of the particle
 
@@ -102,9 +107,7 @@ class DecodeResult:
         return self.counters["forward_tokens"] + self.counters["probed_token_layers"] / num_layers
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["state", "accepted", "ran", "log_p", "depth", "final_entropy",
-                                "chosen"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Decoded:
     """`decode_tokens`' result. Rows: prompt i's candidate j is row i·n + j."""
@@ -112,6 +115,7 @@ class Decoded:
     state: GenState  # every row: tokens, per-token log p / log q / d_t / H_L, counters
     accepted: Array  # [rows, num_blocks] int32 accepted MH steps ([rows, 0] without MCMC)
     ran: Array  # [rows, num_blocks] bool: the chain ran the block
+    depth_decided: Array  # [rows, num_blocks] int32 MH decisions beta·ΔD decided (`Candidate.depth_decisions`)
     log_p: Array  # [rows] log p(x)
     depth: Array  # [rows] D(x) (0 where nothing was probed)
     final_entropy: Array  # [rows] mean final-layer entropy
@@ -211,14 +215,14 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
     keys = row_keys(keys, n)
     if isinstance(plan.kernel, MCMCConfig):
         run = run_chains(plan.model, params, state, keys, plan.kernel)
-        state, accepted, ran = run.state, run.accepted, run.ran
+        state, accepted, depth_decided, ran = run.state, run.accepted, run.depth_decided, run.ran
     else:
         state = generate(plan.model, params, state, state.prompt_len + config.max_new_tokens, keys,
                          plan.kernel)
-        accepted = jnp.zeros((state.length.shape[0], 0), jnp.int32)
+        accepted = depth_decided = jnp.zeros((state.length.shape[0], 0), jnp.int32)
         ran = jnp.zeros((state.length.shape[0], 0), bool)
     log_p, depth, final_entropy = candidate_scores(state, plan.model.num_layers, plan.model.batch_invariant)
-    return Decoded(state=state, accepted=accepted, ran=ran, log_p=log_p, depth=depth,
+    return Decoded(state=state, accepted=accepted, ran=ran, depth_decided=depth_decided, log_p=log_p, depth=depth,
                    final_entropy=final_entropy, chosen=choose(config, log_p, depth, final_entropy))
 
 
@@ -254,12 +258,6 @@ def generate_in_chunks(model: CausalLM, params: Any, state: GenState, limit: Arr
             steps = min(2 * steps, MAX_CHUNK_STEPS)
         elif elapsed > 2 * CHUNK_SECONDS:
             steps = max(steps // 2, 1)
-
-
-def _counters(state: GenState) -> dict[str, int]:
-    g, f, p = jax.device_get((state.n_generated, state.n_forward, state.n_probed))
-    return dict(generated_tokens=int(g.sum()), forward_tokens=int(f.sum()),
-                probed_token_layers=int(p.sum()))
 
 
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
@@ -304,20 +302,23 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     t1 = time.perf_counter()
     rows = state.length.shape[0]
     keys = jax.random.split(key, rows) if keys is None else row_keys(keys, n)
-    acceptance = None
+    acceptance = depth_decisions = None
     weights = picked = None
     diagnostics = [None] * len(prompts)
     extra_counters: dict[str, int] = {}
     if isinstance(plan.kernel, MCMCConfig):
         mc = plan.kernel
         acceptance = [[] for _ in range(rows)]
+        depth_decisions = [[] for _ in range(rows)]
         bar = tqdm(range(mc.num_blocks), desc=config.method, unit="block", disable=not progress)
         for block in bar:
-            state, accepted, active = mcmc_block_donating(model, params, state, keys,
-                                                          jnp.int32(block), mc)
-            accepted, active, ended = jax.device_get((accepted, active, state.ended))
+            state, accepted, depth_decided, active = mcmc_block_donating(model, params, state, keys,
+                                                                         jnp.int32(block), mc)
+            accepted, depth_decided, active, ended = jax.device_get((accepted, depth_decided, active,
+                                                                     state.ended))
             for r in np.flatnonzero(active):
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
+                depth_decisions[r].append(int(depth_decided[r]))
             if ended.all():
                 break
     elif isinstance(plan.kernel, SMCConfig):
@@ -354,11 +355,12 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
                       depth=float(depth[r]) if config.probed else None,
                       final_entropy=float(final_entropy[r]), ended=bool(ended[r]),
                       acceptance=None if acceptance is None else acceptance[r],
+                      depth_decisions=None if depth_decisions is None else depth_decisions[r],
                       weight=None if weights is None else float(weights.reshape(-1)[r]))
             for r, tokens in enumerate(completions(state))]
     outputs = [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n],
                       diagnostics=diagnostics[i])
                for i in range(len(prompts))]
     return DecodeResult(method=config.method, config=config, outputs=outputs,
-                        counters={**_counters(state), **extra_counters},
+                        counters={**work_totals(state), **extra_counters},
                         seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))

@@ -39,20 +39,19 @@ import numpy as np
 
 from .lens import LensConfig, collapse_depth, sum_rows
 from .model_api import CausalLM
+from .rows import fold_in_rows, rows_at, work_counter
 from .tiling import row_tiled
 
 Array = jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "logp", "logq", "depth", "final_entropy", "length",
-                                "prompt_len", "ended", "cache", "n_generated", "n_forward",
-                                "n_probed"],
-                   meta_fields=["cache_row_axis"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GenState:
     """Per-row generation state; B rows, S slots. `prefill` builds one; `generate`,
-    `generate_chunk` and the MCMC kernels return updated copies (never mutate)."""
+    `generate_chunk` and the MCMC kernels return updated copies (never mutate). Every
+    field but `cache_row_axis` is pytree data with B rows (on axis 0 unless its field
+    says otherwise; `degs_jax.rows` takes, repeats, selects and copies them)."""
 
     tokens: Array  # [B, S] int32
     logp: Array  # [B, S] fp32
@@ -62,11 +61,13 @@ class GenState:
     length: Array  # [B] int32: prompt + completion tokens in the buffer
     prompt_len: Array  # [B] int32
     ended: Array  # [B] bool: the last token is EOS
-    cache: Any  # the model's cache pytree (model_api contract), rows at `cache_row_axis`
-    n_generated: Array  # [B] int32: tokens sampled
-    n_forward: Array  # [B] int32: token positions run through the model (prefill included)
-    n_probed: Array  # [B] int32: probed token-layers (K per lensed position)
-    cache_row_axis: int = 0  # static: the batch-row axis of every cache leaf
+    cache: Any = rows_at("cache_row_axis")  # the model's cache pytree (model_api contract)
+    # Work counters, [B] int32 each (summed per run under the names given):
+    n_generated: Array = work_counter("generated_tokens")  # tokens sampled
+    n_forward: Array = work_counter("forward_tokens")  # token positions run (prefill included)
+    n_probed: Array = work_counter("probed_token_layers")  # probed token-layers (K per lensed position)
+    # Static (part of the treedef): the batch-row axis of every cache leaf.
+    cache_row_axis: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def max_len(self) -> int:
@@ -217,7 +218,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             logq_tok = jnp.zeros((B,), jnp.float32)
         else:
-            step_keys = jax.vmap(jax.random.fold_in)(keys, n)
+            step_keys = fold_in_rows(keys, n)
             tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
             logq_tok = logq_all[rows, tok]
     logp_tok = logp_all[rows, tok]
@@ -237,8 +238,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
     return new, sample & ~hit_eos
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["state", "active", "steps"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GenerationLoop:
     """The carry of the generation `lax.while_loop`."""
@@ -348,29 +348,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]],
     for i, p in enumerate(prompts):
         out[i, : len(p)] = p
     return out, np.array([len(p) for p in prompts], np.int32)
-
-
-def _map_rows(fn, *states: GenState) -> GenState:
-    """Apply fn(*arrays, axis) to every field, with `axis` the field's row axis."""
-    fields = {f.name: fn(*(getattr(s, f.name) for s in states), axis=0)
-              for f in dataclasses.fields(GenState) if f.name not in ("cache", "cache_row_axis")}
-    axis = states[0].cache_row_axis
-    cache = jax.tree.map(lambda *leaves: fn(*leaves, axis=axis), *(s.cache for s in states))
-    return GenState(cache=cache, cache_row_axis=axis, **fields)
-
-
-def repeat_rows(state: GenState, n: int) -> GenState:
-    """Each row repeated n times consecutively (problems x chains from one prefill)."""
-    return _map_rows(lambda x, axis: jnp.repeat(x, n, axis=axis), state)
-
-
-def select_rows(take_new: Array, new: GenState, old: GenState) -> GenState:
-    """Row-wise `where(take_new, new, old)` over every field, caches included."""
-    def pick(a, b, axis):
-        shape = [1] * a.ndim
-        shape[axis] = a.shape[axis]
-        return jnp.where(take_new.reshape(shape), a, b)
-    return _map_rows(pick, new, old)
 
 
 def completions(state: GenState) -> list[list[int]]:

@@ -23,6 +23,16 @@ so a chain's draws do not depend on the batch it runs in):
     cut index                fold_in(step key, CUT_STREAM)
     regeneration             fold_in(step key, REGENERATE_STREAM), then per position
     accept / reject          fold_in(step key, ACCEPT_STREAM)
+
+Depth-decided decisions: next to its accepted steps, every block counts the MH decisions
+that the depth term decided, i.e. where accepting with beta·[D(x') - D(x)] in log r and
+accepting without it (power-MCMC's log r of the same x, x' and cut) differ for the same
+uniform u. With beta = 0 the count is 0. Under common random numbers a DEGS-MCMC chain and
+a power-MCMC chain draw the same cuts, proposals and u until their decisions first differ,
+so while this count is 0 the two chains are identical, token for token: a GPU study found
+them identical on all 64 problems it ran, and this count shows why (beta·ΔD never flipped a
+decision there). It adds no model work: the second ratio is made of the same stored
+per-token sums, compared with the same u (a few [B] operations per decision).
 """
 
 from __future__ import annotations
@@ -34,9 +44,10 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate, select_rows
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
 from .model_api import CausalLM
+from .rows import fold_in_rows, settle_rows, work_counters
 
 Array = jax.Array
 
@@ -150,55 +161,7 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: 
     return log_r
 
 
-def _row_keys(keys: Array, *tags: int | Array) -> Array:
-    """fold_in(..fold_in(keys[b], tags[0]).., tags[-1]) for every row b."""
-    for tag in tags:
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
-    return keys
-
-
-_COUNTERS = ("n_generated", "n_forward", "n_probed")
-
-
-# Rows copied per gather/scatter in `_copy_cache_rows`.
-_ROWS_PER_COPY = 8
-
-
-def _copy_cache_rows(current: Any, proposal: Any, rows: Array, take_proposal: Array, axis: int):
-    """For every row r with rows[r]: both caches' row r := proposal's if take_proposal[r]
-    else current's (rows along `axis` of every cache leaf). Rows go _ROWS_PER_COPY at a
-    time through one gather and in-place scatters (a full-cache select would move the
-    whole cache on every step that ends a proposal); with the batch split over a mesh,
-    XLA partitions the gather and scatters per device (a dynamic slice of the split
-    batch axis would all-gather the cache)."""
-    B = rows.shape[0]
-    R = min(B, _ROWS_PER_COPY)
-    order = jnp.nonzero(rows, size=B + R, fill_value=B)[0]  # B: out of range, dropped
-    leading = (slice(None),) * axis
-
-    def copy_chunk(i, caches):
-        cur, prop = caches
-        idx = jax.lax.dynamic_slice_in_dim(order, i * R, R)
-        take = take_proposal[jnp.minimum(idx, B - 1)]
-        cur_leaves, treedef = jax.tree.flatten(cur)
-        new_cur, new_prop = [], []
-        for c, p in zip(cur_leaves, treedef.flatten_up_to(prop)):
-            shape = [1] * c.ndim
-            shape[axis] = R
-            chosen = jnp.where(take.reshape(shape), jnp.take(p, idx, axis=axis, mode="clip"),
-                               jnp.take(c, idx, axis=axis, mode="clip"))
-            new_cur.append(c.at[leading + (idx,)].set(chosen, mode="drop"))
-            new_prop.append(p.at[leading + (idx,)].set(chosen, mode="drop"))
-        return treedef.unflatten(new_cur), treedef.unflatten(new_prop)
-
-    chunks = (jnp.sum(rows) + R - 1) // R
-    return jax.lax.fori_loop(0, chunks, copy_chunk, (current, proposal))
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["current", "proposal", "generating", "step", "cut",
-                                "proposal_limit", "proposal_keys", "accepted"],
-                   meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MHState:
     """The carry of `mh_steps`' loop: a chain and its running proposal, per row."""
@@ -211,17 +174,20 @@ class MHState:
     proposal_limit: Array  # [B] int32: length the running proposal may reach
     proposal_keys: Array  # [B] PRNG keys of the running proposal's tokens
     accepted: Array  # [B] int32: accepted steps in this block
+    depth_decided: Array  # [B] int32: decisions in this block that beta·ΔD decided (module docstring)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mc"))
 def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array]:
+             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array, Array]:
     """`mc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
     active: [B] rows that move (others are left untouched). keys: [B] chain keys;
-    streams as in the module docstring. Returns (state, accepted [B] int32). `state`
-    is not donated.
+    streams as in the module docstring. Returns (state, accepted [B] int32,
+    depth_decided [B] int32: the decisions that accepting with and without the depth term
+    beta·ΔD would have taken differently, from the same u; 0 when beta = 0; module
+    docstring). `state` is not donated.
 
     Rows advance independently: every loop iteration is one decode step of every row's
     proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
@@ -233,17 +199,17 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     the steps in lock-step (or the row alone).
     """
     spec = mc.proposal
-    block_keys = _row_keys(keys, block)
+    block_keys = fold_in_rows(keys, block)
 
     def step_keys(step: Array) -> Array:
-        return jax.vmap(jax.random.fold_in)(block_keys, FIRST_MH_STREAM + step)
+        return fold_in_rows(block_keys, FIRST_MH_STREAM + step)
 
     def begin(chain: MHState, starting: Array) -> MHState:
         """Start step `chain.step` of the rows in `starting`: draw the cut, truncate the proposal."""
         keys_now = step_keys(chain.step)
         n_x = chain.current.length - chain.current.prompt_len
         m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(
-            _row_keys(keys_now, CUT_STREAM), n_x)
+            fold_in_rows(keys_now, CUT_STREAM), n_x)
         # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
         new_cut = chain.current.prompt_len + m
         new_limit = chain.current.length if mc.reference_quirks else limit
@@ -253,7 +219,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
         return dataclasses.replace(
             chain, proposal=proposal, cut=jnp.where(starting, new_cut, chain.cut),
             proposal_limit=jnp.where(starting, new_limit, chain.proposal_limit),
-            proposal_keys=jnp.where(starting, _row_keys(keys_now, REGENERATE_STREAM),
+            proposal_keys=jnp.where(starting, fold_in_rows(keys_now, REGENERATE_STREAM),
                                     chain.proposal_keys),
             generating=chain.generating | starting)
 
@@ -263,54 +229,55 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
                                           chain.proposal_limit, chain.proposal_keys, chain.cut, spec)
         done = chain.generating & ~still
         with jax.named_scope("accept_reject"):
-            log_u = jnp.log(jax.vmap(jax.random.uniform)(_row_keys(step_keys(chain.step), ACCEPT_STREAM)))
-            accept = done & (log_u < log_acceptance_ratio(chain.current, proposal, chain.cut, mc,
-                                                          model.num_layers, model.batch_invariant))
-            # Both states take the decided row (caches row by row above; select_rows' own
-            # cache select is replaced, so XLA drops it); the proposal keeps the work
-            # counters (work on rejected proposals counts in the compute accounting).
-            counters = {name: getattr(proposal, name) for name in _COUNTERS}
-            k_cache, p_cache = _copy_cache_rows(chain.current.cache, proposal.cache, done, accept,
-                                                chain.current.cache_row_axis)
-            current = dataclasses.replace(select_rows(accept, proposal, chain.current), cache=k_cache)
-            proposal = dataclasses.replace(select_rows(done, current, proposal), cache=p_cache,
-                                           **counters)
+            accept_keys = fold_in_rows(step_keys(chain.step), ACCEPT_STREAM)
+            log_u = jnp.log(jax.vmap(jax.random.uniform)(accept_keys))
+            ratio = lambda config: log_acceptance_ratio(chain.current, proposal, chain.cut, config,
+                                                        model.num_layers, model.batch_invariant)
+            accepts = log_u < ratio(mc)
+            accept = done & accepts
+            depth_decided = jnp.zeros_like(done)
+            if mc.beta > 0:  # the power-MCMC decision from the same u
+                depth_decided = done & (accepts != (log_u < ratio(dataclasses.replace(mc, beta=0.0))))
+            # Both states take the decided row; the proposal keeps the work counters (work
+            # on rejected proposals counts in the compute accounting).
+            current, proposal = settle_rows(chain.current, proposal, done, accept)
         step = chain.step + done
         chain = MHState(current=current, proposal=proposal, generating=chain.generating & still,
                         step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
-                        proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept)
+                        proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept,
+                        depth_decided=chain.depth_decided + depth_decided)
         return begin(chain, done & (step < mc.mh_steps))
 
     zeros = jnp.zeros(active.shape, jnp.int32)
     chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active), step=zeros,
                     cut=state.length, proposal_limit=state.length, proposal_keys=keys,
-                    accepted=zeros)
+                    accepted=zeros, depth_decided=zeros)
     chain = jax.lax.while_loop(lambda c: jnp.any(c.generating), body, begin(chain, active))
-    final = dataclasses.replace(chain.current,
-                                **{name: getattr(chain.proposal, name) for name in _COUNTERS})
-    return final, chain.accepted
+    final = dataclasses.replace(chain.current, **work_counters(chain.proposal))
+    return final, chain.accepted, chain.depth_decided
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mc"))
 def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-               mc: MCMCConfig) -> tuple[GenState, Array, Array]:
+               mc: MCMCConfig) -> tuple[GenState, Array, Array, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
     (block + 1)·block_len, then `mc.mh_steps` MH steps.
 
     state: GenState of B chains (not donated: the caller may keep using it; see
     `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
-    key, the block and the step). Returns (state, accepted [B] int32 count, active [B]
-    bool: rows that ran this block, i.e. had not ended before it).
+    key, the block and the step). Returns (state, accepted [B] int32 count, depth_decided
+    [B] int32 count (`mh_steps`), active [B] bool: rows that ran this block, i.e. had not
+    ended before it).
     """
     active = ~state.ended
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
     limit = jnp.where(active, boundary, state.length)
     with jax.named_scope("extend"):
-        state = generate(model, params, state, limit, _row_keys(keys, block, EXTENSION_STREAM),
+        state = generate(model, params, state, limit, fold_in_rows(keys, block, EXTENSION_STREAM),
                          mc.proposal)
     with jax.named_scope("mh_steps"):
-        state, accepted = mh_steps(model, params, state, keys, block, limit, active, mc)
-    return state, accepted, active
+        state, accepted, depth_decided = mh_steps(model, params, state, keys, block, limit, active, mc)
+    return state, accepted, depth_decided, active
 
 
 # `mcmc_block` with `state` donated, for host loops that replace their state every block
@@ -320,8 +287,7 @@ mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", 
                               donate_argnames=("state",))
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["state", "block", "accepted", "ran"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ChainRun:
     """The carry of `run_chains`' loop over blocks, and its result."""
@@ -329,6 +295,7 @@ class ChainRun:
     state: GenState
     block: Array  # int32 scalar: blocks run so far
     accepted: Array  # [B, num_blocks] int32: accepted MH steps per row and block
+    depth_decided: Array  # [B, num_blocks] int32: MH decisions beta·ΔD decided (`mh_steps`)
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
 
 
@@ -346,12 +313,14 @@ def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
 
     def body(run: ChainRun) -> ChainRun:
         with jax.named_scope("block"):
-            state, accepted, active = mcmc_block(model, params, run.state, keys, run.block, mc)
+            state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mc)
         return ChainRun(state=state, block=run.block + 1,
                         accepted=run.accepted.at[:, run.block].set(accepted),
+                        depth_decided=run.depth_decided.at[:, run.block].set(depth_decided),
                         ran=run.ran.at[:, run.block].set(active))
 
     start = ChainRun(state=state, block=jnp.int32(0),
                      accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
+                     depth_decided=jnp.zeros((B, mc.num_blocks), jnp.int32),
                      ran=jnp.zeros((B, mc.num_blocks), bool))
     return jax.lax.while_loop(keep_going, body, start)

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import jax
@@ -62,8 +61,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["logits", "cache", "layer_entropy"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
     """What one model step returns (see the module docstring for the contract)."""

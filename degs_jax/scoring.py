@@ -34,8 +34,7 @@ Array = jax.Array
 LOGITS_BLOCK_BYTES = 2**28
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["logp", "depth", "final_entropy", "layer_entropy"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TokenStats:
     """Per-position statistics of a batch of sequences, [B, T] (fp32 unless noted)."""
@@ -118,9 +117,7 @@ def _rows(a: Array, rows: list[int]) -> Array:
     return a if rows == list(range(a.shape[0])) else jnp.stack([a[r] for r in rows])
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["log_p", "depth", "final_entropy", "token_depth", "scored"],
-                   meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CandidateScores:
     """The statistics of one completion (or, batched, of a pool)."""

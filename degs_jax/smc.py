@@ -106,12 +106,10 @@ import jax.numpy as jnp
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
 from .model_api import CausalLM
+from .rows import copy_rows, fold_in_rows
 from .tiling import row_tiled
 
 Array = jax.Array
-
-# Rows copied per gather/scatter when resampling.
-_ROWS_PER_COPY = 8
 
 # PRNG streams under a row key (tokens) or under the prompt's first row key (the rest).
 TOKEN_STREAM = 0  # row key: the particle's tokens, then per position (decode_step)
@@ -188,10 +186,7 @@ class SMCConfig:
         return (self.max_new_tokens + 1) // self.resample_every
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["gen", "log_weight", "log_target", "live", "step", "log_evidence",
-                                "ess", "resamples", "copied_rows"],
-                   meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SMCState:
     """The particle system of P prompts × N particles (B = P·N rows, prompt-major)."""
@@ -284,27 +279,6 @@ def systematic_ancestors(log_weight: Array, uniform: Array, batch_invariant: boo
     return jnp.where(dead, source, jnp.arange(N)[None])
 
 
-def _copy_cache_rows(cache, source: Array, copy: Array, axis: int):
-    """Row r := row source[r] (along `axis` of every cache leaf) for every r with copy[r],
-    in place, _ROWS_PER_COPY rows per gather/scatter: only the copied rows move, never the
-    whole cache. Needs no source to be a destination (stable placement guarantees it)."""
-    B = copy.shape[0]
-    R = min(B, _ROWS_PER_COPY)
-    order = jnp.nonzero(copy, size=B + R, fill_value=B)[0]  # B: out of range, dropped
-    leading = (slice(None),) * axis
-
-    def chunk(i, c):
-        dst = jax.lax.dynamic_slice_in_dim(order, i * R, R)
-        src = source[jnp.minimum(dst, B - 1)]
-        move = lambda a: a.at[leading + (dst,)].set(jnp.take(a, src, axis=axis), mode="drop")
-        return jax.tree.map(move, c)
-
-    return jax.lax.fori_loop(0, (jnp.sum(copy) + R - 1) // R, chunk, cache)
-
-
-_WORK_COUNTERS = ("n_generated", "n_forward", "n_probed")
-
-
 def resample(state: SMCState, need: Array, ancestors: Array, n: int) -> SMCState:
     """Replace particles by their ancestors in the prompts where `need` ([P]); the
     weights of those prompts restart at 1 (their epoch's evidence is added by the caller)."""
@@ -312,23 +286,13 @@ def resample(state: SMCState, need: Array, ancestors: Array, n: int) -> SMCState
     source = (jnp.arange(B) // n) * n + ancestors.reshape(-1)
     source = jnp.where(jnp.repeat(need, n), source, jnp.arange(B))
     copy = source != jnp.arange(B)
-    gen = state.gen
     take = lambda a: a[source]
-    fields = {f.name: take(getattr(gen, f.name)) for f in dataclasses.fields(GenState)
-              if f.name not in ("cache", "cache_row_axis") + _WORK_COUNTERS}
-    gen = dataclasses.replace(gen, cache=_copy_cache_rows(gen.cache, source, copy, gen.cache_row_axis),
-                              **fields)
+    gen = copy_rows(state.gen, source, copy)
     return dataclasses.replace(
         state, gen=gen, log_target=take(state.log_target), live=take(state.live),
         log_weight=jnp.where(jnp.repeat(need, n), 0.0, state.log_weight),
         resamples=state.resamples + need,
         copied_rows=state.copied_rows + jnp.sum(copy.reshape(-1, n), axis=1))
-
-
-def _stream(keys: Array, *tags: int) -> Array:
-    for tag in tags:
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
-    return keys
 
 
 def init_state(gen: GenState, smc: SMCConfig, num_layers: int, batch_invariant: bool = False) -> SMCState:
@@ -355,7 +319,7 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
     spec = smc.proposal
     gen0 = state.gen
     limit = gen0.prompt_len + smc.max_new_tokens
-    token_keys = _stream(keys, TOKEN_STREAM)
+    token_keys = fold_in_rows(keys, TOKEN_STREAM)
     rows = jnp.arange(keys.shape[0])
     stop = (state.step // smc.resample_every + 1) * smc.resample_every
 
@@ -382,7 +346,7 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
         state = dataclasses.replace(state, ess=state.ess.at[:, c].set(jnp.where(at_check, record, state.ess[:, c])))
     need = at_check & any_live & (ess < smc.ess_threshold * n)
     first_keys = keys.reshape(-1, n)[:, 0]
-    uniform = jax.vmap(jax.random.uniform)(_stream(first_keys, RESAMPLE_STREAM, c))
+    uniform = jax.vmap(jax.random.uniform)(fold_in_rows(first_keys, RESAMPLE_STREAM, c))
     ancestors = systematic_ancestors(state.log_weight.reshape(-1, n), uniform, model.batch_invariant)
     mean_w = _prompt_logsumexp(state.log_weight, n, model.batch_invariant) - jnp.log(n)
     state = dataclasses.replace(state, log_evidence=state.log_evidence + jnp.where(need, mean_w, 0.0))
@@ -419,6 +383,6 @@ def _final_weights(log_weight: Array, log_evidence: Array, keys: Array,
                    n: int, batch_invariant: bool) -> tuple[Array, Array, Array]:
     lw = log_weight.reshape(-1, n)
     log_z = log_evidence + _prompt_logsumexp(log_weight, n, batch_invariant) - jnp.log(n)
-    choice_keys = _stream(keys.reshape(-1, n)[:, 0], CHOICE_STREAM)
+    choice_keys = fold_in_rows(keys.reshape(-1, n)[:, 0], CHOICE_STREAM)
     chosen = jax.vmap(jax.random.categorical)(choice_keys, lw)
     return _row_tiles(lambda w: jax.nn.softmax(w, axis=1), lw, batch_invariant), log_z, chosen

@@ -68,9 +68,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .generation import GenState, SamplerSpec, _is_eos, _set, decode_step, generate, repeat_rows
+from .generation import GenState, SamplerSpec, _is_eos, _set, decode_step, generate
 from .lens import span_sum
 from .model_api import CausalLM
+from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
 
 Array = jax.Array
 
@@ -144,10 +145,7 @@ class SPSConfig:
         return SamplerSpec(temperature=1.0, eos_ids=self.eos_ids)
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "length", "valid", "log_zeta", "probs", "ratio_probs", "chosen",
-                                "rollouts"],
-                   meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class BlockChoice:
     """What one block did, per prompt (K kept candidates)."""
@@ -162,27 +160,9 @@ class BlockChoice:
     rollouts: Array  # [P] int32 rollout rows run
 
 
-def _rows(state: GenState, index: Array) -> GenState:
-    """The rows `index` ([R] int) of every field, caches included."""
-    fields = {f.name: getattr(state, f.name)[index] for f in dataclasses.fields(GenState)
-              if f.name not in ("cache", "cache_row_axis")}
-    cache = jax.tree.map(lambda a: jnp.take(a, index, axis=state.cache_row_axis), state.cache)
-    return dataclasses.replace(state, cache=cache, **fields)
-
-
-def _stream(keys: Array, *tags) -> Array:
-    for tag in tags:
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
-    return keys
-
-
 def _sub_keys(keys: Array, n: int) -> Array:
     """[P] keys -> [P·n] keys fold_in(key, j), prompt-major."""
     return jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(n)))(keys).reshape(-1)
-
-
-def _work(state: GenState) -> Array:
-    return jnp.stack([state.n_generated, state.n_forward, state.n_probed])
 
 
 def complete(state: GenState, sps: SPSConfig) -> Array:
@@ -200,7 +180,7 @@ def _sampled_candidates(model: CausalLM, params: Any, main: GenState, keys: Arra
     end = jnp.where(complete(main, sps), main.length, jnp.minimum(main.length + sps.block_len, budget_end))
     cands = repeat_rows(main, L)
     cands = generate(model, params, cands, jnp.repeat(end, L),
-                     _sub_keys(_stream(keys, block, CANDIDATE_STREAM), L), sps.candidate_spec)
+                     _sub_keys(fold_in_rows(keys, block, CANDIDATE_STREAM), L), sps.candidate_spec)
     start = jnp.repeat(main.length, L)
     score = span_sum(cands.logp, start, cands.length, model.batch_invariant).reshape(P, L)
     # Block tokens, -1 past the candidate's end; equal rows are the same block.
@@ -213,8 +193,8 @@ def _sampled_candidates(model: CausalLM, params: Any, main: GenState, keys: Arra
     duplicate = jnp.any(same & earlier[None], axis=-1)
     score, kept = jax.lax.top_k(jnp.where(duplicate, -jnp.inf, score), K)
     valid = score > -jnp.inf
-    store = _rows(cands, (jnp.arange(P)[:, None] * L + kept).reshape(-1))
-    work = jnp.sum((_work(cands) - jnp.repeat(_work(main), L, axis=1)).reshape(3, P, L), axis=-1)
+    store = take_rows(cands, (jnp.arange(P)[:, None] * L + kept).reshape(-1))
+    work = jnp.sum((stacked_work(cands) - jnp.repeat(stacked_work(main), L, axis=1)).reshape(-1, P, L), axis=-1)
     return store, score, valid, work
 
 
@@ -264,9 +244,9 @@ def rollout_log_weights(model: CausalLM, params: Any, store: GenState, valid: Ar
     limit = jnp.where(needs, jnp.minimum(store.length + sps.rollout_horizon, budget_end), store.length)
     rolls = repeat_rows(store, M)
     rolls = generate(model, params, rolls, jnp.repeat(limit, M),
-                     _sub_keys(_stream(keys, block, ROLLOUT_STREAM), K * M), sps.rollout_spec)
+                     _sub_keys(fold_in_rows(keys, block, ROLLOUT_STREAM), K * M), sps.rollout_spec)
     logp = span_sum(rolls.logp, jnp.repeat(store.length, M), rolls.length, model.batch_invariant).reshape(P, K, M)
-    work = jnp.sum((_work(rolls) - jnp.repeat(_work(store), M, axis=1)).reshape(3, P, K * M), axis=-1)
+    work = jnp.sum((stacked_work(rolls) - jnp.repeat(stacked_work(store), M, axis=1)).reshape(-1, P, K * M), axis=-1)
     needs = needs.reshape(P, K)
     return log_rollout_weight(logp, sps.alpha), needs, work, M * jnp.sum(needs, axis=1)
 
@@ -311,11 +291,11 @@ def sps_block(model: CausalLM, params: Any, main: GenState, keys: Array, block: 
     log_rollout, needs, roll_work, rollouts = rollout_log_weights(model, params, store, valid, keys, block,
                                                                   sps)
     probs, p_hat, log_zeta = block_probabilities(score, log_rollout, needs, valid, sps.alpha, sps.jackknife)
-    chosen = jax.vmap(jax.random.categorical)(_stream(keys, block, CHOICE_STREAM),
+    chosen = jax.vmap(jax.random.categorical)(fold_in_rows(keys, block, CHOICE_STREAM),
                                               jnp.log(probs)).astype(jnp.int32)
-    new = _rows(store, jnp.arange(P) * K + chosen)
-    total = _work(main) + work + roll_work
-    new = dataclasses.replace(new, n_generated=total[0], n_forward=total[1], n_probed=total[2])
+    new = take_rows(store, jnp.arange(P) * K + chosen)
+    total = stacked_work(main) + work + roll_work
+    new = with_stacked_work(new, total)
     info = BlockChoice(tokens=store.tokens.reshape(P, K, S), length=store.length.reshape(P, K), valid=valid,
                        log_zeta=log_zeta, probs=probs, ratio_probs=p_hat, chosen=chosen, rollouts=rollouts)
     return new, info

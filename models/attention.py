@@ -51,7 +51,6 @@ values are written after the switch in one scatter.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -59,14 +58,14 @@ import jax.numpy as jnp
 
 from . import decode_kernel
 from .config import ModelConfig
-from .params import pytree_dataclass
 from .sharding import CACHE, constrain
 
 Array = jax.Array
 _F32 = jnp.float32
 
 
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class KVCache:
     """Keys and values of every layer, laid out as the attention products read them
     (slots next to head size for Q·K, slots minor for P·V). In the row-major order XLA
@@ -95,7 +94,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -
 
 
 
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class SoftmaxState:
     """A partial softmax-weighted sum over some keys, per query (fp32).
 
@@ -127,8 +127,7 @@ def _combine(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
                         o=scale_a[..., None] * a.o + scale_b[..., None] * b.o)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["cache", "live", "chunks"],
-                   meta_fields=["window", "chunk", "deferred", "row_tile", "kernel"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheRead:
     """How one call reads the cache. `live` [B] int32: each row reads slots below it.
@@ -146,12 +145,13 @@ class CacheRead:
 
     cache: KVCache
     live: Array
-    window: int = 0
+    window: int = dataclasses.field(default=0, metadata=dict(static=True))
     chunks: Optional[Array] = None
-    chunk: int = 0
-    deferred: bool = False
-    row_tile: int = 0  # > 0: chunks read for tiles of this many rows at a time (batch-invariant numerics)
-    kernel: bool = False
+    chunk: int = dataclasses.field(default=0, metadata=dict(static=True))
+    deferred: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # > 0: chunks read for tiles of this many rows at a time (batch-invariant numerics)
+    row_tile: int = dataclasses.field(default=0, metadata=dict(static=True))
+    kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def _masked_partial(qg: Array, keys: Array, values: Array, visible: Array, scale: float) -> SoftmaxState:

@@ -10,7 +10,6 @@ vocabulary chunk) are its fields. Nothing here knows about sampling.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import jax
@@ -75,7 +74,7 @@ class TransformerLM(CausalLM):
         return init_cache(self.cfg, batch, max_len, dtype)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["model", "lens"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TunedLensParams:
     """The parameters of a `TunedTransformerLM`: the model's, and a tuned lens (any

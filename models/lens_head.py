@@ -10,19 +10,20 @@ Shapes: K = lensed layers, B = batch rows, T = positions, D = hidden size, V = v
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from ..tiling import row_tiled, switch_on_size
-from .params import pytree_dataclass
 
 Array = jax.Array
 _F32 = jnp.float32
 
 
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class LensStats:
     """Logit-lens statistics of `softmax(W_U · RMSNorm_final(h_l))`, fp32."""
 
@@ -32,7 +33,8 @@ class LensStats:
     logsumexp: Array  # [K, B, T]: log of the softmax normaliser (log p(v) = z_v - logsumexp)
 
 
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class LensTranslators:
     """Affine maps applied to lensed residuals before the final norm (a tuned lens,
     Belrose et al. 2023): row k maps the residual h of `lens_layers[k]` to

@@ -33,15 +33,8 @@ from .config import ModelConfig
 Array = jax.Array
 
 
-def pytree_dataclass(cls):
-    """A dataclass registered as a pytree whose fields are all children (the package's
-    parameter, cache and output records)."""
-    cls = dataclasses.dataclass(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
-
-
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class LayerParams:
     """One transformer block (shapes per layer; stacked layouts add a leading [L])."""
 
@@ -61,7 +54,8 @@ class LayerParams:
     down: Array  # [F, D]
 
 
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Params:
     embed: Array  # [V, D]
     layers: Any  # list of L LayerParams, or one stacked LayerParams ([L, ...] arrays)

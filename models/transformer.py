@@ -43,7 +43,7 @@ from .attention import (CacheRead, KVCache, attend, init_cache, live_lengths, re
 from .config import ModelConfig
 from .lens_head import (LENS_LIVE_ROWS_MIN_BATCH, LensStats, LensTranslators, live_rows_head, streamed_head,
                         translate_residuals)
-from .params import LayerParams, Params, param_shapes, pytree_dataclass
+from .params import LayerParams, Params, param_shapes
 from .sharding import FFN, HEADS, HIDDEN, constrain
 
 Array = jax.Array
@@ -53,7 +53,8 @@ __all__ = ["ForwardOutput", "KVCache", "LensStats", "LensTranslators", "forward"
            "rms_norm", "rope_inv_freq", "streamed_head", "translate_residuals"]
 
 
-@pytree_dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class ForwardOutput:
     logits: Array  # [B, T, V] fp32 (or [B, 1, V] with logits_at)
     cache: Optional[KVCache]

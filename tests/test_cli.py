@@ -35,6 +35,8 @@ def test_sample_degs_mcmc_reports_its_statistics(capsys):
     assert 0.0 <= report["D"] <= 1.0
     assert 1 <= len(report["acceptance_per_block"]) <= 2
     assert all(0.0 <= a <= 1.0 for a in report["acceptance_per_block"])
+    assert len(report["depth_decisions_per_block"]) == len(report["acceptance_per_block"])
+    assert all(d in range(3) for d in report["depth_decisions_per_block"])  # 2 MH steps per block
     assert report["counters"]["probed_token_layers"] > 0
     assert report["forward_equivalents"] > report["counters"]["generated_tokens"]
     assert set(report["seconds"]) == {"prefill", "decode", "total"}

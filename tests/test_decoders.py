@@ -25,9 +25,11 @@ from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC
                                       PowerMCMC, resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
-from degs_jax.mcmc import MCMCConfig, log_acceptance_ratio, mcmc_block, mh_steps
+from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, FIRST_MH_STREAM, REGENERATE_STREAM, MCMCConfig,
+                           log_acceptance_ratio, mcmc_block, mh_steps)
 from degs_jax.models import TransformerLM
 from degs_jax.models import KVCache, init_params
+from degs_jax.rows import fold_in_rows
 from degs_jax.scoring import score_sequences, token_stats
 from tiny_models import tiny_config
 
@@ -134,8 +136,12 @@ def test_every_method_well_formed(eos_model, results, method):
                 assert 1 <= len(c.acceptance) <= hp["num_blocks"]
                 assert len(c.acceptance) == hp["num_blocks"] or c.ended, "a chain stops only at EOS"
                 assert all(a * hp["mh_steps"] in range(hp["mh_steps"] + 1) for a in c.acceptance)
+                assert len(c.depth_decisions) == len(c.acceptance)
+                assert all(d in range(hp["mh_steps"] + 1) for d in c.depth_decisions)
+                if method == "power_mcmc":  # beta = 0: no depth term to decide anything
+                    assert c.depth_decisions == [0] * len(c.acceptance)
             else:
-                assert c.acceptance is None
+                assert c.acceptance is None and c.depth_decisions is None
     # Counters (sum over rows). Prefill runs every prompt token once per row.
     cands = [c for out in res.outputs for c in out.candidates]
     prompt_tokens = n * sum(len(p) for p in PROMPTS)
@@ -267,7 +273,7 @@ def mcmc_by_hand(params, cfg, prompts, keys, mc):
     acc = [[] for _ in prompts]
     for block in range(mc.num_blocks):
         before = state
-        state, accepted, active = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(block), mc)
+        state, accepted, _, active = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(block), mc)
         active = np.asarray(active)
         np.testing.assert_array_equal(active, ~np.asarray(before.ended))
         for r in np.flatnonzero(active):
@@ -391,7 +397,7 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
     keys = jax.random.split(jax.random.key(2), B)
     state = generate(TransformerLM(cfg), params, state, limit, keys, mc.proposal)
     active = jnp.arange(B) < B - 2  # the last two rows sit out
-    after, accepted = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    after, accepted, _ = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
     eos = cfg.eos_token_ids[0]
     for b in range(B):
         comp = completions(after)[b]
@@ -409,6 +415,40 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
     assert np.all(np.asarray(after.n_forward - state.n_forward) >= grew)
     np.testing.assert_array_equal(after.n_probed - state.n_probed, K * (after.n_forward - state.n_forward))
     assert np.all(np.asarray(accepted)[B - 2:] == 0)
+
+
+def test_depth_decided_decisions_are_the_flips_of_the_depth_term(model):
+    """One MH step of 16 chains at beta = 50, redone by hand from the module docstring's
+    streams: cut, proposal (`generate` from the cut), u, and log r from the stored per-token
+    values with and without beta·ΔD. The kernel accepts exactly where log u < log r and
+    counts as depth-decided exactly the chains where the two decisions differ; at this
+    beta some do (beta = 0 counts none: test_every_method_well_formed, power_mcmc)."""
+    cfg, params = model
+    B = 16
+    lm = TransformerLM(cfg)
+    mc = MCMCConfig(alpha=4.0, beta=50.0, block_len=4, num_blocks=1, mh_steps=1, lens=LENS,
+                    eos_ids=cfg.eos_token_ids)
+    toks, lens = pad_prompts([PROMPTS[1]] * B)
+    state = prefill(lm, params, jnp.asarray(toks), jnp.asarray(lens), toks.shape[1] + mc.block_len, jnp.float32)
+    limit = state.prompt_len + mc.block_len
+    keys = jax.random.split(jax.random.key(4), B)
+    state = generate(lm, params, state, limit, keys, mc.proposal)
+    _, accepted, depth_decided = mh_steps(lm, params, state, keys, jnp.int32(0), limit, jnp.ones((B,), bool), mc)
+
+    step_keys = fold_in_rows(keys, 0, FIRST_MH_STREAM)  # block 0, step 0
+    n_x = state.length - state.prompt_len
+    cut = state.prompt_len + jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(
+        fold_in_rows(step_keys, CUT_STREAM), n_x)
+    restart = dataclasses.replace(state, length=cut, ended=jnp.zeros_like(state.ended))
+    proposal = generate(lm, params, restart, limit, fold_in_rows(step_keys, REGENERATE_STREAM), mc.proposal,
+                        fresh_from=cut)
+    log_u = jnp.log(jax.vmap(jax.random.uniform)(fold_in_rows(step_keys, ACCEPT_STREAM)))
+    with_depth = np.asarray(log_u < log_acceptance_ratio(state, proposal, cut, mc, cfg.num_layers))
+    power = np.asarray(log_u < log_acceptance_ratio(state, proposal, cut, dataclasses.replace(mc, beta=0.0),
+                                                    cfg.num_layers))
+    np.testing.assert_array_equal(np.asarray(accepted), with_depth)
+    np.testing.assert_array_equal(np.asarray(depth_decided), with_depth != power)
+    assert 0 < int(np.sum(depth_decided)), "beta = 50 flipped no decision: the comparison is vacuous"
 
 
 def hand_state(logp, logq, depth, length, prompt_len, ended, S):

@@ -1,7 +1,7 @@
 """The package's import graph: layers, the rules between them, no cycles, few lazy imports.
 
     tiling, model protocol, chat  <  models  <  examples  <  statistics
-        <  lens / generation / scoring  <  mcmc / smc / sps  <  decoders (+ hyperparameters)
+        <  lens / rows / generation / scoring  <  mcmc / smc / sps  <  decoders (+ hyperparameters)
         <  text API  <  eval  <  analysis / probe  <  training  <  reproduction  <  CLI
 
 A module may import only from its own layer or lower ones. On top of that:
@@ -40,7 +40,8 @@ LAYERS = [
     ("models", ("degs_jax.models",)),
     ("examples", ("degs_jax.examples",)),
     ("statistics", ("degs_jax.stats",)),
-    ("lens / generation / scoring", ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring")),
+    ("lens / rows / generation / scoring", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
+                                            "degs_jax.scoring")),
     ("mcmc / smc / sps", ("degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
@@ -51,7 +52,7 @@ LAYERS = [
     ("CLI", ("degs_jax.cli",)),
 ]
 PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
-SAMPLERS = ("degs_jax.lens", "degs_jax.generation", "degs_jax.scoring", "degs_jax.mcmc", "degs_jax.smc",
+SAMPLERS = ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation", "degs_jax.scoring", "degs_jax.mcmc", "degs_jax.smc",
             "degs_jax.sps", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")
 # decoders.py checks isinstance(model, TransformerLM) for the `lens_chunk` hyperparameter, a
 # transformer knob; it goes when the method redesign (issue 26, part B) moves that knob

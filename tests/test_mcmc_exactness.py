@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 
 from degs_jax import mcmc as mcmc_mod
-from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.generation import pad_prompts, prefill
 from degs_jax.lens import LensConfig, collapse_depth, span_sum
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params
+from degs_jax.rows import repeat_rows
 from tiny_models import tiny_config
 
 EOS = 3
@@ -122,7 +123,7 @@ def run_chains(cfg, params, mc, steps_seed=0):
     state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), len(PROMPT) + BLOCK, jnp.float32)
     state = repeat_rows(state, N_CHAINS)
     keys = jax.random.split(jax.random.key(steps_seed), N_CHAINS)
-    state, accepted, _ = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(0), mc)
+    state, accepted, _, _ = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(0), mc)
     return _completions(state), np.asarray(accepted)
 
 
@@ -164,7 +165,7 @@ def run_from_target(cfg, params, mc, seqs, pi, seed=0):
     keys = jax.random.split(jax.random.key(seed + 1), N_CHAINS)
     limit = jnp.full((N_CHAINS,), len(PROMPT) + BLOCK, jnp.int32)
     active = jnp.ones((N_CHAINS,), bool)
-    state, accepted = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    state, accepted, _ = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
     return _completions(state), np.asarray(accepted)
 
 

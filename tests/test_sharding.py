@@ -153,7 +153,7 @@ def test_decode_step_and_mh_steps_move_no_weights_or_cache():
     # Smallest weight shard: k, [128, 2 heads * 32 / 2] = 4096 elements; one layer's cache
     # shard: [B/2, 1, S, 32] = 8192. A decode step's activations are at most B x V = 768.
     assert max(n for _, n in sizes) <= B * cfg.vocab_size, sizes
-    # MH steps also copy cache rows between the chain and its proposal, _ROWS_PER_COPY (8)
+    # MH steps also copy cache rows between the chain and its proposal, rows.ROWS_PER_COPY (8)
     # at a time: one all-reduce of 8 rows ([2, 8, 1, 64, 32] = 32768 elements per device)
     # where the cache each device holds is [2, 16, 1, 64, 32] at B = 32. A slice of the
     # split batch axis instead would all-gather the whole cache.

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax import smc as smc_mod
+from degs_jax import rows as rows_mod
 from degs_jax.cli import _hyperparameters, build_parser
 from degs_jax.decoders import decode, decode_tokens
-from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.generation import pad_prompts, prefill
 from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, hyperparameters_for, resolve_hyperparameters
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward
+from degs_jax.rows import repeat_rows
 from degs_jax.scoring import token_stats
 from degs_jax.smc import SMCConfig, run_smc
 from degs_jax.sps import SPSConfig
@@ -72,7 +73,7 @@ def test_resampled_particles_keep_the_models_statistics(model, monkeypatch, cach
     cfg, params = model
     lm = TransformerLM(cfg)
     if cache_copy == "cache_not_copied":
-        monkeypatch.setattr(smc_mod, "_copy_cache_rows", _cache_not_copied)
+        monkeypatch.setattr(rows_mod, "copy_cache_rows", _cache_not_copied)
         jax.clear_caches()
     smc = SMCConfig(alpha=1.5, beta=5.0, n_particles=6, max_new_tokens=8, ramp_tokens=3, ess_threshold=1.0,
                     resample_every=1, lens=LENS, eos_ids=())

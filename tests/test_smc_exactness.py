@@ -56,9 +56,10 @@ import numpy as np
 import pytest
 
 from degs_jax import smc as smc_mod
-from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.generation import pad_prompts, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.models import TransformerLM
+from degs_jax.rows import repeat_rows
 from degs_jax.smc import SMCConfig, final_weights, run_smc
 from test_mcmc_exactness import (EOS, LSUB, PROMPT, completion_index, exact_stats, model,  # noqa: F401
                                  pick_tau, target)

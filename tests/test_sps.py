@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 
 from degs_jax import sps as sps_mod
-from degs_jax.generation import pad_prompts, prefill, repeat_rows
+from degs_jax.generation import pad_prompts, prefill
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward
+from degs_jax.rows import repeat_rows
 from degs_jax.sps import SPSConfig, block_probabilities, sps_block
 from test_mcmc_exactness import EOS, PROMPT, exact_stats, model, target  # noqa: F401
 

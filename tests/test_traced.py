@@ -54,15 +54,16 @@ def params():
 
 
 def as_decode_output(decoded, g=None):
-    """(tokens per candidate, acceptance counts per candidate, chosen, log p) of a
-    Decoded (instance g of a vmapped one)."""
+    """(tokens per candidate, acceptance counts per candidate, chosen, log p, depth-decided
+    MH decisions per candidate) of a Decoded (instance g of a vmapped one)."""
     pick = (lambda a: a) if g is None else (lambda a: a[g])
     state = jax.tree.map(pick, decoded.state)
     tokens, start, end = jax.device_get((state.tokens, state.prompt_len, state.length))
-    accepted, ran = jax.device_get((pick(decoded.accepted), pick(decoded.ran)))
+    accepted, ran, decided = jax.device_get((pick(decoded.accepted), pick(decoded.ran), pick(decoded.depth_decided)))
     comps = [tokens[r, start[r]:end[r]].tolist() for r in range(tokens.shape[0])]
     acc = [[int(a) for a, k in zip(accepted[r], ran[r]) if k] for r in range(tokens.shape[0])]
-    return comps, acc, jax.device_get(pick(decoded.chosen)).tolist(), np.asarray(pick(decoded.log_p))
+    flips = [[int(d) for d, k in zip(decided[r], ran[r]) if k] for r in range(tokens.shape[0])]
+    return comps, acc, jax.device_get(pick(decoded.chosen)).tolist(), np.asarray(pick(decoded.log_p)), flips
 
 
 def reference(params, method, keys):
@@ -72,7 +73,8 @@ def reference(params, method, keys):
     acc = [[round(a * mh_steps) for a in c.acceptance] if c.acceptance is not None else []
            for c in cands]
     chosen = [next(j for j, c in enumerate(o.candidates) if c is o.chosen) for o in res.outputs]
-    return [c.tokens for c in cands], acc, chosen, np.array([c.log_p for c in cands])
+    flips = [c.depth_decisions or [] for c in cands]
+    return [c.tokens for c in cands], acc, chosen, np.array([c.log_p for c in cands]), flips
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
@@ -91,6 +93,7 @@ def test_decode_tokens_equals_decode_under_jit_and_vmap(params, method):
         assert got[1] == want[1], "acceptance counts differ"
         assert got[2] == want[2], "chosen candidates differ"
         np.testing.assert_allclose(got[3], want[3], atol=1e-5, rtol=0)
+        assert got[4] == want[4], "depth-decided decision counts differ"
     comps = as_decode_output(jitted)[0]
     assert any(c[-1] == EOS[0] for c in comps) and any(c[-1] != EOS[0] for c in comps)
     if method == "degs_mcmc":

@@ -110,7 +110,9 @@ def cmd_sample(args) -> int:
           f"  log p {c.log_p:.3f}  D(x) {depth}  final-layer entropy {c.final_entropy:.3f}",
           file=sys.stderr)
     if c.acceptance is not None:
-        print("acceptance per block: " + " ".join(f"{a:.2f}" for a in c.acceptance), file=sys.stderr)
+        print("acceptance per block: " + " ".join(f"{a:.2f}" for a in c.acceptance)
+              + "  |  decisions decided by beta·ΔD per block: " + " ".join(map(str, c.depth_decisions)),
+              file=sys.stderr)
     if c.weight is not None:
         d = out.diagnostics
         print(f"particle weight {c.weight:.3f} of {len(out.candidates)}  log Z-hat {d['log_evidence']:.3f}  "
@@ -129,6 +131,7 @@ def _sample_report(result, out, seed, num_layers) -> dict:
         "method": result.method, "seed": seed, "completion": c.text,
         "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
         "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
+        "depth_decisions_per_block": c.depth_decisions,
         "weight": c.weight, "diagnostics": out.diagnostics,
         "counters": result.counters, "forward_equivalents": result.forward_equivalents(num_layers),
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},

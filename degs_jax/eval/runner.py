@@ -41,7 +41,8 @@ on batching.
 Per problem: id, index, correct, extracted answer, grading detail (HumanEval: and its
 isolation), completion (GPQA: only its hash and
 length, see :func:`~degs_jax.eval.results.transcript_fields`), completion tokens, log p,
-D(x), final-layer entropy, MCMC acceptance rates, generated tokens, forward tokens,
+D(x), final-layer entropy, MCMC acceptance rates and MH decisions decided by beta·ΔD (per
+block and in total: `decoders.Candidate.depth_decisions`), generated tokens, forward tokens,
 probed token-layers, forward-equivalents (probing charged K/L of a forward per probed
 token) and wall-clock (decoding, including compilation on a new shape, plus grading);
 for power_smc / degs_smc / scalable_power also the decoder's `diagnostics` (log Z-hat,
@@ -479,6 +480,7 @@ def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> d
     rec.update({
         "n_tokens": len(cand.tokens), "ended": cand.ended, "log_p": cand.log_p, "D": cand.depth,
         "final_entropy": cand.final_entropy, "acceptance": cand.acceptance,
+        "depth_decisions": cand.depth_decisions,
         "correct": verdict.correct, "extracted": verdict.extracted, "chosen": chosen,
     })
     if cand.weight is not None:  # SMC particle
@@ -521,6 +523,8 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         "n_tokens": len(chosen.tokens), "ended": chosen.ended,
         "log_p": chosen.log_p, "D": chosen.depth, "final_entropy": chosen.final_entropy,
         "acceptance": chosen.acceptance, "mean_acceptance": _mean_or_none(chosen.acceptance),
+        "depth_decisions": chosen.depth_decisions,
+        "depth_decisions_total": None if chosen.depth_decisions is None else sum(chosen.depth_decisions),
         "generated_tokens": counters["generated_tokens"],
         "forward_tokens": counters["forward_tokens"],
         "probed_token_layers": counters["probed_token_layers"],
@@ -577,6 +581,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("accuracy", acc_s),
         ("completion tokens", m("n_tokens", ".1f", " / problem")),
         ("acceptance rate", m("mean_acceptance", ".3f")),
+        ("MH decisions decided by beta·ΔD", m("depth_decisions_total", ".2f", " / problem")),
         ("generated tokens", m("generated_tokens", ".1f", " / problem")),
         ("forward-equivalents", m("forward_equivalents", ".1f", " / problem")),
         ("wall-clock", m("wall_clock_s", ".2f", " s / problem")),

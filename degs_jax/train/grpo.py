@@ -77,9 +77,10 @@ from tqdm.auto import tqdm
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..eval.results import ResultStore, package_versions, read_run_file, write_json
-from ..generation import SamplerSpec, generate, prefill, repeat_rows
+from ..generation import SamplerSpec, generate, prefill
 from ..models import ModelConfig, Params, TransformerLM, forward
 from ..models.sharding import DATA, MODEL, param_shardings, param_specs
+from ..rows import repeat_rows
 from .checkpoints import latest_checkpoint, restore_checkpoint, save_checkpoint
 from .data import pad_prompts, step_tasks, tasks_fingerprint
 from .optim import accumulate_gradients, cast_tree, split_micro_batches

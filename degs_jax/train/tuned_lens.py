@@ -67,14 +67,13 @@ Array = jax.Array
 LENS_DIR = "tuned-lens"
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["weight", "bias"],
-                   meta_fields=["layers"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TunedLens:
     """Translators for `layers` (HF hidden_states numbering: 0 = embeddings, l = after
     block l): row k maps h_{layers[k]} to h + h·weight[k] + bias[k]."""
 
-    layers: tuple[int, ...]
+    layers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     weight: Array  # [K, D, D] fp32
     bias: Array  # [K, D] fp32
 
