@@ -44,3 +44,21 @@ def test_flags_parse_to_the_field_types_and_only_given_ones_are_passed_on():
     assert _hyperparameters(parser.parse_args(["p"])) == {}
     assert set(_cli_fields()) >= {"tau", "top_k", "max_new_tokens", "temperature", "n", "alpha",
                                   "beta", "block_len", "num_blocks", "mh_steps", "n_chains"}
+
+
+def test_no_progress_also_silences_the_weight_loading_bars(monkeypatch, tmp_path, capsys):
+    from degs_jax import cli
+
+    seen = []
+
+    def load(source, *, progress, **kwargs):
+        seen.append(progress)
+        raise ValueError("stopped after the load call")
+
+    monkeypatch.setattr(cli.loading, "load", load)
+    for extra, progress in (([], True), (["--no-progress"], False)):
+        argv = ["eval", "--benchmark", "gsm8k", "--limit", "1", "--out", str(tmp_path / str(progress)),
+                *extra]
+        assert cli.main(argv) == 2
+        assert "stopped after the load call" in capsys.readouterr().err
+        assert seen.pop() is progress

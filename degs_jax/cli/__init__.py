@@ -66,7 +66,8 @@ def _load(args):
     if getattr(args, "mesh", None) is not None:
         mesh = make_mesh(*args.mesh)
         args.scope.enter_context(jax.set_mesh(mesh))  # every later jitted call sees it
-    model = loading.load(source, dtype=args.dtype, progress=True, mesh=mesh)
+    model = loading.load(source, dtype=args.dtype, progress=not getattr(args, "no_progress", False),
+                         mesh=mesh)
     if getattr(args, "batch_invariant", False):
         model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, batch_invariant=True))
     print(f"loaded {model.name} ({model.cfg.architecture}, {model.cfg.num_layers} layers) "
