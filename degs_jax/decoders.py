@@ -310,8 +310,8 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
         mc = plan.kernel
         acceptance = [[] for _ in range(rows)]
         depth_decisions = [[] for _ in range(rows)]
-        bar = tqdm(range(mc.num_blocks), desc=config.method, unit="block", disable=not progress)
-        for block in bar:
+        bar = tqdm(total=mc.num_blocks, desc=config.method, unit="block", disable=not progress)
+        for block in range(mc.num_blocks):
             state, accepted, depth_decided, active = mcmc_block_donating(model, params, state, keys,
                                                                          jnp.int32(block), mc)
             accepted, depth_decided, active, ended = jax.device_get((accepted, depth_decided, active,
@@ -319,7 +319,9 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
             for r in np.flatnonzero(active):
                 acceptance[r].append(float(accepted[r]) / mc.mh_steps)
                 depth_decisions[r].append(int(depth_decided[r]))
+            bar.update(1)
             if ended.all():
+                bar.set_postfix_str("every row ended")
                 break
     elif isinstance(plan.kernel, SMCConfig):
         bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
