@@ -447,13 +447,12 @@ from degs_jax.models import loading
 path, cache, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 real = loading.iter_hf_tensors
 if mode == "hang":  # stop for good once the weights are being written: the parent kills us
-    import safetensors.numpy
-    save = safetensors.numpy.save_file
+    save = loading.save_file  # the name the conversion calls
     def save_and_hang(tensors, filename, metadata=None):
         save(tensors, filename, metadata=metadata)
         print("writing", flush=True)
         time.sleep(600)
-    safetensors.numpy.save_file = save_and_hang
+    loading.save_file = save_and_hang
 else:  # slow dequantisation, so that two conversions overlap
     def slow(reader, cfg):
         for item in real(reader, cfg):
