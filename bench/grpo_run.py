@@ -191,31 +191,15 @@ def part_grpo(args, p: dict, budget: Budget) -> dict:
 
 
 def report(out: Path, state: dict, step: int) -> dict:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     import numpy as np
 
+    from degs_jax.plots import plot_training_curve
+
     log = [json.loads(x) for x in (out / "grpo" / "log.jsonl").read_text().splitlines()]
-    steps = np.array([r["step"] for r in log])
-    fig = Figure(figsize=(12, 3.4), dpi=130)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 4)
-    panels = [("reward_mean", "mean reward (GSM8K train)"), ("kl", "KL(π ‖ π_ref) (k3)"),
-              ("entropy", "token entropy (nats)"), ("completion_tokens", "completion tokens")]
-    for ax, (key, title) in zip(axes, panels):
-        y = np.array([np.nan if r[key] is None else r[key] for r in log], float)
-        ax.plot(steps, y, color="tab:blue", alpha=0.35, linewidth=1)
-        if len(y) >= 5:
-            smooth = np.convolve(y, np.ones(5) / 5, mode="valid")
-            ax.plot(steps[4:], smooth, color="tab:blue", linewidth=1.8, label="5-step mean")
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
     before, after = state.get("before", {}), state.get("after", {})
-    fig.suptitle("GRPO, " + ", ".join(
+    plot_training_curve(log, out / "training_curve.png", "GRPO, " + ", ".join(
         f"{b}: {before[b]['accuracy']:.3f} → {after[b]['accuracy']:.3f}"
-        for b in before if b in after) + f" (greedy, after {step} steps)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "training_curve.png")
+        for b in before if b in after) + f" (greedy, after {step} steps)")
     summary = {"before": before, "after": after, "steps": step,
                "reward_first5": float(np.mean([r["reward_mean"] for r in log[:5]])),
                "reward_last5": float(np.mean([r["reward_mean"] for r in log[-5:]])),

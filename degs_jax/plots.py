@@ -58,3 +58,33 @@ def plot_entropy_trajectories(
     path = os.fspath(path)
     fig.savefig(path, format="png")
     return path
+
+
+TRAINING_PANELS = (("reward_mean", "mean reward"), ("kl", "KL(π ‖ π_ref) (k3)"), ("loss", "loss"),
+                   ("completion_tokens", "completion tokens"), ("entropy", "token entropy (nats)"))
+
+
+def plot_training_curve(log: Sequence[Mapping], path: str | os.PathLike, title: str = "", *,
+                        smooth: int = 5) -> str:
+    """The GRPO training curve from the trainer's `log.jsonl` records (one per step): reward,
+    KL to the reference, loss, completion length and token entropy against the step, each
+    raw (faint) and as a `smooth`-step running mean. A missing metric (None, e.g. KL when
+    it is not measured) is left blank. Returns the path written."""
+    if not log:
+        raise ValueError("plot_training_curve needs at least one step record")
+    steps = np.array([r["step"] for r in log], float)
+    fig = Figure(figsize=(3.0 * len(TRAINING_PANELS), 3.3), dpi=130)
+    FigureCanvasAgg(fig)
+    for ax, (key, label) in zip(fig.subplots(1, len(TRAINING_PANELS)), TRAINING_PANELS):
+        y = np.array([np.nan if r.get(key) is None else r[key] for r in log], float)
+        ax.plot(steps, y, color="tab:blue", alpha=0.35, linewidth=1)
+        if len(y) >= smooth > 1:
+            ax.plot(steps[smooth - 1:], np.convolve(y, np.ones(smooth) / smooth, mode="valid"),
+                    color="tab:blue", linewidth=1.8, label=f"{smooth}-step mean")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return str(path)

@@ -16,6 +16,7 @@ from degs_jax.decoders import decode
 from degs_jax.models import TransformerLM
 from degs_jax.models import LoadedModel, init_params, load
 from degs_jax.models.sharding import make_mesh, shard_params
+from degs_jax.models.transformer import forward
 from degs_jax.train import (ContainsTokenReward, GRPOConfig, MathReward, Task, group_advantages,
                             grpo_token_loss, gsm8k_train_tasks, step_tasks, token_logprobs,
                             train_grpo, update_step)
@@ -342,6 +343,15 @@ def test_checkpoint_loads_through_load_and_generates(resumed_runs, byte_model):
     chex.assert_trees_all_equal_structs(opt_state, optimizer.init(master))
     tok = loaded.tokenizer
     prompt = tok.encode("2+2=")
+    # The reloaded checkpoint is the trained model: its logits equal the trainer's masters'
+    # bit for bit (fp32 both sides; no tolerance because nothing is recomputed differently).
+    tokens = jnp.asarray([prompt + tok.encode(" 4")], jnp.int32)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    reloaded = forward(loaded.params, loaded.cfg, tokens, positions).logits
+    trained = forward(master, BYTE_CFG, tokens, positions).logits
+    chex.assert_trees_all_equal(reloaded, trained)
+    initial = forward(byte_model.params, BYTE_CFG, tokens, positions).logits
+    assert not np.array_equal(np.asarray(trained), np.asarray(initial))  # training moved them
     assert tok.decode(prompt) == "2+2="
     eos = (tok.eos_token_id,)
     got = decode(TransformerLM(loaded.cfg), loaded.params, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
@@ -536,6 +546,16 @@ def test_train_grpo_command_trains_resumes_and_refuses_bad_settings(tmp_path, ca
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["grpo"]["prompts_per_step"] == 2 and len(run["invocations"]) == 2
     assert load(out / "checkpoints" / "step-00000002", progress=False).cfg.vocab_size == 257
+    # The trained checkpoint is evaluated by `degs eval` as it is (what the GPU run does).
+    checkpoint = out / "checkpoints" / "step-00000002"
+    assert main(["eval", "--model", str(checkpoint), "--dtype", "float32", "--benchmark", "gsm8k",
+                 "--method", "greedy", "--max-new-tokens", "4", "--limit", "2",
+                 "--out", str(tmp_path / "after"), "--no-progress"]) == 0
+    capsys.readouterr()
+    records = [json.loads(x) for x in (tmp_path / "after" / "results.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1] and all("correct" in r for r in records)
+    evaluated = json.loads((tmp_path / "after" / "run.json").read_text())
+    assert evaluated["invocations"][0]["model_source"] == str(checkpoint)
     assert main(argv + ["--steps", "3", "--learning-rate", "0.5"]) == 2
     assert "different configuration" in capsys.readouterr().err
     assert main(["train-grpo", "--model", str(model_dir), "--out", str(tmp_path / "x"), "--steps", "1",
