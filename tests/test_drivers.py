@@ -7,8 +7,9 @@ Flax NNX model (degs_jax/examples/nnx_lm.py), `decode_tokens` under
 case: compiling dominates the cost; test_traced.py also runs it under `jax.jit` alone).
 
 Compared: every row's completion tokens and each prompt's chosen row, exactly (the same
-draws in both programs); log p(x) of every row to 1e-5 (sums of <= 8 fp32 terms computed
-in different programs: a few ulps of values ~10, as in test_traced.py).
+draws in both programs); log p(x) and the mean final-layer entropy of every row to 1e-5
+(sums or means of <= 8 fp32 terms computed in different programs: a few ulps of values
+~10, as in test_traced.py).
 """
 
 from __future__ import annotations
@@ -76,20 +77,22 @@ def model_named(name):
 
 
 def through_decode(model, params, eos, config, keys):
-    """(tokens of every row, chosen row of every prompt, log p of every row) of `decode`."""
+    """(tokens of every row, chosen row of every prompt, log p and mean final-layer entropy
+    of every row) of `decode`."""
     res = decode(model, params, PROMPTS, config, keys=keys, eos_ids=eos)
     rows = [c for o in res.outputs for c in o.candidates]
     chosen = [next(j for j, c in enumerate(o.candidates) if c is o.chosen) for o in res.outputs]
-    return [c.tokens for c in rows], chosen, np.array([c.log_p for c in rows])
+    return [c.tokens for c in rows], chosen, np.array([[c.log_p, c.final_entropy] for c in rows])
 
 
 def of_decoded(decoded, g=None):
     """The same of a `Decoded` (instance g of a vmapped one)."""
     pick = (lambda a: a) if g is None else (lambda a: a[g])
-    tokens, start, end, chosen, log_p = jax.device_get(
+    tokens, start, end, chosen, log_p, entropy = jax.device_get(
         (pick(decoded.state.tokens), pick(decoded.state.prompt_len), pick(decoded.state.length),
-         pick(decoded.chosen), pick(decoded.log_p)))
-    return [tokens[r, start[r]:end[r]].tolist() for r in range(tokens.shape[0])], chosen.tolist(), log_p
+         pick(decoded.chosen), pick(decoded.log_p), pick(decoded.final_entropy)))
+    return ([tokens[r, start[r]:end[r]].tolist() for r in range(tokens.shape[0])], chosen.tolist(),
+            np.stack([log_p, entropy], axis=1))
 
 
 @pytest.mark.parametrize("model_name, case", PAIRS)
