@@ -150,7 +150,7 @@ def default_mcmc(method: str, num_layers: int, eos_ids: tuple[int, ...] = (), **
     """The MCMCConfig of `method` ("power_mcmc" or "degs_mcmc") with the library's defaults
     (`degs_jax.hyperparameters`) updated by `overrides` (e.g. block_len, mh_steps);
     no `eos_ids`: EOS suppressed."""
-    return hyperparameters_for(method, **overrides).mcmc_config(num_layers, eos_ids=tuple(eos_ids))
+    return hyperparameters_for(method, **overrides).kernel_config(num_layers, tuple(eos_ids))
 
 
 @dataclasses.dataclass(frozen=True)

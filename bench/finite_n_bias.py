@@ -130,7 +130,7 @@ def smc_rows(model: Enumerated, particles: list[int], thresholds: list[float], t
         settings = [(n, config.ess_threshold) for n in particles]
         settings += [(n, t) for n in threshold_particles for t in thresholds if t != config.ess_threshold]
         for n, threshold in settings:
-            smc = dataclasses.replace(config, n_particles=n, ess_threshold=threshold).smc_config(
+            smc = dataclasses.replace(config, n_particles=n, ess_threshold=threshold).kernel_config(
                 model.cfg.num_layers, (EOS,))
             runs = max(rows_per_call // n, 64)
             keys = jax.random.split(jax.random.key(seed + n), runs * n)
@@ -158,7 +158,7 @@ def mcmc_rows(model: Enumerated, steps: list[int], chains: int, seed: int):
         for shape in shapes:
             config = hyperparameters_for(method, **shape, **lens_overrides(model))
             beta, pi = config.beta, model.pi(config.beta)
-            mc = config.mcmc_config(model.cfg.num_layers, (EOS,))
+            mc = config.kernel_config(model.cfg.num_layers, (EOS,))
             keys = jax.random.split(jax.random.key(seed), chains)
             run = run_chains(lm, model.params, prefilled(model, chains), keys, mc)
             index = completion_index(*jax.device_get((run.state.tokens, run.state.length)))
@@ -175,7 +175,7 @@ def sps_rows(model: Enumerated, settings: list[tuple[int, int, int]], answers: i
         for temperature in (1.0 / ALPHA, 1.0):
             config = hyperparameters_for("scalable_power", max_new_tokens=BLOCK, block_len=2, candidate_pool=pool,
                                          candidates_kept=kept, rollouts=rollouts, candidate_temperature=temperature)
-            sps = config.sps_config((EOS,))
+            sps = config.kernel_config(0, (EOS,))
             index, forwards = [], []
             for start in range(0, answers, chunk):
                 keys = jax.random.split(jax.random.key(seed + start), chunk)

@@ -171,14 +171,14 @@ def method_configs(method: str, args, num_layers: int):
             "power_smc" if always else method, max_new_tokens=args.new_tokens, n_particles=args.particles,
             alpha=args.alpha, ramp_tokens=args.ramp_tokens, resample_every=args.resample_every,
             **(dict(ess_threshold=1.0) if always else {}))
-        return config.to_dict(), config.smc_config(num_layers, ())
+        return config.to_dict(), config.kernel_config(num_layers, ())
     if method == "scalable_power":
         config = hyperparameters_for(method, max_new_tokens=args.new_tokens, alpha=args.alpha,
                                      block_len=args.block_len, rollout_horizon=args.block_len)
-        return config.to_dict(), config.sps_config(())
+        return config.to_dict(), config.kernel_config(0, ())
     blocks = -(-args.new_tokens // args.block_len)
     config = hyperparameters_for(method, block_len=args.block_len, num_blocks=blocks, alpha=args.alpha)
-    return config.to_dict(), config.mcmc_config(num_layers, ())
+    return config.to_dict(), config.kernel_config(num_layers, ())
 
 
 def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: int) -> dict:

@@ -3,14 +3,14 @@
 
 What one prompt row costs (an estimate, computed before anything is compiled):
 
-- `pool_size` sequences (Best-of-N candidates or MCMC chains), each holding
+- the method's `sequences_per_prompt` sequences (`degs_jax.method.Method`: its pool of
+  candidates, chains or particles; an MCMC chain counts two, the chain x and its running
+  proposal x'; a scalable_power prompt its candidates and rollouts), each holding
   * the model's cache for `max_len` = padded prompt + `max_new_tokens` slots; its bytes
     come from `jax.eval_shape(model.init_cache(1, max_len, dtype))`, so any `CausalLM`
     is sized by its own cache pytree, without allocating it;
   * GenState's per-slot records: token and depth (int32), log p, log q and final
     entropy (fp32), `STATE_BYTES_PER_SLOT` = 20 bytes a slot;
-  and an MCMC chain holds two such sequences (the chain x and its running proposal x'),
-  a scalable_power prompt `ScalablePower.sequences_per_prompt` (candidates and rollouts);
 - the step's working set over the vocabulary: `WORKING_VOCAB_COPIES` fp32 vectors of V
   per sequence (logits, log-softmax, probabilities, noise, the lens's streamed logits).
 
@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from .generation import PROMPT_BUCKET
-from .hyperparameters import MCMCHyperparameters, ScalablePower
 
 DEFAULT_MEMORY_FRACTION = 0.7
 MAX_AUTO_BATCH = 256
@@ -62,7 +61,7 @@ class RowCost:
     """Estimated bytes of one prompt row (module docstring)."""
 
     max_len: int  # cache slots per sequence
-    sequences: int  # pool_size, twice that for MCMC (chain + proposal); SPS: candidates and rollouts
+    sequences: int  # the method's sequences_per_prompt
     cache_bytes: int  # per sequence
     state_bytes: int  # per sequence
     working_bytes: int  # per sequence
@@ -75,7 +74,7 @@ class RowCost:
 def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> RowCost:
     """The bytes one prompt row of `decode(model, ..., config)` needs (module docstring).
 
-    model: a `CausalLM`; config: the method's `Hyperparameters`; longest_prompt: tokens of
+    model: a `CausalLM`; config: the method (`degs_jax.method.Method`); longest_prompt: tokens of
     the longest prompt of the batch (padded as `pad_prompts` pads it).
     """
     padded = -(-int(longest_prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -83,9 +82,7 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
     shapes = jax.eval_shape(lambda: model.init_cache(1, max_len, cache_dtype))
     cache_bytes = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                       for leaf in jax.tree.leaves(shapes))
-    chains = 2 if isinstance(config, MCMCHyperparameters) else 1
-    sequences = config.sequences_per_prompt if isinstance(config, ScalablePower) else config.pool_size * chains
-    return RowCost(max_len=max_len, sequences=sequences, cache_bytes=cache_bytes,
+    return RowCost(max_len=max_len, sequences=config.sequences_per_prompt, cache_bytes=cache_bytes,
                    state_bytes=STATE_BYTES_PER_SLOT * max_len,
                    working_bytes=WORKING_VOCAB_COPIES * model.vocab_size * 4)
 

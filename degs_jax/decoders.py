@@ -14,16 +14,17 @@ program (`decode_tokens`). The text API (`sample`) is in `degs_jax.text`.
 | degs_smc            | the same particles for p^alpha·exp(beta·D)                    |
 | scalable_power      | Scalable Power Sampling, block form (sps.py)                  |
 
-Hyperparameters and their defaults: `degs_jax.hyperparameters` (one dataclass per
-method). Rows: prompt i's candidate (pool member or chain) j is row i·n + j.
+Methods: frozen values with their typed hyperparameters and defaults (`degs_jax.method`;
+the registry of names: `degs_jax.hyperparameters`). Rows: prompt i's candidate (pool
+member, chain or particle) j is row i·n + j.
 
 Two drivers, same tokens for the same per-prompt keys:
-- `decode`: returns to the host between generation chunks and MCMC blocks (progress
-  bars, Ctrl-C within about a second, early stop), and builds `Candidate` records;
-- `decode_tokens`: prefill, every generation step or MCMC block and the choice of the
-  answer in one jitted program (`lax.while_loop`s), for `jit` / `vmap` in user code
-  (e.g. inside an RL rollout step). Not for the SMC and SPS methods: their host loop
-  over ESS checks / blocks calls separately compiled steps (`decode` only).
+- `decode`: returns to the host between generation chunks, MCMC blocks, SMC ESS
+  intervals and SPS blocks (progress bars, Ctrl-C within about a second, early stop),
+  and builds `Candidate` records;
+- `decode_tokens`: prefill, the method's kernel (`Method.init`, then `advance` in a
+  `lax.while_loop` until `done`, then `answer`) and the choice of the answer in one
+  jitted program, for `jit` / `vmap` in user code (e.g. inside an RL rollout step).
 """
 
 from __future__ import annotations
@@ -38,15 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .generation import (GenState, SamplerSpec, completions, generate, generate_chunk, initial_active,
-                         pad_prompts, prefill)
-from .hyperparameters import (MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, Hyperparameters,
-                              MCMCHyperparameters, ScalablePower, SMCHyperparameters,
-                              hyperparameters_for)
+from .generation import (GenState, SamplerSpec, completions, generate_chunk, initial_active, pad_prompts,
+                         prefill)
+from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, hyperparameters_for
 from .lens import masked_sum, mean_final_entropy, sequence_depth
-from .mcmc import MCMCConfig, mcmc_block_donating, run_chains
+from .mcmc import MCMCConfig, mcmc_block_donating
+from .method import Method
 from .model_api import CausalLM, params_dtype
-from .models.causal_lm import TransformerLM
 from .rows import repeat_rows, work_totals
 from .smc import SMCConfig, final_weights, run_smc
 from .sps import SPSConfig, run_sps
@@ -90,7 +89,7 @@ class Output:
 @dataclasses.dataclass
 class DecodeResult:
     method: str
-    config: Hyperparameters  # the resolved hyperparameters
+    config: Method  # the method value: its resolved hyperparameters
     outputs: list[Output]
     # generated_tokens, forward_tokens, probed_token_layers; SMC also copied_rows (particle rows
     # overwritten by resampling copies), scalable_power also rollouts (rollout rows run)
@@ -134,19 +133,10 @@ def candidate_scores(state: GenState, num_layers: int,
             mean_final_entropy(state.final_entropy, scored, batch_invariant))
 
 
-def choose(config: Hyperparameters, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+def choose(config: Method, log_p: Array, depth: Array, final_entropy: Array) -> Array:
     """[prompts] int32: each prompt's answer among its n = config.pool_size candidates
-    (rows i·n .. i·n + n - 1), by the method's rule (first on ties); 0 for the methods
-    without a pool choice (greedy, temperature, the MCMC chains)."""
-    n = config.pool_size
-    shaped = lambda a: a.reshape(-1, n)
-    if config.method == "best_of_n":
-        return jnp.argmax(shaped(log_p), axis=1).astype(jnp.int32)
-    if config.method == "best_of_n_entropy":
-        return jnp.argmin(shaped(final_entropy), axis=1).astype(jnp.int32)
-    if config.method == "degs_rerank":
-        return jnp.argmax(shaped(config.alpha * log_p + config.beta * depth), axis=1).astype(jnp.int32)
-    return jnp.zeros(log_p.shape[0] // n, jnp.int32)
+    (rows i·n .. i·n + n - 1), by the method's rule (`Method.choose`; first on ties)."""
+    return config.choose(log_p, depth, final_entropy)
 
 
 def row_keys(keys: Array, n: int) -> Array:
@@ -155,34 +145,8 @@ def row_keys(keys: Array, n: int) -> Array:
     return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """The model (with the run's lens chunk) and the kernel settings of one run."""
-
-    model: CausalLM
-    kernel: SamplerSpec | MCMCConfig | SMCConfig | SPSConfig
-
-
-def _plan(model: CausalLM, config: Hyperparameters, eos_ids: Sequence[int]) -> _Plan:
-    if config.lens_chunk is not None:
-        if not isinstance(model, TransformerLM):
-            raise ValueError("lens_chunk applies to TransformerLM models only")
-        model = dataclasses.replace(model, lens_chunk=config.lens_chunk)
-    eos_ids = tuple(int(e) for e in eos_ids)
-    config.lens_config(model.num_layers)  # L_sub checked against the model even if unused
-    if isinstance(config, MCMCHyperparameters):
-        kernel = config.mcmc_config(model.num_layers, eos_ids)
-    elif isinstance(config, SMCHyperparameters):
-        kernel = config.smc_config(model.num_layers, eos_ids)
-    elif isinstance(config, ScalablePower):
-        kernel = config.sps_config(eos_ids)
-    else:
-        kernel = config.sampler_spec(model.num_layers, eos_ids)
-    return _Plan(model=model, kernel=kernel)
-
-
-def _config(method: str | Hyperparameters, overrides: dict[str, Any]) -> Hyperparameters:
-    if isinstance(method, Hyperparameters):
+def _config(method: str | Method, overrides: dict[str, Any]) -> Method:
+    if isinstance(method, Method):
         if overrides:
             raise ValueError(f"pass hyperparameters either in the {type(method).__name__} or as "
                              f"keywords, not both (got {', '.join(sorted(overrides))})")
@@ -192,38 +156,40 @@ def _config(method: str | Hyperparameters, overrides: dict[str, Any]) -> Hyperpa
 
 @functools.partial(jax.jit, static_argnames=("model", "config", "eos_ids"))
 def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Array, keys: Array,
-                  config: Hyperparameters, eos_ids: tuple[int, ...] = ()) -> Decoded:
+                  config: Method, eos_ids: tuple[int, ...] = ()) -> Decoded:
     """The decoder `config.method` as one pure jitted program over token ids and keys.
 
     prompts: [B, P] int32 right-padded, prompt_len: [B] int32 (>= 1; prompt + budget
     within the model's context); keys: [B] PRNG keys, one per prompt (as `decode`'s
     `keys`: same tokens); config: the method's hyperparameters (static, e.g.
     `DegsMCMC(mh_steps=4)`); eos_ids: static. The buffer holds P + the method's budget
-    slots. Prefill, all generation steps or MCMC blocks (one `lax.while_loop` over
-    blocks, stopping when every chain ended) and the answer's choice run inside; wrap it
-    in your own `jax.jit` or `jax.vmap` (e.g. over a leading axis of prompts and keys).
+    slots. Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode
+    steps, MCMC blocks, SMC ESS intervals or SPS blocks, until `done`) and the answer's
+    choice run inside; wrap it in your own `jax.jit` or `jax.vmap` (e.g. over a leading
+    axis of prompts and keys; under vmap the loop runs until every instance is done,
+    finished ones unchanged).
     """
-    if isinstance(config, (SMCHyperparameters, ScalablePower)):
-        raise ValueError(f"decode_tokens does not run {config.method} (its ESS checks / blocks are "
-                         "separately compiled steps of a host loop); use decode")
-    plan = _plan(model, config, eos_ids)
+    settings = config.plan(model, eos_ids)
     n = config.pool_size
     cache_dtype = config.cache_dtype or params_dtype(params)
     max_len = prompts.shape[1] + config.max_new_tokens
-    state = prefill(plan.model, params, prompts, prompt_len, max_len, cache_dtype)
+    state = prefill(model, params, prompts, prompt_len, max_len, cache_dtype)
     state = repeat_rows(state, n)
     keys = row_keys(keys, n)
-    if isinstance(plan.kernel, MCMCConfig):
-        run = run_chains(plan.model, params, state, keys, plan.kernel)
-        state, accepted, depth_decided, ran = run.state, run.accepted, run.depth_decided, run.ran
-    else:
-        state = generate(plan.model, params, state, state.prompt_len + config.max_new_tokens, keys,
-                         plan.kernel)
+    carry = jax.lax.while_loop(lambda c: ~config.done(c, settings),
+                               lambda c: config.advance(model, params, c, keys, settings),
+                               config.init(model, params, state, keys, settings))
+    answer = config.answer(model, params, carry, keys, settings)
+    state = answer.state
+    if answer.accepted is None:
         accepted = depth_decided = jnp.zeros((state.length.shape[0], 0), jnp.int32)
         ran = jnp.zeros((state.length.shape[0], 0), bool)
-    log_p, depth, final_entropy = candidate_scores(state, plan.model.num_layers, plan.model.batch_invariant)
+    else:
+        accepted, depth_decided, ran = answer.accepted, answer.depth_decided, answer.ran
+    log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
+    chosen = choose(config, log_p, depth, final_entropy) if answer.chosen is None else answer.chosen
     return Decoded(state=state, accepted=accepted, ran=ran, depth_decided=depth_decided, log_p=log_p, depth=depth,
-                   final_entropy=final_entropy, chosen=choose(config, log_p, depth, final_entropy))
+                   final_entropy=final_entropy, chosen=chosen)
 
 
 # Host-driven generation runs `generate_chunk` calls of an adaptive number of steps, each
@@ -261,7 +227,7 @@ def generate_in_chunks(model: CausalLM, params: Any, state: GenState, limit: Arr
 
 
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
-           method: str | Hyperparameters, key: Optional[Array] = None, *,
+           method: str | Method, key: Optional[Array] = None, *,
            keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
            **hyperparameters) -> DecodeResult:
     """Run a decoder on token-id prompts, returning to the host between generation
@@ -278,8 +244,8 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     way), and `decode_tokens` gives the same tokens.
     """
     config = _config(method, hyperparameters)
-    plan = _plan(model, config, eos_ids)
-    model, n, max_new = plan.model, config.pool_size, config.max_new_tokens
+    kernel = config.plan(model, eos_ids)
+    n, max_new = config.pool_size, config.max_new_tokens
     tokens, lengths = pad_prompts(prompts)
     longest = int(lengths.max())
     if longest + max_new > model.max_context:
@@ -306,8 +272,8 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     weights = picked = None
     diagnostics = [None] * len(prompts)
     extra_counters: dict[str, int] = {}
-    if isinstance(plan.kernel, MCMCConfig):
-        mc = plan.kernel
+    if isinstance(kernel, MCMCConfig):
+        mc = kernel
         acceptance = [[] for _ in range(rows)]
         depth_decisions = [[] for _ in range(rows)]
         bar = tqdm(total=mc.num_blocks, desc=config.method, unit="block", disable=not progress)
@@ -323,9 +289,9 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
             if ended.all():
                 bar.set_postfix_str("every row ended")
                 break
-    elif isinstance(plan.kernel, SMCConfig):
+    elif isinstance(kernel, SMCConfig):
         bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
-        particles = run_smc(model, params, state, keys, plan.kernel,
+        particles = run_smc(model, params, state, keys, kernel,
                             progress=lambda steps: bar.update(steps - bar.n))
         weights, log_z, picked = jax.device_get(final_weights(particles, keys, n, model.batch_invariant))
         ess, resamples, copied = jax.device_get((particles.ess, particles.resamples, particles.copied_rows))
@@ -334,9 +300,9 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
                             resamples=int(resamples[i]), copied_rows=int(copied[i]))
                        for i in range(len(prompts))]
         extra_counters = dict(copied_rows=int(copied.sum()))
-    elif isinstance(plan.kernel, SPSConfig):
-        bar = tqdm(total=plan.kernel.num_blocks, desc=config.method, unit="block", disable=not progress)
-        state, rollouts = run_sps(model, params, state, keys, plan.kernel,
+    elif isinstance(kernel, SPSConfig):
+        bar = tqdm(total=kernel.num_blocks, desc=config.method, unit="block", disable=not progress)
+        state, rollouts = run_sps(model, params, state, keys, kernel,
                                   progress=lambda blocks: bar.update(blocks - bar.n))
         rollouts = jax.device_get(rollouts)
         diagnostics = [dict(rollouts=int(r)) for r in rollouts]
@@ -344,7 +310,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     else:
         bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
         state = generate_in_chunks(model, params, state, state.prompt_len + max_new, keys,
-                                   plan.kernel, lambda k: bar.update(min(k, bar.total - bar.n)))
+                                   kernel, lambda k: bar.update(min(k, bar.total - bar.n)))
     bar.close()
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()

@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
+from .method import DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, method_field, positive_int
 from .model_api import CausalLM
 from .rows import fold_in_rows, settle_rows, work_counters
 
@@ -64,9 +65,9 @@ ACCEPT_STREAM = 2  # under the step key: the uniform of the accept test
 
 @dataclasses.dataclass(frozen=True)
 class MCMCConfig:
-    """The chain's settings (static: part of the compiled program). The decoders build
-    it from the `degs_mcmc` / `power_mcmc` hyperparameters, where the paper's defaults
-    live (`degs_jax.hyperparameters`).
+    """The chain's settings (static: part of the compiled program). The methods build
+    it from the `degs_mcmc` / `power_mcmc` hyperparameters (`MCMCMethod` below), where the
+    paper's defaults live.
 
     alpha: power (proposal temperature 1/alpha), >= 1.
     beta: weight of D(x); 0 = power sampling (no probing).
@@ -116,6 +117,97 @@ class MCMCConfig:
             top_k=QUIRKS_TOP_K if self.reference_quirks and not self.top_k else self.top_k,
             top_p=self.top_p, eos_ids=self.eos_ids,
             lens=self.lens if self.beta > 0 else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MCMCMethod(Method):
+    """The Metropolis-Hastings chain (docs/design.md §4): the methods' hyperparameters.
+
+    Cost when nothing ends early: a chain of B blocks of l tokens with T MH steps per
+    block generates B·l tokens for the blocks plus, per block k = 1..B, T regenerations
+    of on average half of its k·l tokens, i.e. B·l + T·l·B(B+1)/4, in as many sequential
+    steps (a chain's proposals are sequential; chains decode side by side).
+    """
+
+    alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha; the proposal "
+                                "samples at temperature 1/alpha (>= 1)")
+    beta: float = method_field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))")
+    block_len: int = method_field(192, "tokens per MCMC block")
+    num_blocks: int = method_field(16, "MCMC blocks (max new tokens = block_len · num_blocks)")
+    mh_steps: int = method_field(10, "Metropolis-Hastings steps per block")
+    n_chains: int = method_field(1, "independent chains per prompt")
+    reference_quirks: bool = method_field(False, "reproduce the public power-sampling code's "
+                                          "deviations (top-k 50, no cut-index ratio, ...; not exact)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        positive_int("n_chains", self.n_chains)
+
+    @property
+    def probed(self) -> bool:
+        return self.beta > 0
+
+    @property
+    def pool_size(self) -> int:
+        return self.n_chains
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """Two sequences per chain: the chain x and its running proposal x'."""
+        return 2 * self.n_chains
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.block_len * self.num_blocks
+
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> MCMCConfig:
+        """The chain kernel's settings for a model with `num_layers` blocks."""
+        return MCMCConfig(alpha=float(self.alpha), beta=float(self.beta), block_len=self.block_len,
+                          num_blocks=self.num_blocks, mh_steps=self.mh_steps,
+                          lens=self.lens_config(num_layers) if self.beta > 0 else None,
+                          eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p,
+                          reference_quirks=bool(self.reference_quirks))
+
+    def worst_case_cost(self) -> Optional[tuple[int, int]]:
+        b, l, t = self.num_blocks, self.block_len, self.mh_steps
+        steps = int(b * l + t * l * b * (b + 1) / 4)
+        return self.n_chains * steps, steps
+
+    # Kernel: the carry is `ChainRun`, `advance` one block (`mcmc_block`) of every chain.
+
+    def init(self, model, params, state: GenState, keys: Array, settings: MCMCConfig) -> "ChainRun":
+        return start_chains(state, settings)
+
+    def advance(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> "ChainRun":
+        return chains_block(model, params, carry, keys, settings)
+
+    def done(self, carry: "ChainRun", settings: MCMCConfig) -> Array:
+        return ~chains_continue(carry, settings)
+
+    def answer(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> Answer:
+        return Answer(state=carry.state, accepted=carry.accepted, depth_decided=carry.depth_decided,
+                      ran=carry.ran)
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerMCMC(MCMCMethod):
+    """MH chain for p^alpha (beta = 0: no probing)."""
+
+    method: ClassVar[str] = "power_mcmc"
+
+    beta: float = method_field(0.0, "must stay 0 (use degs_mcmc for beta > 0)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta != 0:
+            raise ValueError("power_mcmc is the beta = 0 chain; use degs_mcmc for beta > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DegsMCMC(MCMCMethod):
+    """MH chain for p^alpha·exp(beta·D)."""
+
+    method: ClassVar[str] = "degs_mcmc"
 
 
 def _depth_score(state: GenState, num_layers: int) -> Array:
@@ -306,21 +398,29 @@ def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
     every row has ended): the traceable counterpart of a host loop over `mcmc_block`,
     with the same draws. Jit- and vmap-able (under vmap the loop runs until every
     instance is done; finished ones are left unchanged). `state` is not donated."""
+    return jax.lax.while_loop(lambda run: chains_continue(run, mc),
+                              lambda run: chains_block(model, params, run, keys, mc), start_chains(state, mc))
+
+
+def start_chains(state: GenState, mc: MCMCConfig) -> ChainRun:
+    """`run_chains`' carry before its first block."""
     B = state.length.shape[0]
+    return ChainRun(state=state, block=jnp.int32(0),
+                    accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
+                    depth_decided=jnp.zeros((B, mc.num_blocks), jnp.int32),
+                    ran=jnp.zeros((B, mc.num_blocks), bool))
 
-    def keep_going(run: ChainRun):
-        return (run.block < mc.num_blocks) & jnp.any(~run.state.ended)
 
-    def body(run: ChainRun) -> ChainRun:
-        with jax.named_scope("block"):
-            state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mc)
-        return ChainRun(state=state, block=run.block + 1,
-                        accepted=run.accepted.at[:, run.block].set(accepted),
-                        depth_decided=run.depth_decided.at[:, run.block].set(depth_decided),
-                        ran=run.ran.at[:, run.block].set(active))
+def chains_continue(run: ChainRun, mc: MCMCConfig) -> Array:
+    """bool scalar: a block is left and some row has not ended."""
+    return (run.block < mc.num_blocks) & jnp.any(~run.state.ended)
 
-    start = ChainRun(state=state, block=jnp.int32(0),
-                     accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
-                     depth_decided=jnp.zeros((B, mc.num_blocks), jnp.int32),
-                     ran=jnp.zeros((B, mc.num_blocks), bool))
-    return jax.lax.while_loop(keep_going, body, start)
+
+def chains_block(model: CausalLM, params: Any, run: ChainRun, keys: Array, mc: MCMCConfig) -> ChainRun:
+    """The next block of every chain (`mcmc_block`), recorded in the carry."""
+    with jax.named_scope("block"):
+        state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mc)
+    return ChainRun(state=state, block=run.block + 1,
+                    accepted=run.accepted.at[:, run.block].set(accepted),
+                    depth_decided=run.depth_decided.at[:, run.block].set(depth_decided),
+                    ran=run.ran.at[:, run.block].set(active))

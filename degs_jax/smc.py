@@ -98,13 +98,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
+from .method import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, method_field
 from .model_api import CausalLM
 from .rows import copy_rows, fold_in_rows
 from .tiling import row_tiled
@@ -120,7 +121,7 @@ CHOICE_STREAM = 2  # first row key: the final draw of the returned particle
 @dataclasses.dataclass(frozen=True)
 class SMCConfig:
     """Hyperparameters of Power-SMC / DEGS-SMC (static: part of the compiled program).
-    The decoders' defaults (`hyperparameters.SMCHyperparameters`) and their sources are given per
+    The methods' defaults (`SMCMethod` below) and their sources are given per
     field; the Power-SMC paper's text was not reachable from here, so its public code
     (ArminAzizi98/Power-SMC: `SMCSamplingConfig`, the MATH500 script `power_samp_math.py`,
     the README) and the DEGS paper stand in for it.
@@ -184,6 +185,90 @@ class SMCConfig:
     def num_checks(self) -> int:
         """ESS checks in a full run (T sampling steps + the budget's consume step)."""
         return (self.max_new_tokens + 1) // self.resample_every
+
+
+@dataclasses.dataclass(frozen=True)
+class SMCMethod(Method):
+    """Power-SMC / DEGS-SMC particles: the methods' hyperparameters (the source of each
+    default is given in `SMCConfig`'s docstring). Cost when nothing ends early: N
+    particles of max_new_tokens each, side by side (resampling copies rows, no tokens)."""
+
+    alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha; the proposal "
+                                "samples at temperature 1/alpha (>= 1)")
+    beta: float = method_field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))")
+    n_particles: int = method_field(16, "SMC particles per prompt, N (the answer is one drawn by "
+                                    "weight)")
+    max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
+    ramp_tokens: int = method_field(400, "SMC exponent ramp: the intermediate targets' exponents "
+                                    "rise linearly to (alpha, beta) over this many tokens (0 = no ramp)")
+    ess_threshold: float = method_field(0.5, "SMC resamples a prompt's particles when ESS < "
+                                        "ess_threshold · N")
+    resample_every: int = method_field(64, "SMC checks the ESS every this many tokens")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        self._kernel(beta=0.0, lens=None, eos_ids=())  # the kernel's checks of the other fields
+
+    @property
+    def probed(self) -> bool:
+        return self.beta > 0
+
+    @property
+    def pool_size(self) -> int:
+        return self.n_particles
+
+    def _kernel(self, beta: float, lens: Optional[LensConfig], eos_ids: tuple[int, ...]) -> SMCConfig:
+        return SMCConfig(alpha=float(self.alpha), beta=float(beta), n_particles=self.n_particles,
+                         max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
+                         ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
+                         lens=lens, eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p)
+
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SMCConfig:
+        """The particle kernel's settings for a model with `num_layers` blocks."""
+        return self._kernel(self.beta, self.lens_config(num_layers) if self.beta > 0 else None, eos_ids)
+
+    def worst_case_cost(self) -> Optional[tuple[int, int]]:
+        return int(self.n_particles * self.max_new_tokens), int(self.max_new_tokens)
+
+    # Kernel: the carry is `SMCState`, `advance` one ESS interval (`smc_steps`: decode steps
+    # to the next check, the check and any resampling). Every particle is complete after
+    # T + 1 steps, within num_checks + 1 intervals (`run_smc`).
+
+    def init(self, model, params, state: GenState, keys: Array, settings: SMCConfig) -> "SMCState":
+        return init_state(state, settings, model.num_layers, model.batch_invariant)
+
+    def advance(self, model, params, carry: "SMCState", keys: Array, settings: SMCConfig) -> "SMCState":
+        return smc_interval(model, params, carry, keys, settings)
+
+    def done(self, carry: "SMCState", settings: SMCConfig) -> Array:
+        return ~jnp.any(carry.live)
+
+    def answer(self, model, params, carry: "SMCState", keys: Array, settings: SMCConfig) -> Answer:
+        _, _, chosen = final_weights(carry, keys, settings.n_particles, model.batch_invariant)
+        return Answer(state=carry.gen, chosen=chosen.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSMC(SMCMethod):
+    """Power-SMC: particles for p^alpha (beta = 0: no probing)."""
+
+    method: ClassVar[str] = "power_smc"
+
+    beta: float = method_field(0.0, "must stay 0 (use degs_smc for beta > 0)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta != 0:
+            raise ValueError("power_smc is the beta = 0 sampler; use degs_smc for beta > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DegsSMC(SMCMethod):
+    """DEGS-SMC: particles for p^alpha·exp(beta·D)."""
+
+    method: ClassVar[str] = "degs_smc"
 
 
 @jax.tree_util.register_dataclass
@@ -310,11 +395,10 @@ def init_state(gen: GenState, smc: SMCConfig, num_layers: int, batch_invariant: 
         resamples=jnp.zeros((P,), jnp.int32), copied_rows=jnp.zeros((P,), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "smc"), donate_argnames=("state",))
-def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: SMCConfig) -> SMCState:
+def smc_interval(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: SMCConfig) -> SMCState:
     """Run loop steps until the next ESS check (then check and maybe resample) or until
-    every particle is complete. keys: [B] row keys. `state` is donated. Call repeatedly
-    (`run_smc`)."""
+    every particle is complete. keys: [B] row keys. Traceable; `smc_steps` is its jitted,
+    donating form for host loops (`run_smc`)."""
     n = smc.n_particles
     spec = smc.proposal
     gen0 = state.gen
@@ -351,6 +435,9 @@ def smc_steps(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: S
     mean_w = _prompt_logsumexp(state.log_weight, n, model.batch_invariant) - jnp.log(n)
     state = dataclasses.replace(state, log_evidence=state.log_evidence + jnp.where(need, mean_w, 0.0))
     return resample(state, need, ancestors, n)
+
+
+smc_steps = jax.jit(smc_interval, static_argnames=("model", "smc"), donate_argnames=("state",))
 
 
 def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCConfig,

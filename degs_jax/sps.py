@@ -62,14 +62,14 @@ uses fold_in(fold_in(k, b), CHOICE_STREAM): a prompt's result does not depend on
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from .generation import GenState, SamplerSpec, _is_eos, _set, decode_step, generate
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, _is_eos, _set, decode_step, generate
 from .lens import span_sum
+from .method import DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, method_field
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
 
@@ -85,7 +85,7 @@ CHOICE_STREAM = 2  # the draw of the block
 class SPSConfig:
     """Hyperparameters of Scalable Power Sampling (static: part of the compiled program).
 
-    The decoders' defaults (`hyperparameters.ScalablePower`): alpha 4 (the paper's T = 1/alpha = 0.25,
+    The method's defaults (`ScalablePower` below): alpha 4 (the paper's T = 1/alpha = 0.25,
     the DEGS paper's Table 1), T = 3072, B = 192, L = 32, K = 8, M = 8, H = 192, jackknife
     on: the issue's values "as the SPS paper", equal to the defaults of the public port
     jeffhernandez1995/reasoning-with-sampling (`power_samp_math_approx.py`: top_k 8,
@@ -143,6 +143,71 @@ class SPSConfig:
     @property
     def rollout_spec(self) -> SamplerSpec:
         return SamplerSpec(temperature=1.0, eos_ids=self.eos_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalablePower(Method):
+    """Scalable Power Sampling, block form: the method's hyperparameters (the source of
+    each default is given in `SPSConfig`'s docstring). No truncation, no probing."""
+
+    method: ClassVar[str] = "scalable_power"
+
+    alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha (>= 1)")
+    max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
+    block_len: int = method_field(192, "tokens per block, B (1 = the token form)")
+    candidate_pool: int = method_field(32, "candidate blocks sampled per block, L")
+    candidates_kept: int = method_field(8, "most likely candidates kept, K")
+    rollouts: int = method_field(8, "rollouts per kept candidate, M")
+    rollout_horizon: int = method_field(192, "rollout length cap, H")
+    jackknife: bool = method_field(True, "jackknife-corrected block probabilities "
+                                   "(--no-jackknife: the plain ratio estimate)")
+    candidate_temperature: float = method_field(
+        1.0, "temperature of the candidate blocks: 1 draws them from p (docs/design.md §4); "
+        "the public SPS ports use 1/alpha (0.25 at alpha 4)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.top_k, self.top_p) != (NO_TOP_K, NO_TOP_P):
+            raise ValueError("scalable_power does not truncate; its candidates are drawn at "
+                             "candidate_temperature")
+        self.kernel_config(0, ())  # the kernel's checks
+
+    @property
+    def probed(self) -> bool:
+        return False
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """KV-cache rows one prompt may hold at once inside a block (the batch size's
+        memory estimate): the prompt's row, its L candidates, the K kept and their K·M
+        rollouts (one compiled block; counted together, an upper bound)."""
+        return 1 + self.candidate_pool + self.candidates_kept * (1 + self.rollouts)
+
+    # Kernel: the carry is `SPSRun`, `advance` one block of every prompt (`sps_block`).
+
+    def init(self, model, params, state: GenState, keys: Array, settings: "SPSConfig") -> "SPSRun":
+        return SPSRun(main=state, block=jnp.int32(0), rollouts=jnp.zeros(state.length.shape, jnp.int32))
+
+    def advance(self, model, params, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> "SPSRun":
+        main, info = sps_block_traced(model, params, carry.main, keys, carry.block, settings)
+        return SPSRun(main=main, block=carry.block + 1, rollouts=carry.rollouts + info.rollouts)
+
+    def done(self, carry: "SPSRun", settings: "SPSConfig") -> Array:
+        return (carry.block >= settings.num_blocks) | jnp.all(complete(carry.main, settings))
+
+    def answer(self, model, params, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> Answer:
+        main = carry.main
+        if settings.block_len == 1:  # as `run_sps`
+            main = consume_last(model, params, main, keys, settings)
+        return Answer(state=main)
+
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SPSConfig:
+        """The block sampler's settings (it probes nothing: `num_layers` is unused)."""
+        return SPSConfig(alpha=float(self.alpha), max_new_tokens=self.max_new_tokens,
+                         block_len=self.block_len, candidate_pool=self.candidate_pool,
+                         candidates_kept=self.candidates_kept, rollouts=self.rollouts,
+                         rollout_horizon=self.rollout_horizon, jackknife=bool(self.jackknife),
+                         candidate_temperature=float(self.candidate_temperature), eos_ids=tuple(eos_ids))
 
 
 @jax.tree_util.register_dataclass
@@ -277,11 +342,11 @@ def block_probabilities(score: Array, log_rollout: Array, needs: Array, valid: A
     return probs, p_hat, log_zeta
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sps"), donate_argnames=("main",))
-def sps_block(model: CausalLM, params: Any, main: GenState, keys: Array, block: Array,
-              sps: SPSConfig) -> tuple[GenState, BlockChoice]:
+def sps_block_traced(model: CausalLM, params: Any, main: GenState, keys: Array, block: Array,
+                     sps: SPSConfig) -> tuple[GenState, BlockChoice]:
     """One SPS block for every prompt (one row each; complete rows are left as they are).
-    keys: [P] prompt keys; `main` is donated. Returns (the extended rows, what the block did)."""
+    keys: [P] prompt keys. Returns (the extended rows, what the block did). Traceable;
+    `sps_block` is its jitted form with `main` donated, for host loops (`run_sps`)."""
     P, S = main.tokens.shape
     K = sps.candidates_kept
     if sps.block_len == 1:
@@ -301,6 +366,19 @@ def sps_block(model: CausalLM, params: Any, main: GenState, keys: Array, block: 
     return new, info
 
 
+sps_block = jax.jit(sps_block_traced, static_argnames=("model", "sps"), donate_argnames=("main",))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SPSRun:
+    """The carry of a loop over blocks (`ScalablePower`'s kernel)."""
+
+    main: GenState  # one row per prompt
+    block: Array  # int32 scalar: blocks run
+    rollouts: Array  # [P] int32 rollout rows run
+
+
 def run_sps(model: CausalLM, params: Any, main: GenState, keys: Array, sps: SPSConfig,
             progress=None) -> tuple[GenState, Array]:
     """Blocks until every prompt is complete. main: one prefilled row per prompt (donated);
@@ -317,12 +395,14 @@ def run_sps(model: CausalLM, params: Any, main: GenState, keys: Array, sps: SPSC
     if sps.block_len == 1:
         # The token form appends tokens without consuming them; consume a budget-ended
         # row's last token so that its H_L is recorded like every other decoder's.
-        main = _consume_last(model, params, main, keys, sps)
+        main = _consume_last_donating(model, params, main, keys, sps)
     return main, rollouts
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sps"), donate_argnames=("main",))
-def _consume_last(model: CausalLM, params: Any, main: GenState, keys: Array, sps: SPSConfig) -> GenState:
+def consume_last(model: CausalLM, params: Any, main: GenState, keys: Array, sps: SPSConfig) -> GenState:
     """One forward of every row that did not end in EOS, recording its last token's H_L."""
     return decode_step(model, params, main, ~main.ended, main.length, keys, main.length - 1,
                        sps.rollout_spec)[0]
+
+
+_consume_last_donating = jax.jit(consume_last, static_argnames=("model", "sps"), donate_argnames=("main",))

@@ -10,11 +10,11 @@ import jax
 
 from .chat import encode_prompt
 from .decoders import DecodeResult, decode
-from .hyperparameters import Hyperparameters
+from .method import Method
 from .models import with_tuned_lens
 
 
-def sample(model, prompts: str | Sequence[str], method: str | Hyperparameters = "degs_mcmc",
+def sample(model, prompts: str | Sequence[str], method: str | Method = "degs_mcmc",
            key: Optional[jax.Array] = None, *, keys: Optional[jax.Array] = None, seed: int = 0,
            chat: bool = True, progress: bool = False, tuned_lens=None,
            **hyperparameters) -> DecodeResult:

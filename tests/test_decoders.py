@@ -13,6 +13,7 @@ is a mean of integers d_t / L, which agree exactly, hence 1e-6.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import chex
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from degs_jax.decoders import decode
+from degs_jax.eval.results import read_run_file
 from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC,
                                       PowerMCMC, resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
@@ -629,7 +631,7 @@ def test_per_prompt_keys_make_samples_independent_of_batching():
         decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)
 
 
-def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses():
+def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses(tmp_path):
     """`degs eval` stores the resolved hyperparameters in run.json and refuses to resume a
     directory whose configuration differs: the records of the default configurations
     must stay what the string-keyed defaults produced (names and values), so that runs
@@ -645,4 +647,8 @@ def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses():
         "power_mcmc": dict(chain, beta=0.0), "degs_mcmc": dict(chain, beta=5.0),
     }
     for method, values in recorded.items():
-        assert resolve_hyperparameters(method, {}) == {**common, **values}, method
+        # lens_chunk moved onto the transformer adapter; reading run.json drops it
+        (tmp_path / "run.json").write_text(json.dumps({"config": {"hyperparameters": {**common, **values}},
+                                                       "invocations": []}))
+        old = read_run_file(tmp_path / "run.json")["config"]["hyperparameters"]
+        assert resolve_hyperparameters(method, {}) == old, method

@@ -1,7 +1,8 @@
 """The package's import graph: layers, the rules between them, no cycles, few lazy imports.
 
     tiling, model protocol, chat  <  models  <  examples  <  statistics
-        <  lens / rows / generation / scoring  <  mcmc / smc / sps  <  decoders (+ hyperparameters)
+        <  lens / rows / generation / scoring / method  <  sampling / mcmc / smc / sps
+        <  decoders (+ the method registry, hyperparameters)
         <  text API  <  eval  <  analysis / probe  <  training  <  reproduction  <  CLI
 
 A module may import only from its own layer or lower ones. On top of that:
@@ -10,8 +11,7 @@ A module may import only from its own layer or lower ones. On top of that:
   package: implementing the protocol costs no model, loader or sampler (checked on the
   source and by importing `degs_jax.model_api` alone);
 - `models/` imports nothing above the protocol and the tiles (test_params_table.py);
-- the samplers never import the model file: nothing of `degs_jax.models` but the adapter
-  that decoders.py still names for `lens_chunk` (ALLOWED_MODEL_IMPORTS);
+- the samplers never import the model file, nor anything of `degs_jax.models`;
 - nothing outside the CLI layer (`degs_jax.cli`) imports it, and nothing in the library
   imports `degs_jax.examples`;
 - no cycle among modules, nor among packages (a subpackage counts as one node);
@@ -40,9 +40,9 @@ LAYERS = [
     ("models", ("degs_jax.models",)),
     ("examples", ("degs_jax.examples",)),
     ("statistics", ("degs_jax.stats",)),
-    ("lens / rows / generation / scoring", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
-                                            "degs_jax.scoring")),
-    ("mcmc / smc / sps", ("degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
+    ("lens / rows / generation / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
+                                                     "degs_jax.scoring", "degs_jax.method")),
+    ("sampling / mcmc / smc / sps", ("degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
@@ -52,12 +52,9 @@ LAYERS = [
     ("CLI", ("degs_jax.cli",)),
 ]
 PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
-SAMPLERS = ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation", "degs_jax.scoring", "degs_jax.mcmc", "degs_jax.smc",
+SAMPLERS = ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation", "degs_jax.scoring", "degs_jax.method",
+            "degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc",
             "degs_jax.sps", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")
-# decoders.py checks isinstance(model, TransformerLM) for the `lens_chunk` hyperparameter, a
-# transformer knob; it goes when the method redesign (issue 26, part B) moves that knob
-# onto the adapter. Nothing else of the samplers may name degs_jax.models.
-ALLOWED_MODEL_IMPORTS = {("degs_jax.decoders", "degs_jax.models.causal_lm")}
 LOCAL_IMPORTS_MAX = 20
 
 
@@ -205,7 +202,7 @@ def test_the_protocol_imports_nothing_of_the_package():
 
 def test_samplers_do_not_import_the_model_file():
     found = {(m, t) for m in SAMPLERS for t in graph()[m] if t.startswith("degs_jax.models")}
-    assert found <= ALLOWED_MODEL_IMPORTS, sorted(found - ALLOWED_MODEL_IMPORTS)
+    assert not found, sorted(found)
 
 
 def test_only_the_cli_imports_the_cli_and_nothing_imports_the_examples():

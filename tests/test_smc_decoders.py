@@ -19,7 +19,7 @@ import pytest
 
 from degs_jax import rows as rows_mod
 from degs_jax.cli import _hyperparameters, build_parser
-from degs_jax.decoders import decode, decode_tokens
+from degs_jax.decoders import decode
 from degs_jax.generation import pad_prompts, prefill
 from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, hyperparameters_for, resolve_hyperparameters
 from degs_jax.models import TransformerLM
@@ -202,7 +202,7 @@ def test_cli_passes_the_new_hyperparameters():
                                (["--candidate-temperature", "0.25"], 0.25)):
         args = build_parser().parse_args(["sample", "hi", "--method", "scalable_power", *flags])
         config = hyperparameters_for("scalable_power", **_hyperparameters(args))
-        assert config.sps_config(()).candidate_spec.temperature == temperature
+        assert config.kernel_config(0, ()).candidate_spec.temperature == temperature
 
 
 def test_defaults_one_home():
@@ -212,23 +212,10 @@ def test_defaults_one_home():
         config = cls()
         assert (config.alpha, config.beta, config.n_particles, config.max_new_tokens, config.ramp_tokens,
                 config.ess_threshold, config.resample_every) == (4.0, beta, 16, 3072, 400, 0.5, 64)
-        kernel = config.smc_config(24, (7,))
+        kernel = config.kernel_config(24, (7,))
         assert (kernel.n_particles, kernel.ramp_tokens, kernel.resample_every, kernel.eos_ids) == (16, 400, 64, (7,))
         assert (kernel.lens is not None) == (beta > 0)
-    sps = ScalablePower().sps_config(())
+    sps = ScalablePower().kernel_config(0, ())
     assert (sps.alpha, sps.max_new_tokens, sps.block_len, sps.candidate_pool, sps.candidates_kept, sps.rollouts,
             sps.rollout_horizon, sps.jackknife, sps.candidate_temperature) == (4.0, 3072, 192, 32, 8, 8, 192, True,
                                                                                1.0)
-
-
-@pytest.mark.parametrize("method", NEW_METHODS)
-def test_decode_tokens_refuses_the_host_driven_methods(model, method):
-    cfg, params = model
-    tokens, lengths = pad_prompts(PROMPTS)
-    with pytest.raises(ValueError, match=f"decode_tokens does not run {method}.*use decode"):
-        decode_tokens(TransformerLM(cfg), params, jnp.asarray(tokens), jnp.asarray(lengths),
-                      jax.random.split(jax.random.key(0), len(PROMPTS)), resolve_config(method))
-
-
-def resolve_config(method):
-    return {"power_smc": PowerSMC, "degs_smc": DegsSMC, "scalable_power": ScalablePower}[method]()

@@ -22,9 +22,8 @@ from ..lens import default_lsub, validate_lsub
 from ..models.sharding import parse_mesh
 from ..train.tuned_lens import resolve_lens
 
-METHOD_HELP = """decoders: greedy, temperature, best_of_n, best_of_n_entropy, degs_rerank,
-power_mcmc, degs_mcmc, power_smc, degs_smc, scalable_power (docs/design.md §4). Hyperparameters a
-method does not take are rejected."""
+METHOD_HELP = (f"decoders: {', '.join(METHODS)} (docs/design.md §4). Hyperparameters a method does "
+               "not take are rejected.")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -45,7 +45,7 @@ from matplotlib.figure import Figure
 
 from degs_jax.analysis import format_interval, plot_predictive_validity, pool_from_records, predictive_validity
 from degs_jax.eval.benchmarks import BENCHMARKS
-from degs_jax.eval.results import write_json
+from degs_jax.eval.results import read_run_file, write_json
 from degs_jax.models.loading import BUILTIN_MODELS
 from degs_jax.plots import plot_entropy_trajectories
 from degs_jax.reproduce import paper
@@ -107,7 +107,7 @@ class Study:
 def _run(directory: Path) -> Optional[dict]:
     if not (directory / "run.json").exists():
         return None
-    return {"run": json.loads((directory / "run.json").read_text()),
+    return {"run": read_run_file(directory / "run.json"),
             "records": sorted(read_records(directory), key=lambda r: r["index"])}
 
 

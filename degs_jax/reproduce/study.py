@@ -60,7 +60,7 @@ from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
-from degs_jax.hyperparameters import METHODS, resolve_hyperparameters
+from degs_jax.hyperparameters import METHODS, hyperparameters_for, resolve_hyperparameters
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
 from degs_jax.scoring import layer_entropies
@@ -113,26 +113,9 @@ def method_defaults(method: str) -> dict[str, Any]:
 
 def worst_case_cost(method: str, hyperparameters: Mapping[str, Any]) -> Optional[tuple[int, int]]:
     """(generated tokens per problem, sequential decode steps per batch) when nothing ends
-    early (no EOS): the cost ceiling; None for decoders this formula does not know.
-
-    Single samples: max_new_tokens of each; a pool of n: n · max_new_tokens tokens in
-    max_new_tokens steps (the candidates decode side by side). An MCMC chain of B blocks
-    of l tokens with T MH steps per block: B·l for the blocks plus, per block k = 1..B, T
-    regenerations of on average half of its k·l tokens, i.e. B·l + T·l·B(B+1)/4, and as
-    many steps (a chain's proposals are sequential; chains decode side by side). SMC: N
-    particles of max_new_tokens each, side by side (resampling copies rows, no tokens).
-    """
-    hp = {**method_defaults(method), **hyperparameters}
-    if "num_blocks" in hp and "block_len" in hp and "mh_steps" in hp:
-        b, l, t = hp["num_blocks"], hp["block_len"], hp["mh_steps"]
-        steps = int(b * l + t * l * b * (b + 1) / 4)
-        return hp.get("n_chains", 1) * steps, steps
-    if method in ("power_smc", "degs_smc"):
-        return int(hp["n_particles"] * hp["max_new_tokens"]), int(hp["max_new_tokens"])
-    if "max_new_tokens" in hp and method in ("greedy", "temperature", "best_of_n",
-                                             "best_of_n_entropy", "degs_rerank"):
-        return int(hp.get("n", 1) * hp["max_new_tokens"]), int(hp["max_new_tokens"])
-    return None
+    early (no EOS): the cost ceiling; None for decoders whose method knows no formula
+    (`degs_jax.method.Method.worst_case_cost`, each family's docstring gives its formula)."""
+    return hyperparameters_for(method, **hyperparameters).worst_case_cost()
 
 
 # --------------------------------------------------------------------------- request
@@ -608,7 +591,7 @@ def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rate
     records = read_records(pool_dir)
     if not records:
         return
-    run = json.loads((pool_dir / "run.json").read_text())
+    run = results.read_run_file(pool_dir / "run.json")
     tau = float(run["config"]["hyperparameters"]["tau"])
     meta = {"layers": list(range(model.lm.num_layers + 1)), "tau": tau,
             "lsub_sets": [list(s) for s in lsub_sets], "model": model.name,

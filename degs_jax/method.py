@@ -1,0 +1,167 @@
+"""A decoding method is a value: one frozen, hashable dataclass per method that holds the
+method's typed hyperparameters (documented per field; `degs ... --help` is generated from
+them) and everything method-specific that the drivers, the batch sizer and the study ask
+of it. This module holds what every method shares: the base class `Method`, the field
+helper and the defaults shared by several methods (each lives here once). The methods
+themselves live beside their kernels, one file per family:
+
+    sampling and reranking   degs_jax.sampling   Greedy, Temperature, BestOfN,
+                                                 BestOfNEntropy, DegsRerank
+    MCMC                     degs_jax.mcmc       PowerMCMC, DegsMCMC
+    SMC                      degs_jax.smc        PowerSMC, DegsSMC
+    SPS                      degs_jax.sps        ScalablePower
+
+and `degs_jax.hyperparameters` is the registry (name -> class). Adding a method is one
+file (or one class in its family's file) plus a registry line.
+
+What a method answers (the drivers never switch on a method's class or name):
+
+- `plan(model, eos_ids)`: its kernel's settings against a model of `model.num_layers`
+  blocks (L_sub defaulted and checked against the depth once, here, even where unused);
+- `pool_size`: rows per prompt (candidates, chains or particles; prompt i's row j is
+  row i·n + j); `max_new_tokens`: its token budget; `probed`: whether it records d_t;
+- `sequences_per_prompt`: KV-cache sequences one prompt holds at once (the batch
+  sizer's memory estimate, `degs_jax.batching`);
+- `worst_case_cost()`: (generated tokens per prompt, sequential decode steps) when
+  nothing ends early, or None where no formula is known (the study's time budget);
+- `choose(log_p, depth, final_entropy)`: each prompt's answer among its rows;
+- its kernel, over the method's own named state (a registered dataclass pytree, the
+  carry of the drivers' loop): `init(model, params, state, keys, settings)` from the
+  prefilled rows (`pool_size` consecutive rows per prompt) and their row keys,
+  `advance(...)` one unit of work (a decode step of every row, an MCMC block, an SMC
+  ESS interval, an SPS block), `done(carry, settings)` and `answer(...)`: the final rows
+  and what the method chose (`Answer`). `settings` is what `plan` returned.
+  `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .generation import NO_TOP_K, NO_TOP_P
+from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
+
+Array = jax.Array
+
+# Shared by several methods (each lives here once).
+DEFAULT_MAX_NEW_TOKENS = 3072
+DEFAULT_ALPHA = 4.0
+DEFAULT_BETA = 5.0
+DEFAULT_POOL_SIZE = 16
+
+
+def method_field(default: Any, help: str, *, cli: bool = True) -> Any:
+    """A dataclass field with its documentation (shown by `degs ... --help`); cli=False
+    keeps it out of the command line (Python API only)."""
+    return dataclasses.field(default=default, metadata={"help": help, "cli": cli})
+
+
+def positive_int(name: str, value: Any) -> None:
+    """ValueError unless `value` is an int >= 1 (bool excluded)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """Settings every method takes. Frozen and hashable: usable as a static argument."""
+
+    method: ClassVar[str] = ""  # the method's name in `decode`, the CLI and run.json
+
+    tau: float = method_field(DEFAULT_TAU, "collapse threshold in nats: d_t is the first probed "
+                              "layer whose logit-lens entropy is <= tau")
+    lsub: Optional[tuple[int, ...]] = method_field(
+        None, "probed layers L_sub, comma-separated (default: the grid of docs/design.md §3 for the "
+        "model's depth)")
+    top_k: int = method_field(NO_TOP_K, "truncate the sampling / proposal distribution to its top_k "
+                              "most likely tokens (0 = off; log q is the truncated density)")
+    top_p: float = method_field(NO_TOP_P, "nucleus truncation of the sampling / proposal "
+                                "distribution (1.0 = off)")
+    cache_dtype: Optional[Any] = method_field(None, "KV cache dtype (None: the parameters' dtype)",
+                                              cli=False)
+
+    def __post_init__(self):
+        validate_tau(self.tau)
+        if self.lsub is not None:
+            object.__setattr__(self, "lsub", validate_lsub(self.lsub))
+
+    def lens_config(self, num_layers: int) -> LensConfig:
+        """The LensConfig of a model with `num_layers` blocks (L_sub defaulted, checked)."""
+        return LensConfig.default(num_layers, tau=self.tau, lsub=self.lsub)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name (the record of `DecodeResult` and `degs eval`'s run.json)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # What each family defines (and `max_new_tokens`, a field or a property: the budget).
+
+    @property
+    def probed(self) -> bool:
+        """Whether decoding records collapse depths d_t (and so D(x))."""
+        raise NotImplementedError
+
+    @property
+    def pool_size(self) -> int:
+        """Rows per prompt: candidates, chains or particles."""
+        return 1
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """KV-cache sequences one prompt holds at once (the batch size's memory estimate)."""
+        return self.pool_size
+
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> Any:
+        """The kernel's static settings for a model with `num_layers` blocks."""
+        raise NotImplementedError
+
+    def plan(self, model: Any, eos_ids: Sequence[int]) -> Any:
+        """The kernel's settings against `model` (a `CausalLM`): L_sub is defaulted and
+        checked against its depth here, also for methods that do not probe."""
+        self.lens_config(model.num_layers)
+        return self.kernel_config(model.num_layers, tuple(int(e) for e in eos_ids))
+
+    def worst_case_cost(self) -> Optional[tuple[int, int]]:
+        """(generated tokens per prompt, sequential decode steps per batch) when nothing
+        ends early (no EOS): the cost ceiling; None where no formula is known."""
+        return None
+
+    def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+        """[prompts] int32: each prompt's answer among its n = pool_size rows (rows
+        i·n .. i·n + n - 1), first on ties; 0 for methods without a pool choice."""
+        return jnp.zeros(log_p.shape[0] // self.pool_size, jnp.int32)
+
+    # The kernel (module docstring): pure functions of arrays, traceable (jit, vmap).
+
+    def init(self, model: Any, params: Any, state: Any, keys: Array, settings: Any) -> Any:
+        """The loop's carry from freshly prefilled rows `state` (a GenState) and row keys."""
+        raise NotImplementedError
+
+    def advance(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any) -> Any:
+        """One unit of the method's work on every row that has some left."""
+        raise NotImplementedError
+
+    def done(self, carry: Any, settings: Any) -> Array:
+        """bool scalar: nothing is left to do."""
+        raise NotImplementedError
+
+    def answer(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any) -> "Answer":
+        """The final rows and what the method decided (`Answer`)."""
+        raise NotImplementedError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Answer:
+    """What a method's kernel returns at the end: the final rows, and the method's own
+    choice of each prompt's answer where it is drawn rather than a rule on the rows'
+    scores (SMC; None: `Method.choose`), and per-block MCMC statistics (None otherwise)."""
+
+    state: Any  # GenState of every row
+    chosen: Optional[Array] = None  # [prompts] int32
+    accepted: Optional[Array] = None  # [rows, num_blocks] int32 accepted MH steps
+    depth_decided: Optional[Array] = None  # [rows, num_blocks] int32 decisions beta·ΔD decided
+    ran: Optional[Array] = None  # [rows, num_blocks] bool: the row ran the block

@@ -1,0 +1,159 @@
+"""Sampling and reranking methods (docs/design.md §4): whole completions sampled from
+the model by the generation kernel (`degs_jax.generation`: `generate`, or the host-driven
+`generate_chunk`), and for the pool methods one answer chosen among n of them per prompt.
+
+    greedy             Greedy          argmax decoding
+    temperature        Temperature     ancestral sampling at `temperature`
+    best_of_n          BestOfN         n samples; the largest log p(x)
+    best_of_n_entropy  BestOfNEntropy  the same pool; the lowest mean final-layer entropy
+    degs_rerank        DegsRerank      the same pool; argmax alpha·log p(x) + beta·D(x)
+
+Cost when nothing ends early: a pool of n decodes its candidates side by side, n ·
+max_new_tokens tokens in max_new_tokens sequential steps (one sample: n = 1).
+
+Kernel: the carry is the generation loop's (`GenerationLoop`) and `advance` is one decode
+step of every active row, so `decode_tokens`' loop is `generate`'s, step for step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+
+from .generation import GenerationLoop, SamplerSpec, decode_step, initial_active
+from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE, Method,
+                     method_field, positive_int)
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMethod(Method):
+    """Methods that sample whole completions (no MCMC)."""
+
+    max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
+    probe: bool = method_field(True, "record collapse depths d_t while sampling (K/L of a forward "
+                               "per token)", cli=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        positive_int("max_new_tokens", self.max_new_tokens)
+
+    @property
+    def probed(self) -> bool:
+        return self.probe
+
+    def temperature_of(self) -> float:
+        """The sampling temperature (0 = greedy)."""
+        raise NotImplementedError
+
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SamplerSpec:
+        """The generation kernel's settings for a model with `num_layers` blocks."""
+        return SamplerSpec(temperature=self.temperature_of(), top_k=self.top_k, top_p=self.top_p,
+                           eos_ids=tuple(eos_ids),
+                           lens=self.lens_config(num_layers) if self.probe else None)
+
+    def worst_case_cost(self) -> Optional[tuple[int, int]]:
+        return int(self.pool_size * self.max_new_tokens), int(self.max_new_tokens)
+
+    def init(self, model, params, state, keys: Array, settings: SamplerSpec) -> GenerationLoop:
+        return GenerationLoop(state=state, active=initial_active(state, state.prompt_len + self.max_new_tokens),
+                              steps=jnp.int32(0))
+
+    def advance(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> GenerationLoop:
+        with jax.named_scope("decode_step"):
+            state, active = decode_step(model, params, carry.state, carry.active,
+                                        carry.state.prompt_len + self.max_new_tokens, keys,
+                                        carry.state.prompt_len, settings)
+        return GenerationLoop(state=state, active=active, steps=carry.steps + 1)
+
+    def done(self, carry: GenerationLoop, settings: SamplerSpec) -> Array:
+        return ~jnp.any(carry.active)
+
+    def answer(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> Answer:
+        return Answer(state=carry.state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy(SamplingMethod):
+    """Argmax decoding."""
+
+    method: ClassVar[str] = "greedy"
+
+    def temperature_of(self) -> float:
+        return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature(SamplingMethod):
+    """Ancestral sampling at a temperature."""
+
+    method: ClassVar[str] = "temperature"
+
+    temperature: float = method_field(0.25, "sampling temperature (0 = greedy)")
+
+    def temperature_of(self) -> float:
+        return float(self.temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class BestOfN(SamplingMethod):
+    """N samples from p; the one with the largest log p(x)."""
+
+    method: ClassVar[str] = "best_of_n"
+
+    n: int = method_field(DEFAULT_POOL_SIZE, "candidates sampled per prompt (the Best-of-N pool)")
+    temperature: float = method_field(1.0, "sampling temperature of the pool")
+
+    def __post_init__(self):
+        super().__post_init__()
+        positive_int("n", self.n)
+
+    @property
+    def pool_size(self) -> int:
+        return self.n
+
+    def temperature_of(self) -> float:
+        return float(self.temperature)
+
+    def pool_score(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+        """[rows] the score the answer maximises."""
+        return log_p
+
+    def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+        score = self.pool_score(log_p, depth, final_entropy).reshape(-1, self.pool_size)
+        return jnp.argmax(score, axis=1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BestOfNEntropy(BestOfN):
+    """The Best-of-N pool; the candidate with the lowest mean final-layer entropy."""
+
+    method: ClassVar[str] = "best_of_n_entropy"
+
+    def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+        return jnp.argmin(final_entropy.reshape(-1, self.pool_size), axis=1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DegsRerank(BestOfN):
+    """The Best-of-N pool; argmax alpha·log p(x) + beta·D(x) (alpha = 0: depth only)."""
+
+    method: ClassVar[str] = "degs_rerank"
+
+    alpha: float = method_field(DEFAULT_ALPHA, "likelihood weight of the rerank score "
+                                "alpha·log p(x) + beta·D(x)")
+    beta: float = method_field(DEFAULT_BETA, "collapse-depth weight of the rerank score")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (self.alpha >= 0 and self.beta >= 0):
+            raise ValueError("degs_rerank needs alpha >= 0 and beta >= 0")
+        if not self.probe:
+            raise ValueError("degs_rerank needs probe=True (it ranks by D(x))")
+
+    def pool_score(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+        return self.alpha * log_p + self.beta * depth

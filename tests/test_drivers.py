@@ -1,0 +1,114 @@
+"""The two drivers give the same tokens for every method (issue 26): `decode` (the host
+loop: generation chunks, MCMC blocks, SMC ESS intervals, SPS blocks, each a separately
+compiled, donating step) and `decode_tokens` (the method's `advance` in one
+`lax.while_loop`, traceable), for the same per-prompt keys, on the transformer and on the
+Flax NNX model (degs_jax/examples/nnx_lm.py), `decode_tokens` under
+`jax.jit(jax.vmap(...))` over a leading axis of two key sets (one compiled program per
+case: compiling dominates the cost; test_traced.py also runs it under `jax.jit` alone).
+
+Compared: every row's completion tokens and each prompt's chosen row, exactly (the same
+draws in both programs); log p(x) and the mean final-layer entropy of every row to 1e-5
+(sums or means of <= 8 fp32 terms computed in different programs: a few ulps of values
+~10, as in test_traced.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from degs_jax.decoders import decode, decode_tokens
+from degs_jax.examples.nnx_lm import tiny_nnx_model
+from degs_jax.generation import pad_prompts
+from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.models import TransformerLM, init_params
+from tiny_models import tiny_config
+
+SIZES = {
+    "greedy": dict(max_new_tokens=5),
+    "temperature": dict(max_new_tokens=5, temperature=1.0),
+    "best_of_n": dict(max_new_tokens=5, n=3),
+    "best_of_n_entropy": dict(max_new_tokens=5, n=3),
+    "degs_rerank": dict(max_new_tokens=5, n=3),
+    "power_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
+    "degs_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
+    "power_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ramp_tokens=3),
+    "degs_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ramp_tokens=3),
+    "scalable_power": dict(max_new_tokens=6, block_len=2, candidate_pool=3, candidates_kept=2, rollouts=2,
+                           rollout_horizon=2),
+}
+CASES = {**{m: (m, SIZES[m]) for m in METHODS},
+         "scalable_power token form": ("scalable_power", dict(SIZES["scalable_power"], block_len=1))}
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2]]
+
+
+def transformer():
+    cfg = tiny_config("Qwen2ForCausalLM")  # vocab 97, 3 layers, EOS = 96
+    params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    eos = cfg.eos_token_ids[0]  # EOS likely enough that some rows end early
+    params = dataclasses.replace(params, embed=params.embed.at[:, 0].add(3.0),
+                                 lm_head=params.lm_head.at[eos].set(0.0).at[eos, 0].set(2.0))
+    return TransformerLM(cfg), params, tuple(cfg.eos_token_ids)
+
+
+def nnx_model():
+    model, params = tiny_nnx_model()
+    return model, params, (model.vocab_size - 1,)
+
+
+MODELS = {"transformer": transformer, "nnx": nnx_model}
+# Every case on the NNX model; on the transformer the SMC and SPS cases, which only this
+# test runs through both drivers there (test_traced.py does a pool and an MCMC method
+# under jit and vmap, the golden file pins both drivers' numbers of greedy, best_of_n and
+# degs_mcmc). Compiling dominates: on a loaded 2-core CPU a case took 10-44 s, the 11
+# transformer cases 333 s together, over the suite's budget.
+PAIRS = [("nnx", case) for case in CASES] + [
+    ("transformer", case) for case in CASES if CASES[case][0] in ("power_smc", "degs_smc", "scalable_power")]
+
+
+@functools.cache
+def model_named(name):
+    return MODELS[name]()
+
+
+def through_decode(model, params, eos, config, keys):
+    """(tokens of every row, chosen row of every prompt, log p and mean final-layer entropy
+    of every row) of `decode`."""
+    res = decode(model, params, PROMPTS, config, keys=keys, eos_ids=eos)
+    rows = [c for o in res.outputs for c in o.candidates]
+    chosen = [next(j for j, c in enumerate(o.candidates) if c is o.chosen) for o in res.outputs]
+    return [c.tokens for c in rows], chosen, np.array([[c.log_p, c.final_entropy] for c in rows])
+
+
+def of_decoded(decoded, g=None):
+    """The same of a `Decoded` (instance g of a vmapped one)."""
+    pick = (lambda a: a) if g is None else (lambda a: a[g])
+    tokens, start, end, chosen, log_p, entropy = jax.device_get(
+        (pick(decoded.state.tokens), pick(decoded.state.prompt_len), pick(decoded.state.length),
+         pick(decoded.chosen), pick(decoded.log_p), pick(decoded.final_entropy)))
+    return ([tokens[r, start[r]:end[r]].tolist() for r in range(tokens.shape[0])], chosen.tolist(),
+            np.stack([log_p, entropy], axis=1))
+
+
+@pytest.mark.parametrize("model_name, case", PAIRS)
+def test_both_drivers_give_the_same_tokens(model_name, case):
+    lm, params, eos = model_named(model_name)
+    method, sizes = CASES[case]
+    config = hyperparameters_for(method, **sizes)
+    tokens, lengths = pad_prompts(PROMPTS)
+    key_sets = jax.random.split(jax.random.key(7), (2, len(PROMPTS)))
+    run = lambda k: decode_tokens(lm, params, jnp.asarray(tokens), jnp.asarray(lengths), k, config, eos)
+    mapped = jax.jit(jax.vmap(run))(key_sets)
+    wants = [through_decode(lm, params, eos, config, k) for k in key_sets]
+    for g, want in enumerate(wants):
+        got = of_decoded(mapped, g)
+        assert got[0] == want[0], "tokens differ"
+        assert got[1] == want[1], "chosen rows differ"
+        np.testing.assert_allclose(got[2], want[2], atol=1e-5, rtol=0)
+    if method != "greedy":
+        assert wants[0][0] != wants[1][0], "both key sets gave the same tokens: the comparison is weak"
