@@ -62,13 +62,18 @@ def nnx_model():
 
 
 MODELS = {"transformer": transformer, "nnx": nnx_model}
-# Every case on the NNX model; on the transformer the SMC and SPS cases, which only this
-# test runs through both drivers there (test_traced.py does a pool and an MCMC method
-# under jit and vmap, the golden file pins both drivers' numbers of greedy, best_of_n and
-# degs_mcmc). Compiling dominates: on a loaded 2-core CPU a case took 10-44 s, the 11
-# transformer cases 333 s together, over the suite's budget.
-PAIRS = [("nnx", case) for case in CASES] + [
-    ("transformer", case) for case in CASES if CASES[case][0] in ("power_smc", "degs_smc", "scalable_power")]
+# One method of each kernel family on the NNX model (the DEGS variant, which runs every
+# code path of its power sibling plus the depth term; degs_rerank, whose answer rule reads
+# log p and D of the pool) and the SPS token form; on the transformer the SMC and SPS cases,
+# which only this test runs through both drivers there. The siblings left out differ from
+# these only by beta = 0 or by the pool's answer rule: test_traced.py runs a pool and an
+# MCMC method under jit and vmap, and the golden file pins both drivers' numbers of greedy,
+# best_of_n and degs_mcmc. Compiling dominates: on a loaded 2-core CPU a case took 10-93 s,
+# all 15 cases of the full matrix 747 s, over the suite's budget.
+FAMILIES = ("temperature", "degs_rerank", "degs_mcmc", "degs_smc", "scalable_power",
+            "scalable_power token form")
+PAIRS = [("nnx", case) for case in FAMILIES] + [
+    ("transformer", case) for case in ("degs_smc", "scalable_power")]
 
 
 @functools.cache
