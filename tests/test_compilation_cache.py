@@ -7,8 +7,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 from degs_jax.models import compilation
 
 # Compiles one small program (and nothing else) with the cache in DIR; prints "hit" when
@@ -72,23 +70,3 @@ def test_a_truncated_entry_is_removed_and_written_again(tmp_path):
     outcome, err = run(cache)
     assert outcome == "miss" and "removed 1 damaged entries" in err, err
     assert run(cache)[0] == "hit"
-
-
-def test_the_test_run_shares_one_cache_with_the_processes_it_starts():
-    """conftest's run-wide cache: a program compiled by a process a test starts (a
-    `degs` run, another xdist worker) is read from the cache here, not compiled again."""
-    import jax
-    from jax import monitoring
-
-    directory = jax.config.jax_compilation_cache_dir
-    assert directory and os.environ["JAX_COMPILATION_CACHE_DIR"] == directory
-    program = "lambda x: (x @ x.T).sum() * 5.0 - 1.0"  # compiled nowhere else in the suite
-    done = subprocess.run(
-        [sys.executable, "-c", f"import jax, numpy as np; jax.jit({program})(np.ones((8, 8), np.float32))"],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert done.returncode == 0, done.stderr
-    hits = []
-    monitoring.register_event_listener(
-        lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
-    jax.jit(eval(program))(np.ones((8, 8), np.float32)).block_until_ready()
-    assert hits, f"compiled again instead of read from {directory}"
