@@ -10,9 +10,9 @@ method) present in both: accuracy before and after over the problems both graded
 paired table (both right / only before / only after / both wrong), exact McNemar p,
 Newcombe's paired 95% interval of after - before, and Holm's adjustment over the whole
 family of comparisons made. `--cross` adds the paper's comparison: DEGS-MCMC on the base
-model against the trained model decoded greedily, per benchmark. `--check` names a rerun of the base model ("before" again,
-e.g. greedy on the GPU of the after run): the fraction of identical completions and
-verdicts says whether the committed "before" still describes today's code and device.
+model against the trained model decoded greedily, per benchmark. `--check` names another run of the base model with the same
+settings (e.g. one committed earlier): the number of identical completions and verdicts
+says whether that older "before" still describes today's code and device.
 
 Also draws the training curve (`degs_jax.plots.plot_training_curve`) of the trainer's
 log. Prints one JSON record (bench/common.environment: device, versions, date, command)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, required=True, help="runs/ of the base model's study")
     ap.add_argument("--after", type=Path, required=True, help="runs/ of the trained checkpoint, same settings")
-    ap.add_argument("--check", type=Path, default=None, help="runs/ of a rerun of the base model (optional)")
+    ap.add_argument("--check", type=Path, default=None, help="runs/ of another run of the base model, same settings (optional)")
     ap.add_argument("--log", type=Path, default=None, help="the trainer's log.jsonl (for the curve)")
     ap.add_argument("--png", type=Path, default=None, help="write the training curve here (needs --log)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON record here too")
