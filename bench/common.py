@@ -9,6 +9,7 @@ import os
 import platform
 import sys
 import time
+from typing import Optional
 from importlib import metadata
 
 import jax
@@ -138,6 +139,15 @@ def emit(record: dict, out_name: str) -> None:
     if out:
         with open(os.path.join(out, out_name), "a") as f:
             f.write(line + "\n")
+
+
+def write_record(record: dict, out: Optional[str | os.PathLike] = None) -> None:
+    """Print one JSON record (indented; NaN refused) and, with `out`, write it there too."""
+    text = json.dumps(record, indent=1, allow_nan=False)
+    print(text)
+    if out is not None:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 def target_lengths(problems: int, median: float, sigma: float, cap: int, seed: int = 0) -> np.ndarray:

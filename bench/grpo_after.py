@@ -88,7 +88,7 @@ def agreement(committed_root: Path, rerun_root: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from common import environment
+    from common import environment, write_record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, required=True, help="runs/ of the base model's study")
@@ -127,11 +127,7 @@ def main(argv=None) -> int:
             from degs_jax.plots import plot_training_curve
 
             record["png"] = plot_training_curve(log, args.png, f"GRPO on GSM8K train, {len(log)} steps")
-    record.update(environment())
-    text = json.dumps(record, indent=1, allow_nan=False)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    write_record({**record, **environment()}, args.out)
     return 0
 
 

@@ -89,7 +89,7 @@ def plot(points: list[dict], path: Path, benchmark: str) -> str:
 
 
 def main(argv=None) -> int:
-    from common import environment
+    from common import environment, write_record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", action="append", required=True, metavar="BILLIONS:DIR",
@@ -109,11 +109,7 @@ def main(argv=None) -> int:
     record = {"bench": "scale_trend", "benchmark": args.benchmark, "points": points}
     if args.png is not None:
         record["png"] = plot(points, args.png, args.benchmark)
-    record.update(environment())
-    text = json.dumps(record, indent=1, allow_nan=False)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    write_record({**record, **environment()}, args.out)
     return 0
 
 
