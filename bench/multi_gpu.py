@@ -9,7 +9,8 @@ tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens in the libr
       roofline = (weights + KV cache read per step) / N per device over one device's
       measured copy bandwidth.
 dp:   the same decode on a smaller shape: one device at batch B against an N x 1 mesh
-      at batch N·B (scaling efficiency = throughput ratio / N).
+      at batch N·B (scaling efficiency = throughput ratio / N), for each N of --dp-sizes
+      and each cache read of --dp-reads (the read each side took is recorded).
 mcmc: degs_mcmc on the tensor-parallel model, a few problems, the default 16 x 192
       buffer, 2 MH steps, every completion ending with EOS at --mcmc-length tokens.
 """
@@ -28,18 +29,25 @@ from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_byte
 from degs_jax.decoders import decode
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.models import init_params
+from degs_jax.models.attention import read_mode
 from degs_jax.models.sharding import make_mesh, param_shardings
 
 OUT = "multi_gpu.jsonl"
 
 
-def sharded_model(name: str, data: int, model: int):
-    cfg = shape_config(name)
+def sharded_model(name: str, data: int, model: int, kv_read: str = "auto"):
+    cfg = shape_config(name, kv_read=kv_read)
     mesh = make_mesh(data, model)
     t = time.perf_counter()
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16, shardings=param_shardings(cfg, mesh))
     jax.block_until_ready(params)
     return cfg, mesh, params, time.perf_counter() - t
+
+
+def decode_read(cfg, mesh, batch: int, prompt: int) -> str:
+    """The cache read a decode step of this batch takes (`attention.read_mode`)."""
+    with jax.set_mesh(mesh):
+        return read_mode(cfg, 1, prompt + BUFFER_NEW, batch)
 
 
 def tensor_parallel(args, n: int, bw: float):
@@ -50,7 +58,7 @@ def tensor_parallel(args, n: int, bw: float):
                                         buffer_new=BUFFER_NEW)
             step = sec / (args.new + 1)
             emit({"bench": "tensor_parallel_decode", "shape": args.tp_shape, "mesh": [1, n],
-                  "batch": batch, "prompt": args.prompt, "new_tokens": args.new,
+                  "batch": batch, "read": decode_read(cfg, mesh, batch, args.prompt), "prompt": args.prompt, "new_tokens": args.new,
                   "seconds": sec, "seconds_first_call": first, "init_seconds": init_s,
                   "tokens_per_s": batch * args.new / sec, "ms_per_step": 1e3 * step,
                   "param_GB": param_bytes(params) / 1e9,
@@ -60,21 +68,31 @@ def tensor_parallel(args, n: int, bw: float):
     return cfg, mesh, params
 
 
-def data_parallel(args, n: int):
-    one_cfg, _, one, _ = sharded_model(args.dp_shape, 1, 1)
+def data_parallel(args, sizes: list[int]):
+    """One device at dp_batch rows, then an n x 1 mesh at n · dp_batch rows for each n in
+    `sizes` and each read in --dp-reads (same weights: drawn with the same key)."""
+    one_cfg, one_mesh, one, _ = sharded_model(args.dp_shape, 1, 1)
+    one_read = decode_read(one_cfg, one_mesh, args.dp_batch, args.prompt)
     single, _ = decode_seconds(one_cfg, one, args.dp_batch, args.prompt, args.new, repeats=args.repeats,
                                buffer_new=BUFFER_NEW)
     del one
-    cfg, mesh, params, _ = sharded_model(args.dp_shape, n, 1)
-    with jax.set_mesh(mesh):
-        sec, _ = decode_seconds(cfg, params, n * args.dp_batch, args.prompt, args.new, repeats=args.repeats,
-                                buffer_new=BUFFER_NEW)
     one_tps = args.dp_batch * args.new / single
-    all_tps = n * args.dp_batch * args.new / sec
-    emit({"bench": "data_parallel_decode", "shape": args.dp_shape, "mesh": [n, 1],
-          "batch_per_device": args.dp_batch, "prompt": args.prompt, "new_tokens": args.new,
-          "one_device_tokens_per_s": one_tps, "mesh_tokens_per_s": all_tps,
-          "scaling_efficiency": all_tps / one_tps / n}, OUT)
+    for n in sizes:
+        for kv_read in args.dp_reads:
+            cfg, mesh, params, _ = sharded_model(args.dp_shape, n, 1, kv_read)
+            mesh_read = decode_read(cfg, mesh, n * args.dp_batch, args.prompt)
+            with jax.set_mesh(mesh):
+                sec, first = decode_seconds(cfg, params, n * args.dp_batch, args.prompt, args.new,
+                                            repeats=args.repeats, buffer_new=BUFFER_NEW)
+            del params
+            all_tps = n * args.dp_batch * args.new / sec
+            emit({"bench": "data_parallel_decode", "shape": args.dp_shape, "mesh": [n, 1],
+                  "batch_per_device": args.dp_batch, "prompt": args.prompt, "new_tokens": args.new,
+                  "buffer_new_slots": BUFFER_NEW, "one_device_read": one_read, "mesh_kv_read": kv_read,
+                  "mesh_read": mesh_read, "one_device_seconds": single, "mesh_seconds": sec,
+                  "mesh_seconds_first_call": first,
+                  "one_device_tokens_per_s": one_tps, "mesh_tokens_per_s": all_tps,
+                  "scaling_efficiency": all_tps / one_tps / n}, OUT)
 
 
 def mcmc(args, cfg, mesh, params):
@@ -110,6 +128,11 @@ def main():
     ap.add_argument("--tp-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--dp-shape", default="qwen2.5-7b")
     ap.add_argument("--dp-batch", type=int, default=64, help="rows per device")
+    ap.add_argument("--dp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="data-parallel mesh sizes, comma-separated (default: --devices)")
+    ap.add_argument("--dp-reads", type=lambda s: s.split(","), default=["auto"],
+                    help="kv_read of the mesh runs, comma-separated (e.g. auto,buckets: the kernel "
+                         "per shard against the switch over windows; the one-device run uses auto)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
@@ -124,7 +147,7 @@ def main():
     emit({"bench": "environment", **environment(), "devices_used": n,
           "copy_bandwidth_GBps": bw / 1e9}, OUT)
     if "dp" in args.parts:
-        data_parallel(args, n)
+        data_parallel(args, args.dp_sizes or [n])
     if "tp" in args.parts or "mcmc" in args.parts:
         cfg, mesh, params = tensor_parallel(args, n, bw) if "tp" in args.parts else (
             sharded_model(args.tp_shape, 1, n)[:3])

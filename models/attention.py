@@ -14,7 +14,8 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
 - "loop" (the CPU default): per layer, a `lax.while_loop` over C-slot chunks
   (C = `cfg.kv_chunk`) up to the longest live length; cost exactly proportional.
 - "buckets" (the default for one-token calls, i.e. decode steps, where the kernel is
-  not used: accelerators without Triton, a device mesh): one
+  not used: accelerators without Triton, a mesh whose axes do not split the batch
+  and the KV heads evenly): one
   `lax.switch` per call, around the whole layer stack, over static windows of 0, C, 2C,
   4C, ... slots and S; cost at most twice the live length. On GPUs every iteration of a
   `while_loop` whose trip count is data-dependent waits for the host (it reads the loop
@@ -28,7 +29,9 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
   written, then one Pallas flash-decoding kernel reads each row's own live slots
   (`decode_kernel`): no bucket rounding, no other row's length, scores kept on chip.
   Measured on an H100 at the 7B shape, batch 64 (docs/benchmarks.md, run 28): 7.7 ms per
-  step against 10.1 ms with "buckets", and a fifth of the compile time.
+  step against 10.1 ms with "buckets", and a fifth of the compile time. Under a
+  ("data", "model") mesh it runs per device on that device's rows and KV heads
+  (`jax.shard_map`; `_kernel_read`).
 - "all": every slot of the buffer (the cost before live-length reads, for comparisons).
 
 Numerics: scores and softmax statistics are fp32; the probabilities are cast to the
@@ -55,10 +58,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from . import decode_kernel
 from .config import ModelConfig
-from .sharding import CACHE, constrain
+from .sharding import CACHE, DATA, MODEL, constrain
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -232,10 +236,26 @@ def _cache_chunks_rows(qg, positions, live, rows: Optional[Array], read: CacheRe
 def _kernel_read(qg: Array, read: CacheRead, layer, scale: float) -> SoftmaxState:
     """The partial of one-token queries qg [B, Hkv, g, 1, Dh] over each row's live slots
     of layer `layer`, from the decode kernel's pieces (`decode_kernel.merge_pieces`).
-    Off GPUs the kernel runs in Pallas' interpreter (tests)."""
-    o, m, l = decode_kernel.merge_pieces(*decode_kernel.decode_partials(
-        qg[:, :, :, 0], read.cache.k, read.cache.v, layer, read.live, scale,
-        interpret=jax.default_backend() != "gpu"))
+    Off GPUs the kernel runs in Pallas' interpreter (tests).
+
+    Under a ("data", "model") mesh the kernel runs once per device on its own shard
+    (`jax.shard_map`): rows split over "data", KV heads over "model", the cache read
+    where it lies (CACHE layout), nothing gathered. A row's pieces are then chosen from
+    the per-device batch and heads (`decode_kernel.pieces_for`), so its rounding can
+    differ from one device's by the order of fp32 sums (~1e-7 relative)."""
+    interpret = jax.default_backend() != "gpu"
+
+    def read_shard(q, cache_k, cache_v, layer, live):
+        return decode_kernel.merge_pieces(*decode_kernel.decode_partials(
+            q, cache_k, cache_v, layer, live, scale, interpret=interpret))
+
+    args = (qg[:, :, :, 0], read.cache.k, read.cache.v, jnp.asarray(layer, jnp.int32), read.live)
+    if mesh_split(qg.shape[0], qg.shape[1]) is not None:
+        rows_heads = P(DATA, MODEL)
+        read_shard = jax.shard_map(
+            read_shard, in_specs=(rows_heads, CACHE, CACHE, P(), P(DATA)),
+            out_specs=(rows_heads, rows_heads, rows_heads), check_vma=False)
+    o, m, l = read_shard(*args)
     return SoftmaxState(m=m[..., None], l=l[..., None], o=o[:, :, :, None])
 
 
@@ -300,9 +320,9 @@ def window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
     return tuple(windows) + (max_len,)
 
 
-def read_mode(cfg: ModelConfig, tokens: int, slots: int) -> str:
-    """The cache read of a call of `tokens` tokens per row into a `slots`-slot cache
-    (module docstring)."""
+def read_mode(cfg: ModelConfig, tokens: int, slots: int, batch: int) -> str:
+    """The cache read of a call of `tokens` tokens per row for `batch` rows into a
+    `slots`-slot cache (module docstring)."""
     if cfg.batch_invariant:  # fixed chunks in a fixed order, whatever the other rows
         return "loop"
     if cfg.kv_read == "kernel":
@@ -312,13 +332,25 @@ def read_mode(cfg: ModelConfig, tokens: int, slots: int) -> str:
     backend = jax.default_backend()
     if tokens != 1 or backend == "cpu":
         return "loop"
-    if backend == "gpu" and decode_kernel.supported(cfg.head_dim, slots) and not under_mesh():
+    if (backend == "gpu" and decode_kernel.supported(cfg.head_dim, slots)
+            and (not under_mesh() or mesh_split(batch, cfg.num_kv_heads) is not None)):
         return "kernel"
     return "buckets"
 
 
 def under_mesh() -> bool:
-    """Tracing under a device mesh: the kernel is one custom call, which XLA cannot split
-    over devices (it would gather the cache), so "auto" reads with "buckets" there."""
+    """Tracing under a device mesh."""
     return not jax.sharding.get_abstract_mesh().empty
 
+
+def mesh_split(batch: int, kv_heads: int) -> Optional[tuple[int, int]]:
+    """(data, model) sizes of the ambient ("data", "model") mesh when `batch` rows and
+    `kv_heads` heads split evenly over them, so that the decode kernel can run per shard
+    (`jax.shard_map` needs whole shards); None without such a mesh or when they do not
+    (then "auto" reads with "buckets": one custom call over the whole cache would make
+    XLA gather it onto every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {DATA, MODEL} <= set(mesh.axis_names):
+        return None
+    data, model = mesh.shape[DATA], mesh.shape[MODEL]
+    return (data, model) if batch % data == 0 and kv_heads % model == 0 else None

@@ -77,8 +77,8 @@ class ModelConfig:
         for comparisons);
       "auto" (default): "loop" on CPU and for calls of several tokens (prefills: a
         switch reserves its largest window's memory); for decode steps, "kernel" on a
-        GPU (head size a power of two >= 16, no device mesh: XLA cannot split the
-        kernel over devices), else "buckets".
+        GPU (head size a power of two >= 16; under a device mesh, a batch and KV heads
+        that split evenly over its axes: the kernel runs per shard), else "buckets".
     `batch_invariant`: a row's results do not depend on the other rows of its batch (nor
       on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
       (padded; one program per tile shape, so the same kernel and reduction order for any

@@ -254,7 +254,7 @@ def _run_layers(layers, cfg: ModelConfig, x: Array, positions: Array, cache: Opt
     if remat:
         raise ValueError("remat recomputes blocks for a backward pass; run it without a KV cache")
     S = cache.max_len
-    mode = read_mode(cfg, x.shape[1], S)
+    mode = read_mode(cfg, x.shape[1], S, x.shape[0])
     live = live_lengths(positions, S, deferred=mode == "buckets")
     if mode == "all":
         return _layer_stack(layers, cfg, x, positions, CacheRead(cache, live, window=S), keep)[:3]

@@ -148,28 +148,33 @@ def test_auto_read_by_backend_and_call_length(monkeypatch, backend, tokens, expe
 
     monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
     cfg = dataclasses.replace(CFG, head_dim=16)  # a head size the kernel takes
-    assert attention.read_mode(cfg, tokens, S) == expected
-    assert attention.read_mode(dataclasses.replace(cfg, kv_read="buckets"), tokens, S) == "buckets"
-    assert attention.read_mode(dataclasses.replace(cfg, kv_read="kernel"), tokens, S) == (
+    assert attention.read_mode(cfg, tokens, S, 4) == expected
+    assert attention.read_mode(dataclasses.replace(cfg, kv_read="buckets"), tokens, S, 4) == "buckets"
+    assert attention.read_mode(dataclasses.replace(cfg, kv_read="kernel"), tokens, S, 4) == (
         "kernel" if tokens == 1 else "loop")
-    assert attention.read_mode(dataclasses.replace(cfg, batch_invariant=True), tokens, S) == "loop"
+    assert attention.read_mode(dataclasses.replace(cfg, batch_invariant=True), tokens, S, 4) == "loop"
 
 
 def test_auto_read_keeps_the_kernel_off_where_it_cannot_run(monkeypatch):
     """On a GPU, "auto" decodes with "buckets" when the kernel cannot take the shape (a
-    head size that is not a power of two >= 16, a cache of < 16 slots) or under a device
-    mesh (one custom call: XLA would gather the cache onto every device)."""
+    head size that is not a power of two >= 16, a cache of < 16 slots), and under a device
+    mesh whose axes do not split the rows and KV heads evenly (the kernel runs per shard;
+    one custom call over the whole cache would make XLA gather it onto every device)."""
     from degs_jax.models import attention
     from degs_jax.models.sharding import make_mesh
 
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
     wide = dataclasses.replace(CFG, head_dim=16)
-    assert attention.read_mode(wide, 1, S) == "kernel"
-    assert attention.read_mode(CFG, 1, S) == "buckets"  # head size 8
-    assert attention.read_mode(dataclasses.replace(CFG, head_dim=24), 1, S) == "buckets"
-    assert attention.read_mode(wide, 1, 8) == "buckets"
-    with jax.set_mesh(make_mesh(data=1, model=1)):
-        assert attention.read_mode(wide, 1, S) == "buckets"
+    assert attention.read_mode(wide, 1, S, 3) == "kernel"
+    assert attention.read_mode(CFG, 1, S, 3) == "buckets"  # head size 8
+    assert attention.read_mode(dataclasses.replace(CFG, head_dim=24), 1, S, 3) == "buckets"
+    assert attention.read_mode(wide, 1, 8, 3) == "buckets"
+    assert wide.num_kv_heads % 2 == 0
+    with jax.set_mesh(make_mesh(data=2, model=2)):
+        assert attention.read_mode(wide, 1, S, 4) == "kernel"
+        assert attention.read_mode(wide, 1, S, 3) == "buckets"  # 3 rows over 2 devices
+    with jax.set_mesh(make_mesh(data=1, model=4)):
+        assert attention.read_mode(dataclasses.replace(wide, num_kv_heads=2, num_heads=4), 1, S, 4) == "buckets"
 
 
 def test_large_prefill_runs_in_chunks_with_the_same_result(params, monkeypatch):
