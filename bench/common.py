@@ -86,13 +86,18 @@ def timed(fn, *args, repeats: int = 3):
 
 
 def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: float = 0.0,
-                   repeats: int = 3, buffer_new: int | None = None, lens=None) -> tuple[float, float]:
+                   repeats: int = 3, buffer_new: int | None = None, lens=None,
+                   donate: bool = False) -> tuple[float, float]:
     """(median seconds of `generate` drawing `new` tokens for `batch` random prompts of
     `prompt` tokens, EOS suppressed; seconds of the first call, compilation included).
     The cache holds prompt + `buffer_new` slots (default `new`: exactly what is drawn);
     `lens`: a LensConfig to probe every step. The prefill is run before each timed call
-    and not timed."""
+    and not timed. donate: the state is donated, as `decode`'s host loop does (the
+    cache is updated in place: no second copy of it, which a 72B batch cannot afford)."""
     from degs_jax.generation import SamplerSpec, generate, prefill
+
+    if donate:
+        generate = jax.jit(generate.__wrapped__, static_argnames=("model", "spec"), donate_argnames=("state",))
 
     model = TransformerLM(cfg)
     spec = SamplerSpec(temperature=temperature, eos_ids=(), lens=lens)

@@ -5,7 +5,8 @@ smaller shape, and DEGS-MCMC on the sharded model (the unchanged sampler code).
     python bench/multi_gpu.py --parts tp dp mcmc           # every GPU of the machine
 
 tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens in the library's
-      default buffer (prompt + 3072 slots), EOS suppressed, greedy, per batch size;
+      default buffer (prompt + 3072 slots), EOS suppressed, greedy, per batch size, the
+      state donated (as `decode` does: the cache is updated in place);
       roofline = (weights + KV cache read per step) / N per device over one device's
       measured copy bandwidth.
 dp:   the same decode on a smaller shape: one device at batch B against an N x 1 mesh
@@ -55,10 +56,10 @@ def tensor_parallel(args, n: int, bw: float):
     with jax.set_mesh(mesh):
         for batch in args.tp_batches:
             sec, first = decode_seconds(cfg, params, batch, args.prompt, args.new, repeats=args.repeats,
-                                        buffer_new=BUFFER_NEW)
+                                        buffer_new=BUFFER_NEW, donate=True)
             step = sec / (args.new + 1)
             emit({"bench": "tensor_parallel_decode", "shape": args.tp_shape, "mesh": [1, n],
-                  "batch": batch, "read": decode_read(cfg, mesh, batch, args.prompt), "prompt": args.prompt, "new_tokens": args.new,
+                  "batch": batch, "read": decode_read(cfg, mesh, batch, args.prompt), "state_donated": True, "prompt": args.prompt, "new_tokens": args.new,
                   "seconds": sec, "seconds_first_call": first, "init_seconds": init_s,
                   "tokens_per_s": batch * args.new / sec, "ms_per_step": 1e3 * step,
                   "param_GB": param_bytes(params) / 1e9,
