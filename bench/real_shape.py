@@ -62,12 +62,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (BUFFER_NEW, SHAPES, copy_bandwidth, decode_seconds, decode_step_bytes, default_mcmc, emit,
+from common import (BUFFER_NEW, SHAPES, copy_bandwidth, decode_seconds, decode_step_bytes, emit,
                     environment, forced_eos_model, shape_config, target_lengths)
 from degs_jax.decoders import decode
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.lens import LensConfig
-from degs_jax.mcmc import mcmc_block_donating
 from degs_jax.models import ModelConfig, init_params, stack_layers
 from degs_jax.models.compilation import enable_compilation_cache
 from degs_jax.models.config import LENS_ROWS
@@ -182,21 +181,25 @@ def run_mcmc(plan, cap: int, lens_rows: list[str]):
 
 def compile_mcmc_block(model, params, prompts, method, beta, sizes, eos) -> float:
     """Seconds to compile the prefill and the block program ahead of time, as `decode`
-    calls them (they land in the persistent compilation cache, from which the timed run
-    then loads them)."""
+    calls them (its host loop's `advance_chunk` with the method's block as the advance;
+    they land in the persistent compilation cache, from which the timed run then loads
+    them)."""
+    from degs_jax.decoders import advance_chunk
     from degs_jax.generation import pad_prompts, prefill
     from degs_jax.rows import repeat_rows
 
-    mcmc_config = default_mcmc(method, model.num_layers, (eos,), beta=beta, **sizes)
+    config = hyperparameters_for(method, beta=beta, **sizes)
+    settings = config.plan(model, (eos,))
     tokens, lengths = pad_prompts(prompts)
     prefill_args = (model, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                    tokens.shape[1] + mcmc_config.max_new_tokens, jnp.bfloat16)
+                    tokens.shape[1] + config.max_new_tokens, jnp.bfloat16)
     state = jax.eval_shape(lambda p: repeat_rows(prefill(*prefill_args[:1], p, *prefill_args[2:]), 1), params)
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), len(prompts)))
+    carry = jax.eval_shape(lambda s, k: config.init(model, params, s, k, settings), state, keys)
     t = time.perf_counter()
     prefill.lower(*prefill_args).compile()
-    block = jax.ShapeDtypeStruct((), jnp.int32)
-    mcmc_block_donating.lower(model, params, state, keys, block, mcmc_config).compile()
+    max_advances = jax.ShapeDtypeStruct((), jnp.int32)
+    advance_chunk.lower(model, params, carry, keys, max_advances, config, settings).compile()
     return time.perf_counter() - t
 
 

@@ -1,7 +1,7 @@
 """Host-loop and sampler overheads of issue 11 / 17 (random weights, bf16, EOS suppressed):
 
-- chunk: the host round trip of one chunk of the host-driven decode
-  (`decoders.generate_in_chunks`, Ctrl-C responsive): a zero-step `generate_chunk` call,
+- chunk: the host round trip of one call of `decode`'s host loop
+  (`decoders.advance_on_host`, Ctrl-C responsive): a zero-advance `advance_chunk` call,
   and the chunked decode with fixed chunk sizes against one `generate` call;
 - topk: top-k 50 sampling (what `reference_quirks=True` adds) by the threshold search
   (`generation.kth_largest`) and by `lax.top_k`, against plain sampling;
@@ -26,6 +26,7 @@ from common import SHAPES, default_mcmc, emit, environment, random_model
 
 from degs_jax import decoders, generation
 from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.hyperparameters import Temperature
 from degs_jax.models import TransformerLM
 from degs_jax.models import ModelConfig, init_params
 
@@ -47,25 +48,25 @@ def prompts(cfg, batch, prompt):
 
 
 def bench_chunks(args, cfg, params):
-    """Per-chunk host cost: a `generate_chunk` call that runs no step (dispatch, the donated
-    state passed through, the device_get of `active` that the host loop does), minimum and
-    median over many calls; and the chunked decode against one `generate` call."""
-    from degs_jax.generation import generate_chunk, initial_active
-
+    """Per-call host cost of `decode`'s loop: an `advance_chunk` call that runs no advance
+    (dispatch, the donated carry passed through, the device_get of done and progress
+    that the host loop does), minimum and median over many calls; and the host loop
+    (`advance_on_host`, sampling: an advance is a decode step) at fixed chunk sizes
+    against one `generate` call."""
     model = TransformerLM(cfg)
     tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
-    spec = SamplerSpec(temperature=1.0, eos_ids=())
+    method = Temperature(temperature=1.0, max_new_tokens=args.new, probe=False)
+    spec = method.plan(model, ())  # the sampler's settings: temperature 1, no EOS, no probing
     steps = args.new + 1  # every row draws `new` tokens and consumes its last one
     limit = lengths + args.new
     state = lambda: jax.block_until_ready(prefill(model, params, tokens, lengths, args.prompt + args.new))
 
-    s = state()
-    active, fresh = initial_active(s, limit), jnp.array(s.length, copy=True)
+    carry = method.init(model, params, state(), keys, spec)
     empty = []
     for i in range(args.empty_calls + 1):
         t = time.perf_counter()
-        s, active = generate_chunk(model, params, s, active, limit, keys, fresh, spec, jnp.int32(0))
-        bool(jax.device_get(active).any())
+        carry, done, progress = decoders.advance_chunk(model, params, carry, keys, jnp.int32(0), method, spec)
+        jax.device_get((done, progress))
         if i:  # the first call compiles
             empty.append(time.perf_counter() - t)
     empty.sort()
@@ -75,9 +76,10 @@ def bench_chunks(args, cfg, params):
 
     def chunked(chunk):
         def run():
-            decoders.FIRST_CHUNK_STEPS = decoders.MAX_CHUNK_STEPS = chunk  # fixed chunk size
-            out = decoders.generate_in_chunks(model, params, state(), limit, keys, spec)
-            jax.block_until_ready(out.length)
+            decoders.FIRST_CHUNK_ADVANCES = decoders.MAX_CHUNK_ADVANCES = chunk  # fixed chunk size
+            out = decoders.advance_on_host(model, params, method.init(model, params, state(), keys, spec), keys,
+                                           method, spec)
+            jax.block_until_ready(out.state.length)
         return run
 
     # Interleaved repeats (one of each variant per round), minimum per variant: load from

@@ -19,12 +19,14 @@ the registry of names: `degs_jax.hyperparameters`). Rows: prompt i's candidate (
 member, chain or particle) j is row i·n + j.
 
 Two drivers, same tokens for the same per-prompt keys:
-- `decode`: returns to the host between generation chunks, MCMC blocks, SMC ESS
-  intervals and SPS blocks (progress bars, Ctrl-C within about a second, early stop),
-  and builds `Candidate` records;
-- `decode_tokens`: prefill, the method's kernel (`Method.init`, then `advance` in a
-  `lax.while_loop` until `done`, then `answer`) and the choice of the answer in one
-  jitted program, for `jit` / `vmap` in user code (e.g. inside an RL rollout step).
+- `decode`: the method's kernel (`Method.init`, `advance` until `done`, `answer`) driven
+  from the host in jitted chunks of `advance` calls, the carry donated between them
+  (`advance_on_host`: progress bars, Ctrl-C within about a second, early stop); builds
+  `Candidate` records, with what the method reports (`Method.run_details`);
+- `decode_tokens`: prefill, the kernel (`run_kernel`: `advance` in one `lax.while_loop`
+  until `done`, then `answer`) and the choice of the answer in one jitted program, for
+  `jit` / `vmap` in user code (e.g. inside an RL rollout step).
+Neither driver switches on the method: what differs is the method's (`degs_jax.method`).
 """
 
 from __future__ import annotations
@@ -36,25 +38,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
-from .generation import (GenState, SamplerSpec, completions, generate_chunk, initial_active, pad_prompts,
-                         prefill)
+from .generation import GenState, completions, pad_prompts, prefill
 from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, hyperparameters_for
 from .lens import masked_sum, mean_final_entropy, sequence_depth
-from .mcmc import MCMCConfig, mcmc_block_donating
 from .method import Method
 from .model_api import CausalLM, params_dtype
 from .rows import repeat_rows, work_totals
-from .smc import SMCConfig, final_weights, run_smc
-from .sps import SPSConfig, run_sps
 
 Array = jax.Array
 
 __all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "SMC_METHODS", "Candidate", "Output", "DecodeResult",
            "Decoded", "decode", "decode_tokens", "candidate_scores", "choose", "row_keys",
-           "generate_in_chunks"]
+           "run_kernel", "advance_chunk", "advance_on_host"]
 
 
 @dataclasses.dataclass
@@ -154,6 +151,18 @@ def _config(method: str | Method, overrides: dict[str, Any]) -> Method:
     return hyperparameters_for(method, **overrides)
 
 
+@functools.partial(jax.jit, static_argnames=("model", "method", "settings"))
+def run_kernel(model: CausalLM, params: Any, state: GenState, keys: Array, method: Method, settings: Any) -> Any:
+    """`method`'s kernel from prefilled rows `state` (`pool_size` consecutive rows per
+    prompt) and row keys: `init`, then `advance` in one `lax.while_loop` until `done`.
+    Returns the final carry (before `answer`). Traceable (jit, vmap: the loop then runs
+    until every instance is done, finished ones unchanged); `state` is not donated.
+    settings: `method.plan(model, eos_ids)`."""
+    return jax.lax.while_loop(lambda carry: ~method.done(carry, settings),
+                              lambda carry: method.advance(model, params, carry, keys, settings),
+                              method.init(model, params, state, keys, settings))
+
+
 @functools.partial(jax.jit, static_argnames=("model", "config", "eos_ids"))
 def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Array, keys: Array,
                   config: Method, eos_ids: tuple[int, ...] = ()) -> Decoded:
@@ -176,10 +185,7 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
     state = prefill(model, params, prompts, prompt_len, max_len, cache_dtype)
     state = repeat_rows(state, n)
     keys = row_keys(keys, n)
-    carry = jax.lax.while_loop(lambda c: ~config.done(c, settings),
-                               lambda c: config.advance(model, params, c, keys, settings),
-                               config.init(model, params, state, keys, settings))
-    answer = config.answer(model, params, carry, keys, settings)
+    answer = config.answer(model, params, run_kernel(model, params, state, keys, config, settings), keys, settings)
     state = answer.state
     if answer.accepted is None:
         accepted = depth_decided = jnp.zeros((state.length.shape[0], 0), jnp.int32)
@@ -192,46 +198,65 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
                    final_entropy=final_entropy, chosen=chosen)
 
 
-# Host-driven generation runs `generate_chunk` calls of an adaptive number of steps, each
-# aiming at CHUNK_SECONDS of device time: short enough that Ctrl-C (delivered when a
-# call returns) and the progress bar respond within about a second, long enough that
-# the per-chunk host round trip is negligible.
+# The host driver calls the method's `advance` in jitted chunks of an adaptive number of
+# advances (decode steps, MCMC blocks, SMC ESS intervals, SPS blocks), each chunk aiming
+# at CHUNK_SECONDS of device time: short enough that Ctrl-C (delivered when a call
+# returns) and the progress bar respond within about a second, long enough that the
+# per-call host round trip is negligible. The first chunk is one advance (an MCMC block
+# or an SPS block may take seconds); the count doubles while calls are fast.
 CHUNK_SECONDS = 0.5
-FIRST_CHUNK_STEPS = 16
-MAX_CHUNK_STEPS = 1024
+FIRST_CHUNK_ADVANCES = 1
+MAX_CHUNK_ADVANCES = 1024
 
 
-def generate_in_chunks(model: CausalLM, params: Any, state: GenState, limit: Array,
-                       keys: Array, spec: SamplerSpec,
-                       on_steps: Optional[Callable[[int], Any]] = None) -> GenState:
-    """`generate(model, params, state, limit, keys, spec)` driven from the host in chunks
-    (same tokens, bit for bit). `state` is donated: do not use it afterwards.
-    on_steps(n): called after each chunk with the number of loop steps it ran at most."""
-    active = initial_active(state, limit)
-    fresh_from = jnp.array(state.length, copy=True)  # not a buffer of the donated state
-    steps = FIRST_CHUNK_STEPS
+@functools.partial(jax.jit, static_argnames=("model", "method", "settings"), donate_argnames=("carry",))
+def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_advances: Array,
+                  method: Method, settings: Any) -> tuple[Any, Array, Array]:
+    """At most `max_advances` (int32 scalar, traced: any chunk size runs the same compiled
+    program) calls of `method.advance`, stopping early at `method.done`, in one
+    `lax.while_loop`: chained calls run `decode_tokens`' loop, advance for advance.
+    `carry` is donated (do not use it afterwards, nor pass arrays that belong to it as
+    other arguments). Returns (carry, done: bool scalar, progress: `method.progress`)."""
+    def more(loop):
+        carry, count = loop
+        return (count < max_advances) & ~method.done(carry, settings)
+
+    def body(loop):
+        carry, count = loop
+        return method.advance(model, params, carry, keys, settings), count + 1
+
+    carry, _ = jax.lax.while_loop(more, body, (carry, jnp.int32(0)))
+    return carry, method.done(carry, settings), method.progress(carry)
+
+
+def advance_on_host(model: CausalLM, params: Any, carry: Any, keys: Array, method: Method, settings: Any,
+                    on_progress: Optional[Callable[[int], Any]] = None) -> Any:
+    """`method.advance` until `method.done`, from the host in `advance_chunk` calls (the
+    tokens of `decode_tokens`' loop, bit for bit), each sized to take about
+    CHUNK_SECONDS. Per call the host reads two scalars (done, progress) in one transfer.
+    `carry` is donated. on_progress(units done): called after each call."""
+    advances = FIRST_CHUNK_ADVANCES
     while True:
         started = time.perf_counter()
-        state, active = generate_chunk(model, params, state, active, limit, keys, fresh_from,
-                                       spec, jnp.int32(steps))
-        more = bool(np.any(jax.device_get(active)))
-        if on_steps is not None:
-            on_steps(steps)
-        if not more:
-            return state
+        carry, done, progress = advance_chunk(model, params, carry, keys, jnp.int32(advances), method, settings)
+        done, progress = jax.device_get((done, progress))
+        if on_progress is not None:
+            on_progress(int(progress))
+        if done:
+            return carry
         elapsed = time.perf_counter() - started
         if elapsed < CHUNK_SECONDS / 2:
-            steps = min(2 * steps, MAX_CHUNK_STEPS)
+            advances = min(2 * advances, MAX_CHUNK_ADVANCES)
         elif elapsed > 2 * CHUNK_SECONDS:
-            steps = max(steps // 2, 1)
+            advances = max(advances // 2, 1)
 
 
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
            method: str | Method, key: Optional[Array] = None, *,
            keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
            **hyperparameters) -> DecodeResult:
-    """Run a decoder on token-id prompts, returning to the host between generation
-    chunks and MCMC blocks (progress bars, Ctrl-C, early stop).
+    """Run a decoder on token-id prompts, returning to the host between chunks of the
+    method's work (`advance_on_host`: progress bars, Ctrl-C, early stop).
 
     model: a `CausalLM` (e.g. `TransformerLM(cfg)`); params: its parameters.
     method: a method name (then `hyperparameters` override its defaults, e.g.
@@ -244,7 +269,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     way), and `decode_tokens` gives the same tokens.
     """
     config = _config(method, hyperparameters)
-    kernel = config.plan(model, eos_ids)
+    settings = config.plan(model, eos_ids)
     n, max_new = config.pool_size, config.max_new_tokens
     tokens, lengths = pad_prompts(prompts)
     longest = int(lengths.max())
@@ -268,67 +293,31 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     t1 = time.perf_counter()
     rows = state.length.shape[0]
     keys = jax.random.split(key, rows) if keys is None else row_keys(keys, n)
-    acceptance = depth_decisions = None
-    weights = picked = None
-    diagnostics = [None] * len(prompts)
-    extra_counters: dict[str, int] = {}
-    if isinstance(kernel, MCMCConfig):
-        mc = kernel
-        acceptance = [[] for _ in range(rows)]
-        depth_decisions = [[] for _ in range(rows)]
-        bar = tqdm(total=mc.num_blocks, desc=config.method, unit="block", disable=not progress)
-        for block in range(mc.num_blocks):
-            state, accepted, depth_decided, active = mcmc_block_donating(model, params, state, keys,
-                                                                         jnp.int32(block), mc)
-            accepted, depth_decided, active, ended = jax.device_get((accepted, depth_decided, active,
-                                                                     state.ended))
-            for r in np.flatnonzero(active):
-                acceptance[r].append(float(accepted[r]) / mc.mh_steps)
-                depth_decisions[r].append(int(depth_decided[r]))
-            bar.update(1)
-            if ended.all():
-                bar.set_postfix_str("every row ended")
-                break
-    elif isinstance(kernel, SMCConfig):
-        bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
-        particles = run_smc(model, params, state, keys, kernel,
-                            progress=lambda steps: bar.update(steps - bar.n))
-        weights, log_z, picked = jax.device_get(final_weights(particles, keys, n, model.batch_invariant))
-        ess, resamples, copied = jax.device_get((particles.ess, particles.resamples, particles.copied_rows))
-        state = particles.gen
-        diagnostics = [dict(log_evidence=float(log_z[i]), ess=[float(e) for e in ess[i] if np.isfinite(e)],
-                            resamples=int(resamples[i]), copied_rows=int(copied[i]))
-                       for i in range(len(prompts))]
-        extra_counters = dict(copied_rows=int(copied.sum()))
-    elif isinstance(kernel, SPSConfig):
-        bar = tqdm(total=kernel.num_blocks, desc=config.method, unit="block", disable=not progress)
-        state, rollouts = run_sps(model, params, state, keys, kernel,
-                                  progress=lambda blocks: bar.update(blocks - bar.n))
-        rollouts = jax.device_get(rollouts)
-        diagnostics = [dict(rollouts=int(r)) for r in rollouts]
-        extra_counters = dict(rollouts=int(rollouts.sum()))
-    else:
-        bar = tqdm(total=max_new + 1, desc=config.method, unit="step", disable=not progress)
-        state = generate_in_chunks(model, params, state, state.prompt_len + max_new, keys,
-                                   kernel, lambda k: bar.update(min(k, bar.total - bar.n)))
+    bar = tqdm(total=config.progress_total(settings), desc=config.method, unit=config.progress_unit,
+               disable=not progress)
+    carry = advance_on_host(model, params, config.init(model, params, state, keys, settings), keys, config,
+                            settings, lambda units: bar.update(units - bar.n))
+    if bar.n < bar.total:  # (a disabled bar counts nothing and shows nothing)
+        bar.set_postfix_str("every row ended")
     bar.close()
+    details = config.run_details(model, carry, keys, settings)
+    answer = config.answer(model, params, carry, keys, settings)  # (may consume the carry)
+    state = answer.state
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()
 
     log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
-    chosen = choose(config, log_p, depth, final_entropy) if picked is None else picked
+    chosen = choose(config, log_p, depth, final_entropy) if answer.chosen is None else answer.chosen
     ended, log_p, depth, final_entropy, chosen = jax.device_get(
         (state.ended, log_p, depth, final_entropy, chosen))
     pool = [Candidate(tokens=tokens, log_p=float(log_p[r]),
                       depth=float(depth[r]) if config.probed else None,
                       final_entropy=float(final_entropy[r]), ended=bool(ended[r]),
-                      acceptance=None if acceptance is None else acceptance[r],
-                      depth_decisions=None if depth_decisions is None else depth_decisions[r],
-                      weight=None if weights is None else float(weights.reshape(-1)[r]))
+                      **({} if details.candidate_fields is None else details.candidate_fields[r]))
             for r, tokens in enumerate(completions(state))]
     outputs = [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n],
-                      diagnostics=diagnostics[i])
+                      diagnostics=None if details.diagnostics is None else details.diagnostics[i])
                for i in range(len(prompts))]
     return DecodeResult(method=config.method, config=config, outputs=outputs,
-                        counters={**work_totals(state), **extra_counters},
+                        counters={**work_totals(state), **details.counters},
                         seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))

@@ -49,7 +49,7 @@ Array = jax.Array
 @dataclasses.dataclass
 class GenState:
     """Per-row generation state; B rows, S slots. `prefill` builds one; `generate`,
-    `generate_chunk` and the MCMC kernels return updated copies (never mutate). Every
+    `decode_step` and the MCMC kernels return updated copies (never mutate). Every
     field but `cache_row_axis` is pytree data with B rows (on axis 0 unless its field
     says otherwise; `degs_jax.rows` takes, repeats, selects and copies them)."""
 
@@ -143,19 +143,19 @@ def kth_largest(z: Array, k: int) -> Array:
     return jax.lax.bitcast_convert_type(value_bits, jnp.float32)
 
 
-def proposal_log_density(logits: Array, spec: SamplerSpec) -> Array:
+def proposal_log_density(logits: Array, sampler: SamplerSpec) -> Array:
     """log q over the vocabulary, [B, V] fp32, with -inf outside a truncation."""
-    z = logits / spec.temperature
-    if spec.top_k and spec.top_k < z.shape[-1]:
-        z = jnp.where(z >= kth_largest(z, spec.top_k), z, -jnp.inf)
-    if spec.top_p < 1.0:
+    z = logits / sampler.temperature
+    if sampler.top_k and sampler.top_k < z.shape[-1]:
+        z = jnp.where(z >= kth_largest(z, sampler.top_k), z, -jnp.inf)
+    if sampler.top_p < 1.0:
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p
         # (the token that crosses the threshold is kept), as HF's TopPLogitsWarper.
         order = jnp.argsort(-z, axis=-1)
         sorted_z = jnp.take_along_axis(z, order, -1)
         probs = jax.nn.softmax(sorted_z, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep_sorted = mass_before < spec.top_p
+        keep_sorted = mass_before < sampler.top_p
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
         z = jnp.where(keep, z, -jnp.inf)
     return jax.nn.log_softmax(z, axis=-1)
@@ -174,19 +174,19 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
     return buf.at[rows, idx].set(jnp.where(where, value.astype(buf.dtype), buf[rows, idx]))
 
 
-def _densities(logits: Array, spec: SamplerSpec):
+def _densities(logits: Array, sampler: SamplerSpec):
     """Per row of logits [n, V]: log p over the vocabulary, the final-layer entropy H_L
     and (when sampling) log q. Under batch invariance `decode_step` runs this on tiles of
     `lens.SUM_ROWS` rows (`row_tiled`): a softmax over [B, V] is reduced in an order XLA
     picks for B, so a row's log p would depend on its batch (issue 16)."""
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    logq_all = None if spec.temperature == 0.0 else proposal_log_density(logits, spec)
+    logq_all = None if sampler.temperature == 0.0 else proposal_log_density(logits, sampler)
     return logp_all, h_final, logq_all
 
 
 def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
-                keys: Array, fresh_from: Array, spec: SamplerSpec) -> tuple[GenState, Array]:
+                keys: Array, fresh_from: Array, sampler: SamplerSpec) -> tuple[GenState, Array]:
     """One step of every `active` row (see the module docstring); the body of `generate`'s
     loop, also driven directly by loops that restart rows mid-way (mcmc.mh_steps).
 
@@ -195,7 +195,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
     """
     B, S = state.tokens.shape
     rows = jnp.arange(B)
-    lens_layers = spec.lens.lsub if spec.lens is not None else ()
+    lens_layers = sampler.lens.lsub if sampler.lens is not None else ()
     n = state.length
     consumed = jnp.take_along_axis(state.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
     # Inactive rows write their KV to slot S, which the model drops (model_api contract 3).
@@ -203,18 +203,18 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
     with jax.named_scope("model_step"):
         out = model.step(params, consumed, pos, state.cache, lens_layers)
     logits = out.logits[:, 0]  # [B, V] fp32
-    logp_all, h_final, logq_all = row_tiled(functools.partial(_densities, spec=spec), logits,
+    logp_all, h_final, logq_all = row_tiled(functools.partial(_densities, sampler=sampler), logits,
                                              sum_rows(model.batch_invariant))
     write_stats = active & (n - 1 >= fresh_from)
     final_entropy = _set(state.final_entropy, n - 1, h_final, write_stats)
     depth = state.depth
-    if spec.lens is not None:
-        d = collapse_depth(out.layer_entropy[:, :, 0], spec.lens.lsub, model.num_layers, spec.lens.tau)
+    if sampler.lens is not None:
+        d = collapse_depth(out.layer_entropy[:, :, 0], sampler.lens.lsub, model.num_layers, sampler.lens.tau)
         depth = _set(depth, n - 1, d, write_stats)
 
     sample = active & (n < limit)
     with jax.named_scope("sample"):
-        if spec.temperature == 0.0:
+        if sampler.temperature == 0.0:
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             logq_tok = jnp.zeros((B,), jnp.float32)
         else:
@@ -222,7 +222,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
             tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
             logq_tok = logq_all[rows, tok]
     logp_tok = logp_all[rows, tok]
-    hit_eos = sample & _is_eos(tok, spec.eos_ids)
+    hit_eos = sample & _is_eos(tok, sampler.eos_ids)
     new = dataclasses.replace(
         state,
         tokens=_set(state.tokens, n, tok, sample),
@@ -241,7 +241,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GenerationLoop:
-    """The carry of the generation `lax.while_loop`."""
+    """The carry of the generation `lax.while_loop` (`generate`; the sampling methods' kernel)."""
 
     state: GenState
     active: Array  # [B] bool: rows with work left (decode_step's second output)
@@ -253,25 +253,9 @@ def initial_active(state: GenState, limit: Array) -> Array:
     return ~state.ended & (state.length < limit)
 
 
-def _generation_loop(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
-                     keys: Array, fresh_from: Array, spec: SamplerSpec,
-                     max_steps: Optional[Array]) -> GenerationLoop:
-    def keep_going(loop: GenerationLoop):
-        go = jnp.any(loop.active)
-        return go if max_steps is None else go & (loop.steps < max_steps)
-
-    def body(loop: GenerationLoop) -> GenerationLoop:
-        with jax.named_scope("decode_step"):
-            state, active = decode_step(model, params, loop.state, loop.active, limit, keys,
-                                        fresh_from, spec)
-        return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
-
-    return jax.lax.while_loop(keep_going, body, GenerationLoop(state, active, jnp.int32(0)))
-
-
-@functools.partial(jax.jit, static_argnames=("model", "spec"))
+@functools.partial(jax.jit, static_argnames=("model", "sampler"))
 def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: Array,
-             spec: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
+             sampler: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
     """Continue every row from its current length until EOS or `limit` tokens, in one
     jitted `lax.while_loop` (a pure function: call it under your own jit or vmap).
 
@@ -284,26 +268,15 @@ def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: 
     Rows that are already ended or at their limit are left untouched.
     """
     fresh_from = state.length if fresh_from is None else fresh_from
-    return _generation_loop(model, params, state, initial_active(state, limit), limit, keys,
-                            fresh_from, spec, None).state
 
+    def body(loop: GenerationLoop) -> GenerationLoop:
+        with jax.named_scope("decode_step"):
+            state, active = decode_step(model, params, loop.state, loop.active, limit, keys,
+                                        fresh_from, sampler)
+        return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
 
-@functools.partial(jax.jit, static_argnames=("model", "spec"), donate_argnames=("state",))
-def generate_chunk(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
-                   keys: Array, fresh_from: Array, spec: SamplerSpec,
-                   max_steps: Array) -> tuple[GenState, Array]:
-    """At most `max_steps` loop steps of `generate`, for host loops that return to Python
-    between chunks (progress, Ctrl-C); chained calls give `generate`'s tokens exactly.
-
-    Start with `active = initial_active(state, limit)` and `fresh_from` = the lengths at
-    the start (a copy: `state` is donated, so pass no array that is part of it, and do
-    not use `state` after the call); pass each call's returned state and active to the
-    next until no row is active. max_steps: int32 scalar (traced: any chunk size runs
-    the same compiled program). Returns (state, active).
-    """
-    loop = _generation_loop(model, params, state, active, limit, keys, fresh_from, spec,
-                            max_steps)
-    return loop.state, loop.active
+    start = GenerationLoop(state, initial_active(state, limit), jnp.int32(0))
+    return jax.lax.while_loop(lambda loop: jnp.any(loop.active), body, start).state
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "cache_dtype"))

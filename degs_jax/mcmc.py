@@ -43,10 +43,11 @@ from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
-from .method import DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, method_field, positive_int
+from .method import DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, RunDetails, method_field, positive_int
 from .model_api import CausalLM
 from .rows import fold_in_rows, settle_rows, work_counters
 
@@ -188,6 +189,22 @@ class MCMCMethod(Method):
         return Answer(state=carry.state, accepted=carry.accepted, depth_decided=carry.depth_decided,
                       ran=carry.ran)
 
+    progress_unit: ClassVar[str] = "block"
+
+    def progress_total(self, settings: MCMCConfig) -> int:
+        return self.num_blocks
+
+    def progress(self, carry: "ChainRun") -> Array:
+        return carry.block
+
+    def run_details(self, model, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> RunDetails:
+        """Per row, the acceptance rate and the depth-decided decisions of every block it ran."""
+        accepted, depth_decided, ran = jax.device_get((carry.accepted, carry.depth_decided, carry.ran))
+        return RunDetails(candidate_fields=[
+            dict(acceptance=[float(accepted[r, b]) / self.mh_steps for b in np.flatnonzero(ran[r])],
+                 depth_decisions=[int(depth_decided[r, b]) for b in np.flatnonzero(ran[r])])
+            for r in range(ran.shape[0])])
+
 
 @dataclasses.dataclass(frozen=True)
 class PowerMCMC(MCMCMethod):
@@ -214,7 +231,7 @@ def _depth_score(state: GenState, num_layers: int) -> Array:
     return sequence_depth(state.depth, state.completion_mask(scored=True), num_layers)
 
 
-def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: MCMCConfig,
+def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mcmc: MCMCConfig,
                          num_layers: int, batch_invariant: bool = False) -> Array:
     """log r of docs/design.md §4 for every row, [B] fp32, from stored per-token values only.
 
@@ -239,14 +256,14 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mc: 
     `reference_quirks` breaks 1 and 2 on purpose (see MCMCConfig).
     """
     x_end = current.length
-    if mc.reference_quirks:
+    if mcmc.reference_quirks:
         x_end = jnp.minimum(current.length, proposal.length)
     suffix = functools.partial(span_sum, batch_invariant=batch_invariant)
-    log_r = (mc.alpha * (suffix(proposal.logp, cut, proposal.length) - suffix(current.logp, cut, x_end))
+    log_r = (mcmc.alpha * (suffix(proposal.logp, cut, proposal.length) - suffix(current.logp, cut, x_end))
              + suffix(current.logq, cut, x_end) - suffix(proposal.logq, cut, proposal.length))
-    if mc.beta > 0:
-        log_r += mc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
-    if not mc.reference_quirks:
+    if mcmc.beta > 0:
+        log_r += mcmc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
+    if not mcmc.reference_quirks:
         n_x = (current.length - current.prompt_len).astype(jnp.float32)
         n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
         log_r += jnp.log(n_x) - jnp.log(n_y)
@@ -269,10 +286,10 @@ class MHState:
     depth_decided: Array  # [B] int32: decisions in this block that beta·ΔD decided (module docstring)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mc"))
+@functools.partial(jax.jit, static_argnames=("model", "mcmc"))
 def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mc: MCMCConfig) -> tuple[GenState, Array, Array]:
-    """`mc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
+             limit: Array, active: Array, mcmc: MCMCConfig) -> tuple[GenState, Array, Array]:
+    """`mcmc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
     active: [B] rows that move (others are left untouched). keys: [B] chain keys;
@@ -290,7 +307,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     depend only on its key, the block and its step, so the chain is the one of running
     the steps in lock-step (or the row alone).
     """
-    spec = mc.proposal
+    proposal_sampler = mcmc.proposal
     block_keys = fold_in_rows(keys, block)
 
     def step_keys(step: Array) -> Array:
@@ -304,7 +321,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
             fold_in_rows(keys_now, CUT_STREAM), n_x)
         # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
         new_cut = chain.current.prompt_len + m
-        new_limit = chain.current.length if mc.reference_quirks else limit
+        new_limit = chain.current.length if mcmc.reference_quirks else limit
         proposal = dataclasses.replace(
             chain.proposal, length=jnp.where(starting, new_cut, chain.proposal.length),
             ended=chain.proposal.ended & ~starting)
@@ -318,18 +335,18 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     def body(chain: MHState) -> MHState:
         with jax.named_scope("propose"):
             proposal, still = decode_step(model, params, chain.proposal, chain.generating,
-                                          chain.proposal_limit, chain.proposal_keys, chain.cut, spec)
+                                          chain.proposal_limit, chain.proposal_keys, chain.cut, proposal_sampler)
         done = chain.generating & ~still
         with jax.named_scope("accept_reject"):
             accept_keys = fold_in_rows(step_keys(chain.step), ACCEPT_STREAM)
             log_u = jnp.log(jax.vmap(jax.random.uniform)(accept_keys))
             ratio = lambda config: log_acceptance_ratio(chain.current, proposal, chain.cut, config,
                                                         model.num_layers, model.batch_invariant)
-            accepts = log_u < ratio(mc)
+            accepts = log_u < ratio(mcmc)
             accept = done & accepts
             depth_decided = jnp.zeros_like(done)
-            if mc.beta > 0:  # the power-MCMC decision from the same u
-                depth_decided = done & (accepts != (log_u < ratio(dataclasses.replace(mc, beta=0.0))))
+            if mcmc.beta > 0:  # the power-MCMC decision from the same u
+                depth_decided = done & (accepts != (log_u < ratio(dataclasses.replace(mcmc, beta=0.0))))
             # Both states take the decided row; the proposal keeps the work counters (work
             # on rejected proposals counts in the compute accounting).
             current, proposal = settle_rows(chain.current, proposal, done, accept)
@@ -338,7 +355,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
                         step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
                         proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept,
                         depth_decided=chain.depth_decided + depth_decided)
-        return begin(chain, done & (step < mc.mh_steps))
+        return begin(chain, done & (step < mcmc.mh_steps))
 
     zeros = jnp.zeros(active.shape, jnp.int32)
     chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active), step=zeros,
@@ -349,11 +366,11 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     return final, chain.accepted, chain.depth_decided
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mc"))
+@functools.partial(jax.jit, static_argnames=("model", "mcmc"))
 def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-               mc: MCMCConfig) -> tuple[GenState, Array, Array, Array]:
+               mcmc: MCMCConfig) -> tuple[GenState, Array, Array, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
-    (block + 1)·block_len, then `mc.mh_steps` MH steps.
+    (block + 1)·block_len, then `mcmc.mh_steps` MH steps.
 
     state: GenState of B chains (not donated: the caller may keep using it; see
     `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
@@ -362,20 +379,20 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
     ended before it).
     """
     active = ~state.ended
-    boundary = jnp.minimum(state.prompt_len + (block + 1) * mc.block_len, state.max_len)
+    boundary = jnp.minimum(state.prompt_len + (block + 1) * mcmc.block_len, state.max_len)
     limit = jnp.where(active, boundary, state.length)
     with jax.named_scope("extend"):
         state = generate(model, params, state, limit, fold_in_rows(keys, block, EXTENSION_STREAM),
-                         mc.proposal)
+                         mcmc.proposal)
     with jax.named_scope("mh_steps"):
-        state, accepted, depth_decided = mh_steps(model, params, state, keys, block, limit, active, mc)
+        state, accepted, depth_decided = mh_steps(model, params, state, keys, block, limit, active, mcmc)
     return state, accepted, depth_decided, active
 
 
 # `mcmc_block` with `state` donated, for host loops that replace their state every block
 # (its cache is then updated in place rather than copied; the caller must not touch the
 # state it passed, nor pass arrays that belong to it as other arguments).
-mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", "mc"),
+mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", "mcmc"),
                               donate_argnames=("state",))
 
 
@@ -391,35 +408,35 @@ class ChainRun:
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mc"))
+@functools.partial(jax.jit, static_argnames=("model", "mcmc"))
 def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
-               mc: MCMCConfig) -> ChainRun:
+               mcmc: MCMCConfig) -> ChainRun:
     """Every block of the chain in one jitted `lax.while_loop` over blocks (stopping when
     every row has ended): the traceable counterpart of a host loop over `mcmc_block`,
     with the same draws. Jit- and vmap-able (under vmap the loop runs until every
     instance is done; finished ones are left unchanged). `state` is not donated."""
-    return jax.lax.while_loop(lambda run: chains_continue(run, mc),
-                              lambda run: chains_block(model, params, run, keys, mc), start_chains(state, mc))
+    return jax.lax.while_loop(lambda run: chains_continue(run, mcmc),
+                              lambda run: chains_block(model, params, run, keys, mcmc), start_chains(state, mcmc))
 
 
-def start_chains(state: GenState, mc: MCMCConfig) -> ChainRun:
+def start_chains(state: GenState, mcmc: MCMCConfig) -> ChainRun:
     """`run_chains`' carry before its first block."""
     B = state.length.shape[0]
     return ChainRun(state=state, block=jnp.int32(0),
-                    accepted=jnp.zeros((B, mc.num_blocks), jnp.int32),
-                    depth_decided=jnp.zeros((B, mc.num_blocks), jnp.int32),
-                    ran=jnp.zeros((B, mc.num_blocks), bool))
+                    accepted=jnp.zeros((B, mcmc.num_blocks), jnp.int32),
+                    depth_decided=jnp.zeros((B, mcmc.num_blocks), jnp.int32),
+                    ran=jnp.zeros((B, mcmc.num_blocks), bool))
 
 
-def chains_continue(run: ChainRun, mc: MCMCConfig) -> Array:
+def chains_continue(run: ChainRun, mcmc: MCMCConfig) -> Array:
     """bool scalar: a block is left and some row has not ended."""
-    return (run.block < mc.num_blocks) & jnp.any(~run.state.ended)
+    return (run.block < mcmc.num_blocks) & jnp.any(~run.state.ended)
 
 
-def chains_block(model: CausalLM, params: Any, run: ChainRun, keys: Array, mc: MCMCConfig) -> ChainRun:
+def chains_block(model: CausalLM, params: Any, run: ChainRun, keys: Array, mcmc: MCMCConfig) -> ChainRun:
     """The next block of every chain (`mcmc_block`), recorded in the carry."""
     with jax.named_scope("block"):
-        state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mc)
+        state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mcmc)
     return ChainRun(state=state, block=run.block + 1,
                     accepted=run.accepted.at[:, run.block].set(accepted),
                     depth_decided=run.depth_decided.at[:, run.block].set(depth_decided),

@@ -31,7 +31,11 @@ What a method answers (the drivers never switch on a method's class or name):
   `advance(...)` one unit of work (a decode step of every row, an MCMC block, an SMC
   ESS interval, an SPS block), `done(carry, settings)` and `answer(...)`: the final rows
   and what the method chose (`Answer`). `settings` is what `plan` returned.
-  `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`.
+  `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`;
+- for the host driver (`decoders.decode`, which calls `advance` in jitted chunks):
+  `progress(carry)` (traced: units done), `progress_total(settings)` and `progress_unit`
+  (the progress bar), and `run_details(...)` (on the host, from the final carry: per-row
+  `Candidate` fields, per-prompt diagnostics and extra counters; `RunDetails`).
 """
 
 from __future__ import annotations
@@ -149,8 +153,26 @@ class Method:
         raise NotImplementedError
 
     def answer(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any) -> "Answer":
-        """The final rows and what the method decided (`Answer`)."""
+        """The final rows and what the method decided (`Answer`). Called outside `jit` by
+        `decode`, where it may donate the carry to its own jitted work (SPS's token form)."""
         raise NotImplementedError
+
+    # What the host driver shows and reports (`decoders.decode`).
+
+    progress_unit: ClassVar[str] = "step"  # what `progress` counts (the progress bar's unit)
+
+    def progress_total(self, settings: Any) -> int:
+        """Units of `progress` in a run where nothing ends early (the progress bar's total)."""
+        raise NotImplementedError
+
+    def progress(self, carry: Any) -> Array:
+        """int32 scalar: units of work done (traced; the host reads it once per call)."""
+        raise NotImplementedError
+
+    def run_details(self, model: Any, carry: Any, keys: Array, settings: Any) -> "RunDetails":
+        """On the host, from the final carry (before `answer`, which may consume it): what
+        `decode` reports beyond the rows and their scores. None by default."""
+        return RunDetails()
 
 
 @jax.tree_util.register_dataclass
@@ -165,3 +187,14 @@ class Answer:
     accepted: Optional[Array] = None  # [rows, num_blocks] int32 accepted MH steps
     depth_decided: Optional[Array] = None  # [rows, num_blocks] int32 decisions beta·ΔD decided
     ran: Optional[Array] = None  # [rows, num_blocks] bool: the row ran the block
+
+
+@dataclasses.dataclass
+class RunDetails:
+    """What a method reports of a finished run, on the host (`Method.run_details`)."""
+
+    # per row: extra `decoders.Candidate` fields (MCMC acceptance and depth decisions,
+    # SMC weight); None: none
+    candidate_fields: Optional[list[dict[str, Any]]] = None
+    diagnostics: Optional[list[dict[str, Any]]] = None  # per prompt (`decoders.Output.diagnostics`)
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)  # added to the work totals

@@ -1,6 +1,6 @@
 """Sampling and reranking methods (docs/design.md §4): whole completions sampled from
-the model by the generation kernel (`degs_jax.generation`: `generate`, or the host-driven
-`generate_chunk`), and for the pool methods one answer chosen among n of them per prompt.
+the model by the generation kernel (`degs_jax.generation`'s `decode_step`), and for the
+pool methods one answer chosen among n of them per prompt.
 
     greedy             Greedy          argmax decoding
     temperature        Temperature     ancestral sampling at `temperature`
@@ -75,6 +75,12 @@ class SamplingMethod(Method):
 
     def answer(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> Answer:
         return Answer(state=carry.state)
+
+    def progress_total(self, settings: SamplerSpec) -> int:
+        return self.max_new_tokens + 1  # a step per token, and the last token's consumption
+
+    def progress(self, carry: GenerationLoop) -> Array:
+        return carry.steps
 
 
 @dataclasses.dataclass(frozen=True)

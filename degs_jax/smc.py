@@ -102,10 +102,11 @@ from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
-from .method import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, method_field
+from .method import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field
 from .model_api import CausalLM
 from .rows import copy_rows, fold_in_rows
 from .tiling import row_tiled
@@ -248,6 +249,25 @@ class SMCMethod(Method):
     def answer(self, model, params, carry: "SMCState", keys: Array, settings: SMCConfig) -> Answer:
         _, _, chosen = final_weights(carry, keys, settings.n_particles, model.batch_invariant)
         return Answer(state=carry.gen, chosen=chosen.astype(jnp.int32))
+
+    def progress_total(self, settings: SMCConfig) -> int:
+        return self.max_new_tokens + 1  # T sampling steps and the budget's consume step
+
+    def progress(self, carry: "SMCState") -> Array:
+        return carry.step
+
+    def run_details(self, model, carry: "SMCState", keys: Array, settings: SMCConfig) -> RunDetails:
+        """Per row its normalised final weight; per prompt log Ẑ, the ESS of every check
+        made, the resamplings and the rows they overwrote; copied_rows summed."""
+        weights, log_z, _ = final_weights(carry, keys, self.n_particles, model.batch_invariant)
+        weights, log_z, ess, resamples, copied = jax.device_get(
+            (weights, log_z, carry.ess, carry.resamples, carry.copied_rows))
+        return RunDetails(
+            candidate_fields=[dict(weight=float(w)) for w in weights.reshape(-1)],
+            diagnostics=[dict(log_evidence=float(log_z[i]), ess=[float(e) for e in ess[i] if np.isfinite(e)],
+                              resamples=int(resamples[i]), copied_rows=int(copied[i]))
+                         for i in range(log_z.shape[0])],
+            counters=dict(copied_rows=int(copied.sum())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,7 +420,7 @@ def smc_interval(model: CausalLM, params: Any, state: SMCState, keys: Array, smc
     every particle is complete. keys: [B] row keys. Traceable; `smc_steps` is its jitted,
     donating form for host loops (`run_smc`)."""
     n = smc.n_particles
-    spec = smc.proposal
+    proposal_sampler = smc.proposal
     gen0 = state.gen
     limit = gen0.prompt_len + smc.max_new_tokens
     token_keys = fold_in_rows(keys, TOKEN_STREAM)
@@ -408,7 +428,7 @@ def smc_interval(model: CausalLM, params: Any, state: SMCState, keys: Array, smc
     stop = (state.step // smc.resample_every + 1) * smc.resample_every
 
     def body(s: SMCState) -> SMCState:
-        gen, live = decode_step(model, params, s.gen, s.live, limit, token_keys, gen0.prompt_len, spec)
+        gen, live = decode_step(model, params, s.gen, s.live, limit, token_keys, gen0.prompt_len, proposal_sampler)
         sampled = gen.length > s.gen.length
         log_q = jnp.where(sampled, gen.logq[rows, jnp.minimum(s.gen.length, gen.max_len - 1)], 0.0)
         target = log_target(gen, live, smc, model.num_layers, model.batch_invariant)

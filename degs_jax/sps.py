@@ -69,7 +69,7 @@ import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, _is_eos, _set, decode_step, generate
 from .lens import span_sum
-from .method import DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, method_field
+from .method import DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
 
@@ -197,9 +197,25 @@ class ScalablePower(Method):
 
     def answer(self, model, params, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> Answer:
         main = carry.main
-        if settings.block_len == 1:  # as `run_sps`
-            main = consume_last(model, params, main, keys, settings)
+        if settings.block_len == 1:
+            # The token form appends tokens without consuming them; consume a budget-ended
+            # row's last token so that its H_L is recorded like every other decoder's.
+            main = _consume_last_donating(model, params, main, keys, settings)
         return Answer(state=main)
+
+    progress_unit: ClassVar[str] = "block"
+
+    def progress_total(self, settings: "SPSConfig") -> int:
+        return settings.num_blocks
+
+    def progress(self, carry: "SPSRun") -> Array:
+        return carry.block
+
+    def run_details(self, model, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> RunDetails:
+        """Per prompt the rollout rows run; their sum as the counter `rollouts`."""
+        rollouts = jax.device_get(carry.rollouts)
+        return RunDetails(diagnostics=[dict(rollouts=int(r)) for r in rollouts],
+                          counters=dict(rollouts=int(rollouts.sum())))
 
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SPSConfig:
         """The block sampler's settings (it probes nothing: `num_layers` is unused)."""

@@ -269,7 +269,7 @@ def test_samplers_row_reductions_do_not_depend_on_batch_or_buffer():
 
     logits = rng.standard_normal((8, 512)).astype(np.float32) * 4
     spec = SamplerSpec(temperature=0.7)
-    tiled = lambda z: row_tiled(functools.partial(_densities, spec=spec), jnp.asarray(z), SUM_ROWS)
+    tiled = lambda z: row_tiled(functools.partial(_densities, sampler=spec), jnp.asarray(z), SUM_ROWS)
     for a, b in zip(tiled(logits[:1]), tiled(logits)):
         np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
     untiled = [jax.jit(lambda z: jax.nn.log_softmax(z, -1))(z) for z in (logits[:1], logits)]

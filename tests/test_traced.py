@@ -5,8 +5,8 @@
   called under `jax.jit` and under `jax.vmap` over a leading axis of key sets;
 - `score_candidate` (one sequence) under `jax.vmap` over a pool equals the batched
   teacher-forced path (`score_sequences`) and the values recorded while decoding;
-- `generate_in_chunks` (the host loop over `generate_chunk`, which donates its state)
-  gives `generate`'s state bit for bit across many chunk boundaries.
+- `decode`'s host loop (`advance_on_host`, chunks of `advance` calls that donate their
+  carry) gives the carry of `run_kernel`'s one loop bit for bit across chunk boundaries.
 
 Tolerances: log p sums of <= 8 fp32 terms computed in different programs (a few ulps of
 values ~10: 1e-5; against the teacher-forced pass 1e-4 as in test_decoders.py); D(x) is
@@ -25,8 +25,8 @@ import pytest
 
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_tokens
-from degs_jax.generation import SamplerSpec, generate, pad_prompts, prefill
-from degs_jax.hyperparameters import BestOfN, DegsMCMC
+from degs_jax.generation import pad_prompts, prefill
+from degs_jax.hyperparameters import BestOfN, DegsMCMC, Temperature
 from degs_jax.lens import LensConfig
 from degs_jax.models import TransformerLM
 from degs_jax.models import init_params
@@ -136,27 +136,26 @@ def test_score_candidate_under_vmap_equals_the_batched_path(params):
         assert abs(float(pooled.final_entropy[r]) - c.final_entropy) < 1e-4
 
 
-def test_generate_in_chunks_equals_generate(params, monkeypatch):
-    """Chunks of 1, 2, 4 steps (doubling: every call counts as fast) cross rows' EOS,
-    their budgets and their last-token consumption: rows with a budget of 3 tokens draw
-    their last token at the end of the second chunk and must still consume it in the
-    third; rows with 6 end with the third. The state equals one `generate` call."""
-    monkeypatch.setattr(decoders, "FIRST_CHUNK_STEPS", 1)
+def test_host_chunks_equal_one_loop(params, monkeypatch):
+    """`decode`'s host loop (`advance_on_host`: chunks of 1, 2, 4 advances, doubling as
+    every call counts as fast) gives the carry of `run_kernel`'s one `lax.while_loop`, bit
+    for bit. A budget of 3 tokens is 4 decode steps: the rows draw their last token at the
+    end of the second chunk and must still consume it in the third, which stops early at
+    `done`; some rows end at EOS before that."""
     monkeypatch.setattr(decoders, "CHUNK_SECONDS", float("inf"))
-    spec = SamplerSpec(temperature=1.0, eos_ids=EOS, lens=LensConfig(lsub=(1, 2, 3), tau=TAU))
-    toks, lens = pad_prompts(PROMPTS * 2)
-    limit = jnp.asarray(lens + np.array([3, 6] * 3), jnp.int32)
-    keys = jax.random.split(jax.random.key(9), 6)
-    start = lambda: prefill(LM, params, jnp.asarray(toks), jnp.asarray(lens), 16 + 6, jnp.float32)
-    whole = generate(LM, params, start(), limit, keys, spec)
-    calls = []
-    first = start()
-    chunked = decoders.generate_in_chunks(LM, params, first, limit, keys, spec, calls.append)
-    assert calls == [1, 2, 4], calls
+    method = Temperature(max_new_tokens=3, temperature=1.0, lsub=(1, 2, 3), tau=TAU)
+    settings = method.plan(LM, EOS)
+    toks, lens = pad_prompts(PROMPTS * 3)
+    keys = jax.random.split(jax.random.key(9), 9)
+    start = lambda: prefill(LM, params, jnp.asarray(toks), jnp.asarray(lens), 16 + 3, jnp.float32)
+    whole = decoders.run_kernel(LM, params, start(), keys, method, settings)
+    progress = []
+    first = method.init(LM, params, start(), keys, settings)
+    chunked = decoders.advance_on_host(LM, params, first, keys, method, settings, progress.append)
+    assert progress == [1, 3, 4], progress
     chex.assert_trees_all_equal(chunked, whole)
-    ended, length = np.asarray(whole.ended), np.asarray(whole.length)
+    ended, length = np.asarray(whole.state.ended), np.asarray(whole.state.length)
     assert ended.any() and not ended.all()
-    assert np.any((length == np.asarray(limit)) & ~ended & (np.arange(6) % 2 == 0)), \
-        "no 3-token row used its budget: the chunk boundary case is not exercised"
-    # The donated input state is gone (the pitfall generate_chunk's docstring names).
+    assert np.any((length == lens + 3) & ~ended), "no row used its budget: the chunk boundary case is not exercised"
+    # The donated input carry is gone (the pitfall advance_chunk's docstring names).
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(first))
