@@ -174,7 +174,9 @@ class ForcedEOSLM(TransformerLM):
     completion reaches targets[b] tokens, and never before (benchmark harness: a random
     model never ends on its own). Rows are the sampler's batch rows (prompts x chains, one
     chain here); the prefill (several tokens per row) is left alone. Static and hashable
-    like any `CausalLM`: targets and prompt lengths are tuples baked into the program."""
+    like any `CausalLM`: targets and prompt lengths are tuples baked into the program. One
+    target and one prompt length (every prompt as long) serve a batch of any size: every
+    row of every call (an SPS rollout batch too) ends at that many tokens."""
 
     targets: tuple[int, ...] = ()
     prompt_lens: tuple[int, ...] = ()
@@ -184,7 +186,7 @@ class ForcedEOSLM(TransformerLM):
         out = super().step(params, tokens, positions, cache, lens_layers)
         if tokens.shape[1] != 1:
             return out
-        if tokens.shape[0] != len(self.targets):
+        if len(self.targets) != 1 and tokens.shape[0] != len(self.targets):
             raise ValueError(f"ForcedEOSLM has {len(self.targets)} targets for a batch of {tokens.shape[0]} rows")
         targets = jnp.asarray(self.targets, jnp.int32)
         prompt_lens = jnp.asarray(self.prompt_lens, jnp.int32)
