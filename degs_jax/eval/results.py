@@ -35,6 +35,7 @@ except ImportError:  # not POSIX: no locking
     fcntl = None
 
 from degs_jax.eval.benchmarks import Problem
+from degs_jax.hyperparameters import RETIRED_HYPERPARAMETERS
 from degs_jax.stats import accuracy
 
 VERSION_PACKAGES = ("jax", "jaxlib", "transformers", "numpy", "degs-jax",
@@ -189,17 +190,11 @@ def read_json(path: str | os.PathLike) -> dict:
     return value
 
 
-# Hyperparameters that older run.json files record and the methods no longer take, with
-# the one value they were ever recorded with: `lens_chunk` (None: the streamed lens's
-# automatic vocabulary chunk) moved onto the transformer adapter (`TransformerLM`); it
-# never changed a number. Reading drops them, so old run directories resume and report.
-RETIRED_HYPERPARAMETERS = {"lens_chunk": None}
-
-
 def read_run_file(path: str | os.PathLike) -> dict:
     """A run's ``run.json``: an object whose ``config`` is an object and whose
     ``invocations`` is a list of objects; ValueError naming the file otherwise. Retired
-    hyperparameters at their recorded value are dropped (`RETIRED_HYPERPARAMETERS`)."""
+    hyperparameters at their recorded value are dropped
+    (`degs_jax.hyperparameters.RETIRED_HYPERPARAMETERS`)."""
     run = read_json(path)
     config, invocations = run.get("config"), run.get("invocations")
     if not isinstance(config, dict):
