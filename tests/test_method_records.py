@@ -59,3 +59,32 @@ def test_as_method_takes_a_value_or_a_name():
     assert as_method("scalable_power") == ScalablePower()
     with pytest.raises(ValueError, match="either in the DegsMCMC or as overrides"):
         as_method(value, {"mh_steps": 3})
+
+
+def test_a_run_recorded_before_a_field_was_retired_resumes(tmp_path):
+    """Resuming compares the stored configuration through its method value: a run.json
+    that records lens_chunk (retired) is the same configuration; another value is not."""
+    from degs_jax.eval import runner
+
+    method = hyperparameters_for("greedy", max_new_tokens=8, lsub=(1, 2))
+    config = {"benchmark": "gsm8k", **method_record(method), "seed": 0}
+    old = json.loads(json.dumps(config))
+    old["hyperparameters"]["lens_chunk"] = None
+    (tmp_path / "run.json").write_text(json.dumps({"config": old, "invocations": [{"versions": {}}]}))
+    run = runner._prepare_run_dir(tmp_path, config, {"versions": {}})
+    assert run["config"] == config and len(run["invocations"]) == 2
+    changed = {**config, **method_record(hyperparameters_for("greedy", max_new_tokens=9, lsub=(1, 2)))}
+    with pytest.raises(ValueError, match="hyperparameters.max_new_tokens: stored 8, requested 9"):
+        runner._prepare_run_dir(tmp_path, changed, {"versions": {}})
+
+
+def test_degs_eval_builds_the_method_value_once_and_passes_it_down(monkeypatch, tmp_path):
+    from degs_jax import cli
+    from degs_jax.eval import runner
+
+    seen = {}
+    monkeypatch.setattr(cli, "_load", lambda args: object())
+    monkeypatch.setattr(runner, "run_eval", lambda model, out, **kwargs: seen.update(kwargs))
+    assert cli.main(["eval", "--benchmark", "gsm8k", "--method", "degs_mcmc", "--mh-steps", "3",
+                     "--out", str(tmp_path / "run")]) == 0
+    assert seen["method"] == DegsMCMC(mh_steps=3) and "hyperparameters" not in seen
