@@ -35,7 +35,6 @@ except ImportError:  # not POSIX: no locking
     fcntl = None
 
 from degs_jax.eval.benchmarks import Problem
-from degs_jax.hyperparameters import RETIRED_HYPERPARAMETERS
 from degs_jax.stats import accuracy
 
 VERSION_PACKAGES = ("jax", "jaxlib", "transformers", "numpy", "degs-jax",
@@ -192,9 +191,8 @@ def read_json(path: str | os.PathLike) -> dict:
 
 def read_run_file(path: str | os.PathLike) -> dict:
     """A run's ``run.json``: an object whose ``config`` is an object and whose
-    ``invocations`` is a list of objects; ValueError naming the file otherwise. Retired
-    hyperparameters at their recorded value are dropped
-    (`degs_jax.hyperparameters.RETIRED_HYPERPARAMETERS`)."""
+    ``invocations`` is a list of objects; ValueError naming the file otherwise. Its
+    method is read by `degs_jax.hyperparameters.method_from_record`."""
     run = read_json(path)
     config, invocations = run.get("config"), run.get("invocations")
     if not isinstance(config, dict):
@@ -203,11 +201,6 @@ def read_run_file(path: str | os.PathLike) -> dict:
     if not (isinstance(invocations, list) and all(isinstance(i, dict) for i in invocations)):
         raise ValueError(f"{path}: 'invocations' must be a list of JSON objects, got "
                          f"{_short(invocations)}; repair it or use another run directory")
-    hyperparameters = config.get("hyperparameters")
-    if isinstance(hyperparameters, dict):
-        for name, value in RETIRED_HYPERPARAMETERS.items():
-            if name in hyperparameters and hyperparameters[name] == value:
-                del hyperparameters[name]
     return run
 
 
