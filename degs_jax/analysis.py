@@ -47,7 +47,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from degs_jax.hyperparameters import DegsRerank
+from degs_jax.hyperparameters import DegsRerank, method_from_record
 from degs_jax.lens import LensConfig
 from degs_jax.models import with_tuned_lens
 from degs_jax.scoring import score_sequences
@@ -327,13 +327,11 @@ def lsub_sweep(model, run_dir: str | os.PathLike, lsub_sets: Sequence[Sequence[i
                          "(`degs eval --keep-candidates`)")
     if cfg_run["model"]["name"] != model.name or cfg_run["model"]["num_layers"] != model.lm.num_layers:
         raise ValueError(f"the run used model {cfg_run['model']['name']!r}; --model gave {model.name!r}")
-    hp = cfg_run["hyperparameters"]
-    rerank = DegsRerank()  # the defaults
-    alpha = float(hp.get("alpha", rerank.alpha) if alpha is None and cfg_run["method"] == "degs_rerank"
-                  else rerank.alpha if alpha is None else alpha)
-    beta = float(hp.get("beta", rerank.beta) if beta is None and cfg_run["method"] == "degs_rerank"
-                 else rerank.beta if beta is None else beta)
-    tau = float(hp.get("tau", rerank.tau))
+    recorded = method_from_record(cfg_run, Path(run_dir) / "run.json")
+    rerank = recorded if isinstance(recorded, DegsRerank) else DegsRerank()  # else the defaults
+    alpha = float(rerank.alpha if alpha is None else alpha)
+    beta = float(rerank.beta if beta is None else beta)
+    tau = float(recorded.tau)
     problems = {p.id: p for p in load_benchmark(cfg_run["benchmark"], data_dir=data_dir)}
     prompt_ids, completions, owner = [], [], []
     for r in records:

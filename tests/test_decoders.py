@@ -24,7 +24,8 @@ import pytest
 from degs_jax.decoders import decode
 from degs_jax.eval.results import read_run_file
 from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC,
-                                      PowerMCMC, resolve_hyperparameters)
+                                      PowerMCMC, hyperparameters_for, method_from_record,
+                                      resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, FIRST_MH_STREAM, REGENERATE_STREAM, MCMCConfig,
@@ -647,8 +648,11 @@ def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses(tmp
         "power_mcmc": dict(chain, beta=0.0), "degs_mcmc": dict(chain, beta=5.0),
     }
     for method, values in recorded.items():
-        # lens_chunk moved onto the transformer adapter; reading run.json drops it
-        (tmp_path / "run.json").write_text(json.dumps({"config": {"hyperparameters": {**common, **values}},
+        # lens_chunk moved onto the transformer adapter; reading run.json's method drops it
+        (tmp_path / "run.json").write_text(json.dumps({"config": {"method": method,
+                                                                  "hyperparameters": {**common, **values}},
                                                        "invocations": []}))
-        old = read_run_file(tmp_path / "run.json")["config"]["hyperparameters"]
-        assert resolve_hyperparameters(method, {}) == old, method
+        old = method_from_record(read_run_file(tmp_path / "run.json")["config"])
+        assert hyperparameters_for(method) == old, method
+        assert resolve_hyperparameters(method, {}) == {k: v for k, v in {**common, **values}.items()
+                                                        if k != "lens_chunk"}, method

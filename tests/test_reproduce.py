@@ -11,6 +11,7 @@ import pytest
 from degs_jax import stats
 from degs_jax.cli import reproduction as command
 from degs_jax.reproduce import report, study
+from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
 
@@ -102,12 +103,12 @@ def test_paper_lsub_sets():
 
 def test_worst_case_cost_by_hand():
     # 4 blocks of 192, 10 MH steps: 4*192 + 10*192*(1+2+3+4)/2 = 768 + 9600
-    assert study.worst_case_cost("degs_mcmc", {"num_blocks": 4}) == (10368, 10368)
+    assert hyperparameters_for("degs_mcmc", num_blocks=4).worst_case_cost() == (10368, 10368)
     # paper default: 16 blocks: 3072 + 10*192*136/2 = 133,632
-    assert study.worst_case_cost("power_mcmc", {}) == (133632, 133632)
-    assert study.worst_case_cost("best_of_n", {"max_new_tokens": 768}) == (16 * 768, 768)
-    assert study.worst_case_cost("greedy", {}) == (3072, 3072)
-    assert study.worst_case_cost("degs_smc", {"max_new_tokens": 512}) == (16 * 512, 512)
+    assert hyperparameters_for("power_mcmc").worst_case_cost() == (133632, 133632)
+    assert hyperparameters_for("best_of_n", max_new_tokens=768).worst_case_cost() == (16 * 768, 768)
+    assert hyperparameters_for("greedy").worst_case_cost() == (3072, 3072)
+    assert hyperparameters_for("degs_smc", max_new_tokens=512).worst_case_cost() == (16 * 512, 512)
 
 
 def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():

@@ -38,8 +38,8 @@ from ..batching import choose_batch_size, parse_batch_size, peak_memory
 from ..chat import encode_prompt
 from ..eval.results import RunInUseError
 from ..eval.sandbox import IsolationUnavailableError
-from ..hyperparameters import hyperparameters_for, resolve_hyperparameters
 from ..lens import DEFAULT_TAU
+from ..method import Method
 from ..model_api import params_dtype
 from ..models import loading
 from ..models.compilation import enable_compilation_cache
@@ -48,7 +48,7 @@ from ..text import sample
 from ..train.tuned_lens import read_lens_file
 from . import evaluation, reproduction, training
 from .options import (BATCH_SIZE_HELP, METHOD_HELP, _add_decoder_args, _add_lens_args, _add_model_args,
-                      _hyperparameters, _tuned_lens, check_output_dir, check_seed, prompt_text)
+                      _tuned_lens, check_output_dir, check_seed, method_value, prompt_text)
 
 def _load(args):
     """The model `--model` names (default: the built-in default), on `--mesh`, with
@@ -88,14 +88,13 @@ def cmd_sample(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE (one of them)")
     seed = check_seed(args.seed)
-    resolve_hyperparameters(args.method, _hyperparameters(args))  # bad names before loading the model
+    method = method_value(args)  # bad names and values before loading the model
     if args.input is not None:
-        return _sample_many(args, seed)
+        return _sample_many(args, seed, method)
     prompt = prompt_text(args.prompt)
     model = _load(args)
-    result = sample(model, prompt, args.method, key=jax.random.key(seed),
-                    chat=not args.no_chat, progress=True, tuned_lens=_tuned_lens(args, model),
-                    **_hyperparameters(args))
+    result = sample(model, prompt, method, key=jax.random.key(seed),
+                    chat=not args.no_chat, progress=True, tuned_lens=_tuned_lens(args, model))
     out = result.outputs[0]
     c = out.chosen
     fe = result.forward_equivalents(model.lm.num_layers)
@@ -140,7 +139,7 @@ def _sample_report(result, out, seed, num_layers) -> dict:
     }
 
 
-def _sample_many(args, seed: int) -> int:
+def _sample_many(args, seed: int, method: Method) -> int:
     """`degs sample --input FILE`: every prompt, in batches (--batch-size, auto by default)."""
     from ..probe import read_rows  # the probe's plots: matplotlib, ~0.5 s that other commands skip
 
@@ -149,10 +148,9 @@ def _sample_many(args, seed: int) -> int:
     model = _load(args)
     tuned_lens = _tuned_lens(args, model)
     chat = not args.no_chat
-    config = hyperparameters_for(args.method, **_hyperparameters(args))
     longest = max(len(encode_prompt(model.tokenizer, r["prompt"], chat)) for r in rows)
-    choice = choose_batch_size(args.batch_size, model.lm, config, longest,
-                               len(rows), config.cache_dtype or params_dtype(model.params))
+    choice = choose_batch_size(args.batch_size, model.lm, method, longest,
+                               len(rows), method.cache_dtype or params_dtype(model.params))
     batch = choice["batch_size"]
     print(f"batch size {batch}" + (f" (auto: {choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, "
                                    f"{choice['free_bytes'] / 2**30:.1f} GiB free, "
@@ -160,10 +158,10 @@ def _sample_many(args, seed: int) -> int:
                                    else ""), file=sys.stderr)
     base = jax.random.key(seed)
     t0 = time.perf_counter()
-    for start in tqdm(range(0, len(rows), batch), desc=args.method, unit="batch", file=sys.stderr):
+    for start in tqdm(range(0, len(rows), batch), desc=method.method, unit="batch", file=sys.stderr):
         part = rows[start:start + batch]
         keys = jax.numpy.stack([jax.random.fold_in(base, start + i) for i in range(len(part))])
-        result = sample(model, [r["prompt"] for r in part], config, keys=keys, chat=chat,
+        result = sample(model, [r["prompt"] for r in part], method, keys=keys, chat=chat,
                         tuned_lens=tuned_lens)
         for i, (row, out) in enumerate(zip(part, result.outputs)):
             report = _sample_report(result, out, seed, model.lm.num_layers)

@@ -19,12 +19,10 @@ from ..batching import parse_batch_size
 from ..eval import runner
 from ..eval.benchmarks import load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
-from ..hyperparameters import resolve_hyperparameters
 from ..models.loading import BUILTIN_MODELS
 from ..train.tuned_lens import resolve_lens
-from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, _hyperparameters,
-                      add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
-                      parse_lsub_sweep)
+from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
+                      check_output_dir, check_seed, code_isolation, method_value, parse_lsub_sweep)
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
@@ -167,8 +165,7 @@ def _terminated(signum, frame):
 
 def cmd_eval(args, load_model) -> int:
     # Everything that can be checked without the model, before loading it.
-    hp = _hyperparameters(args)
-    resolve_hyperparameters(args.method, hp)
+    method = method_value(args)
     check_seed(args.seed)
     args.batch_size = parse_batch_size(args.batch_size)
     if args.limit is not None and args.limit < 0:
@@ -187,8 +184,8 @@ def cmd_eval(args, load_model) -> int:
         publish_failure(e)
         raise
     try:
-        runner.run_eval(model, Path(args.out), benchmark=args.benchmark, method=args.method,
-                        hyperparameters=hp, seed=args.seed, limit=args.limit,
+        runner.run_eval(model, Path(args.out), benchmark=args.benchmark, method=method,
+                        seed=args.seed, limit=args.limit,
                         batch_size=args.batch_size, keep_candidates=args.keep_candidates,
                         chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
                         argv=sys.argv[1:], tuned_lens=tuned_lens,

@@ -17,8 +17,9 @@ from typing import Iterable
 
 from ..eval import sandbox
 from ..eval.benchmarks import canonical_name
-from ..hyperparameters import METHOD_HYPERPARAMETERS, METHODS, field_types
+from ..hyperparameters import METHOD_HYPERPARAMETERS, METHODS, field_types, hyperparameters_for
 from ..lens import default_lsub, validate_lsub
+from ..method import Method
 from ..models.sharding import parse_mesh
 from ..train.tuned_lens import resolve_lens
 
@@ -122,6 +123,12 @@ def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]
 def _hyperparameters(args) -> dict:
     """The hyperparameters given on the command line (the others keep their defaults)."""
     return {k: getattr(args, k) for k in _cli_fields() if getattr(args, k, None) is not None}
+
+
+def method_value(args) -> Method:
+    """The method value `--method` and the hyperparameter options give (built once, before
+    the model loads; what the command passes down). ValueError naming the hyperparameter."""
+    return hyperparameters_for(args.method, **_hyperparameters(args))
 
 
 SEED_RANGE = (0, 2**63 - 1)  # jax.random.key takes a signed 64-bit seed

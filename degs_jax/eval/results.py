@@ -189,17 +189,10 @@ def read_json(path: str | os.PathLike) -> dict:
     return value
 
 
-# Hyperparameters that older run.json files record and the methods no longer take, with
-# the one value they were ever recorded with: `lens_chunk` (None: the streamed lens's
-# automatic vocabulary chunk) moved onto the transformer adapter (`TransformerLM`); it
-# never changed a number. Reading drops them, so old run directories resume and report.
-RETIRED_HYPERPARAMETERS = {"lens_chunk": None}
-
-
 def read_run_file(path: str | os.PathLike) -> dict:
     """A run's ``run.json``: an object whose ``config`` is an object and whose
-    ``invocations`` is a list of objects; ValueError naming the file otherwise. Retired
-    hyperparameters at their recorded value are dropped (`RETIRED_HYPERPARAMETERS`)."""
+    ``invocations`` is a list of objects; ValueError naming the file otherwise. Its
+    method is read by `degs_jax.hyperparameters.method_from_record`."""
     run = read_json(path)
     config, invocations = run.get("config"), run.get("invocations")
     if not isinstance(config, dict):
@@ -208,11 +201,6 @@ def read_run_file(path: str | os.PathLike) -> dict:
     if not (isinstance(invocations, list) and all(isinstance(i, dict) for i in invocations)):
         raise ValueError(f"{path}: 'invocations' must be a list of JSON objects, got "
                          f"{_short(invocations)}; repair it or use another run directory")
-    hyperparameters = config.get("hyperparameters")
-    if isinstance(hyperparameters, dict):
-        for name, value in RETIRED_HYPERPARAMETERS.items():
-            if name in hyperparameters and hyperparameters[name] == value:
-                del hyperparameters[name]
     return run
 
 

@@ -55,6 +55,7 @@ and verdict, for `degs analyze`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -91,7 +92,8 @@ from degs_jax.eval.results import (
     write_json,
     write_summary,
 )
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.hyperparameters import as_method, method_from_record, method_record
+from degs_jax.method import Method
 from degs_jax.model_api import params_dtype
 from degs_jax.models import with_tuned_lens
 
@@ -137,19 +139,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)  # e.g. a dtype
 
 
-def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str, Any],
-               seed: int, chat: bool, keep_candidates: bool, tuned_lens=None) -> dict[str, Any]:
+def run_config(model, benchmark: str, method: Method, seed: int, chat: bool,
+               keep_candidates: bool, tuned_lens=None) -> dict[str, Any]:
     """The configuration that determines a run's results (what resuming must match).
 
-    Hyperparameters are resolved against the method's defaults (``lsub`` made explicit),
-    so spelling a default out or leaving it implicit gives the same configuration. A
+    The method is recorded by ``method_record`` with ``lsub`` made explicit for the
+    model's depth, so spelling a default out or leaving it implicit gives the same
+    configuration. A
     tuned lens is recorded by its layers and weights' sha256 (the logit lens, the
     default, adds nothing, so earlier runs keep their configuration); so is
     `--batch-invariant` (other numerics, hence other records).
     """
     bench = canonical_name(benchmark)
-    resolved = hyperparameters_for(method, **hyperparameters)
-    hp = {**resolved.to_dict(), "lsub": resolved.lens_config(model.lm.num_layers).lsub}
+    method = dataclasses.replace(method, lsub=method.lens_config(model.lm.num_layers).lsub)
     dtype = str(np.dtype(params_dtype(model.params)))
     lens = {}
     if tuned_lens is not None:
@@ -157,8 +159,7 @@ def run_config(model, benchmark: str, method: str, hyperparameters: Mapping[str,
                          "sha256": tuned_lens.fingerprint()}}
     return _jsonable({
         "benchmark": bench,
-        "method": method,
-        "hyperparameters": hp,
+        **method_record(method),
         "seed": int(seed),
         "key_derivation": KEY_DERIVATION,
         "model": {"name": model.name, "architecture": model.architecture,
@@ -189,10 +190,18 @@ def check_run_directory(out: Path) -> None:
     the file and line that it could not use (the store's rules:
     :mod:`degs_jax.eval.results`). Nothing is written."""
     if (out / RUN_FILE).exists():
-        read_run_file(out / RUN_FILE)
+        _stored_config(out / RUN_FILE, read_run_file(out / RUN_FILE))
     for path in [out / RESULTS_FILE, *_shards(out)]:
         if path.is_file():
             read_records(path, fields=EVAL_RECORD_FIELDS)
+
+
+def _stored_config(path: Path, run: Mapping[str, Any]) -> dict[str, Any]:
+    """The configuration of a stored run, its method as the method value it records gives
+    it today (``method_from_record``: what an older version recorded still compares
+    equal); ValueError naming the file for a record that gives none."""
+    config = run["config"]
+    return {**config, **method_record(method_from_record(config, path))}
 
 
 def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
@@ -200,6 +209,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     run_file = out / RUN_FILE
     if run_file.exists():
         run = read_run_file(run_file)
+        run["config"] = _stored_config(run_file, run)
         diffs = _config_differences(run["config"], config)
         if diffs:
             raise ValueError(
@@ -227,7 +237,7 @@ def _mean_or_none(values: Optional[Sequence[float]]) -> Optional[float]:
 
 
 @failures_published
-def run_eval(model, out_dir, *, benchmark: str, method: str,
+def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
              hyperparameters: Optional[Mapping[str, Any]] = None, seed: int = 0,
              limit: Optional[int] = None, indices: Optional[Sequence[int]] = None,
              batch_size: int | str = "auto", keep_candidates: bool = False, chat: bool = True,
@@ -238,7 +248,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
 
     model: a :class:`~degs_jax.model_api.LanguageModel` (any ``CausalLM`` with its
       parameters and tokenizer), or what ``degs_jax.models.load`` returns.
-    hyperparameters: overrides of the method's defaults (as ``decode``).
+    method: a method value (``degs_jax.method.Method``, e.g. ``DegsMCMC(mh_steps=4)``), or
+      a method name with ``hyperparameters``, overrides of its defaults (as ``decode``).
     limit: the first ``limit`` problems; indices: explicit problem indices instead.
     batch_size: problems per ``decode`` call, or "auto" (the default): as many as fit in
       the device's free memory with the method's buffer (``degs_jax.batching``; the
@@ -268,8 +279,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         allow_unsandboxed = grader.allow_unsandboxed
     # Before anything runs: refused where programs cannot be isolated (and not allowed).
     code_isolation = sandbox.isolation(allow_unsandboxed) if bench == "humaneval" else None
-    hyperparameters = dict(hyperparameters or {})
-    config = run_config(model, bench, method, hyperparameters, seed, chat, keep_candidates, tuned_lens)
+    method = as_method(method, hyperparameters or {})
+    config = run_config(model, bench, method, seed, chat, keep_candidates, tuned_lens)
     chat = config["chat"]
     all_problems = load_benchmark(bench, data_dir=data_dir)
     if indices is not None:
@@ -279,8 +290,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
         selected = [(int(i), all_problems[i]) for i in indices]
     else:
         selected = list(enumerate(all_problems[:limit] if limit is not None else all_problems))
-    batch_choice = _choose_batch_size(model, batch_size, method, hyperparameters,
-                                      [p for _, p in selected], chat)
+    batch_choice = _choose_batch_size(model, batch_size, method, [p for _, p in selected], chat)
     batch_size = batch_choice["batch_size"]
     invocation = {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -294,10 +304,9 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     own_grader = grader is None
     grader = Grader(allow_unsandboxed=allow_unsandboxed) if own_grader else grader
     decode_batch = functools.partial(
-        _decode_batch, model, seed=seed, method=method, hyperparameters=hyperparameters,
-        eos=model.eos_ids, grader=grader, chat=chat,
+        _decode_batch, model, seed=seed, method=method, eos=model.eos_ids, grader=grader, chat=chat,
         keep_candidates=keep_candidates, tuned_lens=tuned_lens)
-    bar_label = f"{bench} {method}"
+    bar_label = f"{bench} {method.method}"
     try:
         if group is None:
             summary = _run_single(out, config, invocation, selected, decode_batch, batch_size,
@@ -313,16 +322,14 @@ def run_eval(model, out_dir, *, benchmark: str, method: str,
     return summary
 
 
-def _choose_batch_size(model, requested: int | str, method: str,
-                       hyperparameters: Mapping[str, Any], problems: Sequence[Problem],
+def _choose_batch_size(model, requested: int | str, method: Method, problems: Sequence[Problem],
                        chat: bool) -> dict[str, Any]:
     """``degs_jax.batching.choose_batch_size`` for these problems (their longest prompt)."""
     if requested != "auto":
         return choose_batch_size(requested, None, None, 0, len(problems), None)
-    config = hyperparameters_for(method, **hyperparameters)
     longest = max((len(problem_prompt_ids(p, model.tokenizer, chat)) for p in problems), default=1)
-    return choose_batch_size("auto", model.lm, config, longest, len(problems),
-                             config.cache_dtype or params_dtype(model.params))
+    return choose_batch_size("auto", model.lm, method, longest, len(problems),
+                             method.cache_dtype or params_dtype(model.params))
 
 
 def _record_peak_memory(out: Path, run: dict) -> None:
@@ -331,8 +338,8 @@ def _record_peak_memory(out: Path, run: dict) -> None:
     write_json(out / RUN_FILE, run)
 
 
-def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: str,
-                  hyperparameters: Mapping[str, Any], eos, grader: Grader, chat: bool,
+def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: Method,
+                  eos, grader: Grader, chat: bool,
                   keep_candidates: bool, tuned_lens=None):
     """Decode one batch of ``(index, problem)`` with the problems' own keys; yield each
     problem's graded record, in order."""
@@ -340,7 +347,7 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
     lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
-    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos, **hyperparameters)
+    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
         yield _record(model, problem, index, output, result, len(batch), decode_s,

@@ -46,6 +46,8 @@ from matplotlib.figure import Figure
 from degs_jax.analysis import format_interval, plot_predictive_validity, pool_from_records, predictive_validity
 from degs_jax.eval.benchmarks import BENCHMARKS
 from degs_jax.eval.results import read_run_file, write_json
+from degs_jax.hyperparameters import BestOfN, method_from_record
+from degs_jax.method import Method
 from degs_jax.models.loading import BUILTIN_MODELS
 from degs_jax.plots import plot_entropy_trajectories
 from degs_jax.reproduce import paper
@@ -55,7 +57,6 @@ from degs_jax.reproduce.study import (
     SELECTED_FROM_POOL,
     STUDY_FILE,
     TABLE1_ORDER,
-    method_defaults,
     read_jsonl,
     read_records,
 )
@@ -105,9 +106,11 @@ class Study:
 
 
 def _run(directory: Path) -> Optional[dict]:
+    """A run's run.json (`run`), the method value it records (`decoder`) and its records."""
     if not (directory / "run.json").exists():
         return None
-    return {"run": read_run_file(directory / "run.json"),
+    run = read_run_file(directory / "run.json")
+    return {"run": run, "decoder": method_from_record(run["config"], directory / "run.json"),
             "records": sorted(read_records(directory), key=lambda r: r["index"])}
 
 
@@ -289,26 +292,25 @@ def _pool_items(pool: Mapping[str, Any]) -> list[tuple[dict, dict]]:
     return [(r, layers[r["id"]]) for r in pool["records"] if r["id"] in layers]
 
 
-def _sampling(hyperparameters: Mapping[str, Any]) -> str:
-    """A Best-of-N pool's sampling settings (recorded ones over the decoder's defaults)."""
-    hp = {**method_defaults("best_of_n"), **hyperparameters}
-    return f"N = {hp['n']}, T = {hp['temperature']:g}, top-p {hp['top_p']:g}"
+def _sampling(pool: BestOfN) -> str:
+    """A Best-of-N pool's sampling settings."""
+    return f"N = {pool.n}, T = {pool.temperature:g}, top-p {pool.top_p:g}"
 
 
 def predictive_validity_table(study: Study) -> dict:
     out = {}
     for b, pool in study.pools.items():
         if pool["records"]:
-            out[b] = {"sampling": _sampling(pool["run"]["config"]["hyperparameters"]),
+            out[b] = {"sampling": _sampling(pool["decoder"]),
                       **predictive_validity(pool_from_records(pool["records"]),
                                             n_buckets=N_BUCKETS)}
     return out
 
 
 def _default_set(pool: Mapping[str, Any]) -> Optional[int]:
-    lsub = pool["run"]["config"]["hyperparameters"].get("lsub")
+    lsub = pool["decoder"].lsub
     sets = pool["layers_meta"]["lsub_sets"]
-    return sets.index(lsub) if lsub in sets else None
+    return sets.index(list(lsub)) if lsub is not None and list(lsub) in sets else None
 
 
 def lsub_table(study: Study) -> dict:
@@ -452,12 +454,11 @@ _CAP_SETTINGS = ("max_new_tokens", "num_blocks", "block_len")
 _SAMPLING = tuple(paper.CANDIDATE_SAMPLING)  # n, temperature, top_p
 
 
-def _token_cap(hyperparameters: Mapping[str, Any]) -> Optional[tuple[int, Optional[str]]]:
-    """(token cap, how an MCMC chain makes it up) of a run's hyperparameters."""
-    hp = hyperparameters
-    if "num_blocks" in hp and "block_len" in hp:
-        return hp["num_blocks"] * hp["block_len"], f"{hp['num_blocks']} blocks of {hp['block_len']}"
-    return (hp["max_new_tokens"], None) if "max_new_tokens" in hp else None
+def _token_cap(method: Method) -> tuple[int, Optional[str]]:
+    """(token cap, how an MCMC chain makes it up) of a run's method."""
+    if hasattr(method, "num_blocks"):
+        return method.max_new_tokens, f"{method.num_blocks} blocks of {method.block_len}"
+    return method.max_new_tokens, None
 
 
 def _range(low: float, high: float) -> str:
@@ -531,18 +532,16 @@ def _model_rows(study: Study, configs: Mapping) -> list[dict]:
     return rows
 
 
-def _token_cap_rows(runs: Mapping, configs: Mapping) -> list[dict]:
+def _token_cap_rows(runs: Mapping) -> list[dict]:
     """The completion token cap of every run against its decoder's default (the paper's),
     with how many final completions ran into it."""
     caps: dict[str, list] = {}
     paper_caps, capped = set(), False
-    for (kind, b, m), c in configs.items():
-        defaults = method_defaults(m)
-        used, cap = _token_cap({**defaults, **c["hyperparameters"]}), _token_cap(defaults)
-        if used is not None:
-            caps.setdefault(_cap_text(used), []).append(("pool" if kind == "pool" else m, b))
-            paper_caps.add(cap)
-            capped |= used != cap
+    for (kind, b, m), data in runs.items():
+        used, cap = _token_cap(data["decoder"]), _token_cap(type(data["decoder"])())  # the defaults
+        caps.setdefault(_cap_text(used), []).append(("pool" if kind == "pool" else m, b))
+        paper_caps.add(cap)
+        capped |= used != cap
     if not caps:
         return []
     cut: dict[str, list] = {}
@@ -559,12 +558,12 @@ def _token_cap_rows(runs: Mapping, configs: Mapping) -> list[dict]:
         capped, effect if cut else None)]
 
 
-def _sampling_rows(runs: Mapping, configs: Mapping) -> list[dict]:
+def _sampling_rows(runs: Mapping) -> list[dict]:
     """Candidate sampling of the Best-of-N runs and of the predictive-validity pools, with
     the mean candidate accuracy of both where a benchmark has both at different settings."""
-    target = _sampling(paper.CANDIDATE_SAMPLING)
-    sampling = {(kind, b): _sampling(c["hyperparameters"])
-                for (kind, b, m), c in configs.items() if m == "best_of_n"}
+    target = _sampling(BestOfN(**paper.CANDIDATE_SAMPLING))
+    sampling = {(kind, b): _sampling(data["decoder"])
+                for (kind, b, m), data in runs.items() if m == "best_of_n"}
     rows = []
     for kind, setting in (("runs", "Best-of-N pool (Best-of-N and its selections)"),
                           ("pool", "predictive-validity pool")):
@@ -646,8 +645,8 @@ def deviations_table(study: Study, status: Mapping, verdict) -> list[dict]:
     ``deviates`` and, where the records measure it, ``effect``."""
     runs = _all_runs(study)
     configs = {key: data["run"]["config"] for key, data in runs.items()}
-    return (_model_rows(study, configs) + _token_cap_rows(runs, configs)
-            + _sampling_rows(runs, configs) + _recorded_rows(study, status)
+    return (_model_rows(study, configs) + _token_cap_rows(runs)
+            + _sampling_rows(runs) + _recorded_rows(study, status)
             + _coverage_rows(study, status, verdict))
 
 
@@ -874,7 +873,7 @@ def write_report(study_dir, out_dir=None) -> dict[str, Any]:
         pool = pool_from_records(study.pools[b]["records"])
         figures[f"predictive_validity_{b}"] = plot_predictive_validity(
             pool, stats, out / "figures" / f"predictive_validity_{b}.png",
-            title=f"{model} · {b} · pool: {_sampling(study.pools[b]['run']['config']['hyperparameters'])}")
+            title=f"{model} · {b} · pool: {_sampling(study.pools[b]['decoder'])}")
     for b, traj in tables["trajectories"].items():
         curves = {f"{name} ({g['candidates']} candidates)": (traj["layers"], g["mean_entropy"])
                   for name, g in traj["groups"].items()}

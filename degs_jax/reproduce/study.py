@@ -60,8 +60,9 @@ from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
-from degs_jax.hyperparameters import METHODS, hyperparameters_for, resolve_hyperparameters
+from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_from_record, resolve_hyperparameters
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
+from degs_jax.method import Method
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
 from degs_jax.scoring import layer_entropies
 
@@ -109,13 +110,6 @@ def available_methods() -> tuple[str, ...]:
 def method_defaults(method: str) -> dict[str, Any]:
     """The decoder's resolved default hyperparameters (the paper's, docs/design.md §4)."""
     return dict(resolve_hyperparameters(method, {}))
-
-
-def worst_case_cost(method: str, hyperparameters: Mapping[str, Any]) -> Optional[tuple[int, int]]:
-    """(generated tokens per problem, sequential decode steps per batch) when nothing ends
-    early (no EOS): the cost ceiling; None for decoders whose method knows no formula
-    (`degs_jax.method.Method.worst_case_cost`, each family's docstring gives its formula)."""
-    return hyperparameters_for(method, **hyperparameters).worst_case_cost()
 
 
 # --------------------------------------------------------------------------- request
@@ -268,11 +262,16 @@ class Job:
     kind: str  # "decoder" or "pool"
     benchmark: str
     method: str  # the decoder that runs
-    hyperparameters: Mapping[str, Any]
+    hyperparameters: Mapping[str, Any]  # its overrides of the defaults (study.json's record)
     limit: Optional[int]
     batch_size: int
     keep_candidates: bool
     directory: str  # relative to the study directory
+    # The method value that runs (built once, here; what `run_eval` and the estimates use).
+    decoder: Method = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "decoder", hyperparameters_for(self.method, **self.hyperparameters))
 
     @property
     def label(self) -> str:
@@ -431,7 +430,7 @@ def _job_rate_keys(job: Job) -> tuple[str, ...]:
     chain, and both chains have the same worst case), so that a job never measured does
     not start a batch the budget cannot hold."""
     keys = (f"job:{job.directory}", f"method:{job.kind}:{job.method}")
-    worst = worst_case_cost(job.method, job.hyperparameters)
+    worst = job.decoder.worst_case_cost()
     if worst is None:
         return keys
     return keys + (f"shape:{job.kind}:{job.benchmark}:{job.batch_size}:{worst[0]}:{worst[1]}",)
@@ -508,8 +507,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                         continue
                     t0 = time.monotonic()
                     runner.run_eval(model, out / job.directory, benchmark=job.benchmark,
-                             method=job.method, hyperparameters=dict(job.hyperparameters),
-                             seed=request.seed, indices=todo, batch_size=len(todo),
+                             method=job.decoder, seed=request.seed, indices=todo, batch_size=len(todo),
                              keep_candidates=job.keep_candidates, chat=request.chat,
                              progress=progress, data_dir=data_dir, grader=grader, argv=argv,
                              print_table=False)
@@ -550,7 +548,7 @@ def describe(request: StudyRequest, jobs: Sequence[Job], targets: Mapping[str, i
         decoder_defaults = method_defaults(job.method)
         paper = ({**decoder_defaults, **POOL_SETTINGS} if job.kind == "pool" else
                  {**decoder_defaults, **job_hyperparameters(job.method, job.benchmark, {})})
-        used = {**decoder_defaults, **job.hyperparameters}
+        used = job.decoder.to_dict()
         described[job.directory] = {
             "kind": job.kind, "benchmark": job.benchmark, "method": job.method,
             "target": targets[job.directory], "batch_size": job.batch_size,
@@ -592,7 +590,7 @@ def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rate
     if not records:
         return
     run = results.read_run_file(pool_dir / "run.json")
-    tau = float(run["config"]["hyperparameters"]["tau"])
+    tau = float(method_from_record(run["config"], pool_dir / "run.json").tau)
     meta = {"layers": list(range(model.lm.num_layers + 1)), "tau": tau,
             "lsub_sets": [list(s) for s in lsub_sets], "model": model.name,
             "num_layers": model.lm.num_layers, "chat": run["config"]["chat"]}
@@ -713,7 +711,7 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
         target = sizes[job.benchmark] if job.limit is None else min(job.limit, sizes[job.benchmark])
         done = len({r["index"] for r in read_records(out / job.directory) if r["index"] < target})
         rate = rates.per_unit(_job_rate_keys(job))
-        worst = worst_case_cost(job.method, job.hyperparameters)
+        worst = job.decoder.worst_case_cost()
         rows.append({"job": job.label, "directory": job.directory, "target": target, "done": done,
                      "batch_size": job.batch_size,
                      "worst_case_tokens_per_problem": worst and worst[0],
