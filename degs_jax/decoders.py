@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from .generation import GenState, completions, pad_prompts, prefill
-from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, hyperparameters_for
+from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, as_method
 from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .method import Method
 from .model_api import CausalLM, params_dtype
@@ -140,15 +140,6 @@ def row_keys(keys: Array, n: int) -> Array:
     """[prompts · n] row keys from one PRNG key per prompt: prompt i's rows use
     split(keys[i], n), so a prompt's samples do not depend on its batch."""
     return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
-
-
-def _config(method: str | Method, overrides: dict[str, Any]) -> Method:
-    if isinstance(method, Method):
-        if overrides:
-            raise ValueError(f"pass hyperparameters either in the {type(method).__name__} or as "
-                             f"keywords, not both (got {', '.join(sorted(overrides))})")
-        return method
-    return hyperparameters_for(method, **overrides)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "method", "settings"))
@@ -268,7 +259,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     depend on which prompts share its batch (a single prompt decodes identically either
     way), and `decode_tokens` gives the same tokens.
     """
-    config = _config(method, hyperparameters)
+    config = as_method(method, hyperparameters)
     settings = config.plan(model, eos_ids)
     n, max_new = config.pool_size, config.max_new_tokens
     tokens, lengths = pad_prompts(prompts)
