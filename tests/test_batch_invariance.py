@@ -185,8 +185,11 @@ BF16_IN_CI = ("greedy", "best_of_n", "degs_mcmc", "degs_smc", "scalable_power")
 BATCH_3_IN_CI = ("greedy", "degs_mcmc")
 DECODE_CASES = [(m, d) for m in METHODS for d in ("float32", "bfloat16")
                 if FULL_MATRIX or d == "float32" or m in BF16_IN_CI]
-DECODE_TOKENS_CASES = [(m, d) for m in METHODS if m not in SMC_METHODS + ("scalable_power",)
-                       for d in ("float32", "bfloat16") if FULL_MATRIX or m in BATCH_3_IN_CI]
+# decode_tokens in CI: the batch-of-3 methods and one SMC method and SPS in float32 (their
+# traced kernels: resampling and the block selection run inside the one program).
+DECODE_TOKENS_IN_CI = BATCH_3_IN_CI + ("degs_smc", "scalable_power")
+DECODE_TOKENS_CASES = [(m, d) for m in METHODS for d in ("float32", "bfloat16")
+                       if FULL_MATRIX or (m in BATCH_3_IN_CI or (m in DECODE_TOKENS_IN_CI and d == "float32"))]
 
 
 @pytest.mark.parametrize("method, dtype_name", DECODE_CASES)
@@ -219,6 +222,9 @@ def test_decode_tokens_in_a_batch_equals_decode_alone(method, dtype_name):
                    acceptance=None if candidate["acceptance"] is None else
                    [int(a) / config.mh_steps for a, ran in zip(result.accepted[j], result.ran[j]) if ran])
         _assert_bitwise_equal({k: candidate[k] for k in got}, got, f"decode_tokens, candidate {j}")
+    # the answer: the same candidate (SMC draws it from its final weights)
+    _assert_bitwise_equal({"chosen": output["chosen"]},
+                          {"chosen": output["candidates"][int(result.chosen[0])]}, "decode_tokens, answer")
     assert int(result.chosen[0]) == [c["tokens"] for c in output["candidates"]].index(output["chosen"]["tokens"])
 
 
