@@ -47,7 +47,8 @@ import numpy as np
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
-from .method import DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, RunDetails, method_field, positive_int
+from .method import (DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, RunDetails, method_field, positive_int,
+                     require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import fold_in_rows, settle_rows, work_counters
 
@@ -68,7 +69,9 @@ ACCEPT_STREAM = 2  # under the step key: the uniform of the accept test
 class MCMCConfig:
     """The chain's settings (static: part of the compiled program). The methods build
     it from the `degs_mcmc` / `power_mcmc` hyperparameters (`MCMCMethod` below), where the
-    paper's defaults live.
+    paper's defaults live. The method checks its values when it is built; this, the
+    kernel's own API (tests and benchmarks build it directly), runs the same checks
+    (`check_chain_hyperparameters`) and asks for a lens when beta > 0.
 
     alpha: power (proposal temperature 1/alpha), >= 1.
     beta: weight of D(x); 0 = power sampling (no probing).
@@ -95,16 +98,8 @@ class MCMCConfig:
     reference_quirks: bool = False
 
     def __post_init__(self):
-        if not self.alpha >= 1.0:
-            raise ValueError(f"alpha must be >= 1 (the proposal temperature is 1/alpha), got {self.alpha}")
-        if not self.beta >= 0.0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        for name in ("block_len", "num_blocks", "mh_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.beta > 0 and self.lens is None:
-            raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
+        check_chain_hyperparameters(self)
+        require_lens(self.beta, self.lens)
 
     @property
     def max_new_tokens(self) -> int:
@@ -118,6 +113,15 @@ class MCMCConfig:
             top_k=QUIRKS_TOP_K if self.reference_quirks and not self.top_k else self.top_k,
             top_p=self.top_p, eos_ids=self.eos_ids,
             lens=self.lens if self.beta > 0 else None)
+
+
+def check_chain_hyperparameters(chain: Any) -> None:
+    """ValueError naming the first bad value among the chain's hyperparameters, read by
+    name from `chain`: an `MCMCMethod` or an `MCMCConfig` (the one list of checks of both)."""
+    validate_alpha(chain.alpha)
+    validate_beta(chain.beta)
+    for name in ("block_len", "num_blocks", "mh_steps"):
+        positive_int(name, getattr(chain, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +146,7 @@ class MCMCMethod(Method):
 
     def __post_init__(self):
         super().__post_init__()
+        check_chain_hyperparameters(self)
         positive_int("n_chains", self.n_chains)
 
     @property

@@ -2,7 +2,8 @@
 method's typed hyperparameters (documented per field; `degs ... --help` is generated from
 them) and everything method-specific that the drivers, the batch sizer and the study ask
 of it. This module holds what every method shares: the base class `Method`, the field
-helper and the defaults shared by several methods (each lives here once). The methods
+helper, the defaults shared by several methods and the checks of the hyperparameters
+several families take (each lives here once). The methods
 themselves live beside their kernels, one file per family:
 
     sampling and reranking   degs_jax.sampling   Greedy, Temperature, BestOfN,
@@ -64,10 +65,37 @@ def method_field(default: Any, help: str, *, cli: bool = True) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "cli": cli})
 
 
+# Checks of the hyperparameters, one function per quantity (each message is written once).
+# A method calls them when it is built, so `DegsMCMC(alpha=0.5)` fails there and not at
+# plan time; the kernels' settings (`MCMCConfig`, `SMCConfig`, `SPSConfig`), which tests
+# and benchmarks also build directly, call the same functions through their family's
+# check (`check_chain_hyperparameters`, `check_smc_hyperparameters`,
+# `check_sps_hyperparameters`), which reads the method and its settings alike.
+
+
 def positive_int(name: str, value: Any) -> None:
     """ValueError unless `value` is an int >= 1 (bool excluded)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def validate_alpha(alpha: float) -> None:
+    """ValueError unless alpha >= 1 (NaN fails): the power of the target p(x)^alpha (the
+    MCMC and SMC proposals sample at temperature 1/alpha <= 1)."""
+    if not alpha >= 1.0:
+        raise ValueError(f"alpha must be >= 1 (the target is p(x)^alpha), got {alpha}")
+
+
+def validate_beta(beta: float) -> None:
+    """ValueError unless beta >= 0 (NaN fails): the weight of D(x); 0 is no probing."""
+    if not beta >= 0.0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+
+
+def require_lens(beta: float, lens: Optional[LensConfig]) -> None:
+    """ValueError when beta > 0 and no LensConfig says which layers and tau give D(x)."""
+    if beta > 0 and lens is None:
+        raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,7 +106,8 @@ import numpy as np
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
-from .method import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field
+from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field,
+                     positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import copy_rows, fold_in_rows
 from .tiling import row_tiled
@@ -147,6 +148,10 @@ class SMCConfig:
     top_k / top_p: optional truncation of q (log q is then the truncated density, so the
       weights stay exact for p^alpha restricted to q's support). Default off; the
       Power-SMC code truncates at top_p = 0.9 by default, its MATH500 script too.
+
+    The method checks its values when it is built; this, the kernel's own API (tests and
+    benchmarks build it directly), runs the same checks (`check_smc_hyperparameters`) and
+    asks for a lens when beta > 0.
     """
 
     alpha: float
@@ -162,20 +167,8 @@ class SMCConfig:
     top_p: float = NO_TOP_P
 
     def __post_init__(self):
-        if not self.alpha >= 1.0:
-            raise ValueError(f"alpha must be >= 1 (the proposal temperature is 1/alpha), got {self.alpha}")
-        if not self.beta >= 0.0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        for name in ("n_particles", "max_new_tokens", "resample_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.ramp_tokens, bool) or not isinstance(self.ramp_tokens, int) or self.ramp_tokens < 0:
-            raise ValueError(f"ramp_tokens must be an integer >= 0 (0 = no ramp), got {self.ramp_tokens!r}")
-        if not 0.0 <= self.ess_threshold <= 1.0:
-            raise ValueError(f"ess_threshold must be in [0, 1] (a fraction of N), got {self.ess_threshold}")
-        if self.beta > 0 and self.lens is None:
-            raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
+        check_smc_hyperparameters(self)
+        require_lens(self.beta, self.lens)
 
     @property
     def proposal(self) -> SamplerSpec:
@@ -186,6 +179,21 @@ class SMCConfig:
     def num_checks(self) -> int:
         """ESS checks in a full run (T sampling steps + the budget's consume step)."""
         return (self.max_new_tokens + 1) // self.resample_every
+
+
+def check_smc_hyperparameters(sampler: Any) -> None:
+    """ValueError naming the first bad value among the particle sampler's hyperparameters,
+    read by name from `sampler`: an `SMCMethod` or an `SMCConfig` (the one list of checks
+    of both)."""
+    validate_alpha(sampler.alpha)
+    validate_beta(sampler.beta)
+    for name in ("n_particles", "max_new_tokens", "resample_every"):
+        positive_int(name, getattr(sampler, name))
+    ramp = sampler.ramp_tokens
+    if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp < 0:
+        raise ValueError(f"ramp_tokens must be an integer >= 0 (0 = no ramp), got {ramp!r}")
+    if not 0.0 <= sampler.ess_threshold <= 1.0:
+        raise ValueError(f"ess_threshold must be in [0, 1] (a fraction of N), got {sampler.ess_threshold}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +216,7 @@ class SMCMethod(Method):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.beta >= 0.0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        self._kernel(beta=0.0, lens=None, eos_ids=())  # the kernel's checks of the other fields
+        check_smc_hyperparameters(self)
 
     @property
     def probed(self) -> bool:
@@ -220,15 +226,13 @@ class SMCMethod(Method):
     def pool_size(self) -> int:
         return self.n_particles
 
-    def _kernel(self, beta: float, lens: Optional[LensConfig], eos_ids: tuple[int, ...]) -> SMCConfig:
-        return SMCConfig(alpha=float(self.alpha), beta=float(beta), n_particles=self.n_particles,
-                         max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
-                         ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
-                         lens=lens, eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p)
-
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SMCConfig:
         """The particle kernel's settings for a model with `num_layers` blocks."""
-        return self._kernel(self.beta, self.lens_config(num_layers) if self.beta > 0 else None, eos_ids)
+        return SMCConfig(alpha=float(self.alpha), beta=float(self.beta), n_particles=self.n_particles,
+                         max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
+                         ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
+                         lens=self.lens_config(num_layers) if self.beta > 0 else None,
+                         eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         return int(self.n_particles * self.max_new_tokens), int(self.max_new_tokens)

@@ -69,7 +69,8 @@ import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, _is_eos, _set, decode_step, generate
 from .lens import span_sum
-from .method import DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field
+from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field, positive_int,
+                     validate_alpha)
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
 
@@ -105,6 +106,9 @@ class SPSConfig:
       from p, as docs/design.md §4 specifies; both public ports draw them at 1/alpha,
       which was measured farther from the target per forward (docs/design.md §4).
     eos_ids: tokens that end a completion.
+
+    The method checks its values when it is built; this, the kernel's own API (tests and
+    benchmarks build it directly), runs the same checks (`check_sps_hyperparameters`).
     """
 
     alpha: float
@@ -119,18 +123,7 @@ class SPSConfig:
     eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not self.alpha >= 1.0:
-            raise ValueError(f"alpha must be >= 1, got {self.alpha}")
-        for name in ("max_new_tokens", "block_len", "candidate_pool", "candidates_kept", "rollouts",
-                     "rollout_horizon"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.block_len > 1 and self.candidates_kept > self.candidate_pool:
-            raise ValueError(f"candidates_kept ({self.candidates_kept}) cannot exceed candidate_pool "
-                             f"({self.candidate_pool})")
-        if not self.candidate_temperature > 0:
-            raise ValueError(f"candidate_temperature must be > 0, got {self.candidate_temperature}")
+        check_sps_hyperparameters(self)
 
     @property
     def num_blocks(self) -> int:
@@ -143,6 +136,21 @@ class SPSConfig:
     @property
     def rollout_spec(self) -> SamplerSpec:
         return SamplerSpec(temperature=1.0, eos_ids=self.eos_ids)
+
+
+def check_sps_hyperparameters(sampler: Any) -> None:
+    """ValueError naming the first bad value among the block sampler's hyperparameters,
+    read by name from `sampler`: a `ScalablePower` or an `SPSConfig` (the one list of
+    checks of both)."""
+    validate_alpha(sampler.alpha)
+    for name in ("max_new_tokens", "block_len", "candidate_pool", "candidates_kept", "rollouts",
+                 "rollout_horizon"):
+        positive_int(name, getattr(sampler, name))
+    if sampler.block_len > 1 and sampler.candidates_kept > sampler.candidate_pool:
+        raise ValueError(f"candidates_kept ({sampler.candidates_kept}) cannot exceed candidate_pool "
+                         f"({sampler.candidate_pool})")
+    if not sampler.candidate_temperature > 0:
+        raise ValueError(f"candidate_temperature must be > 0, got {sampler.candidate_temperature}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +178,7 @@ class ScalablePower(Method):
         if (self.top_k, self.top_p) != (NO_TOP_K, NO_TOP_P):
             raise ValueError("scalable_power does not truncate; its candidates are drawn at "
                              "candidate_temperature")
-        self.kernel_config(0, ())  # the kernel's checks
+        check_sps_hyperparameters(self)
 
     @property
     def probed(self) -> bool:

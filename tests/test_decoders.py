@@ -23,8 +23,8 @@ import pytest
 
 from degs_jax.decoders import decode
 from degs_jax.eval.results import read_run_file
-from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC,
-                                      PowerMCMC, hyperparameters_for, method_from_record,
+from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC, DegsSMC,
+                                      PowerMCMC, ScalablePower, hyperparameters_for, method_from_record,
                                       resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig
@@ -533,6 +533,27 @@ def test_mcmc_config_validation(kwargs, match):
     base = dict(alpha=4.0, beta=0.0, block_len=4, num_blocks=2, mh_steps=3, lens=LENS)
     with pytest.raises(ValueError, match=match):
         MCMCConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("method_class, bad, match", [
+    (DegsMCMC, dict(alpha=0.5), "alpha must be >= 1"),
+    (DegsMCMC, dict(beta=-0.1), "beta must be >= 0"),
+    (PowerMCMC, dict(mh_steps=0), "mh_steps must be a positive integer"),
+    (DegsSMC, dict(ess_threshold=1.5), "ess_threshold must be in"),
+    (DegsSMC, dict(ramp_tokens=-1), "ramp_tokens must be an integer >= 0"),
+    (ScalablePower, dict(alpha=0.9), "alpha must be >= 1"),
+    (ScalablePower, dict(candidates_kept=40), "candidates_kept .* cannot exceed candidate_pool"),
+    (ScalablePower, dict(candidate_temperature=0.0), "candidate_temperature must be > 0"),
+])
+def test_a_bad_hyperparameter_fails_when_the_method_is_built(method_class, bad, match):
+    """A method value checks its hyperparameters when it is built (not when planned), and
+    its kernel's settings, built directly, fail with the very same message (one check)."""
+    with pytest.raises(ValueError, match=match) as built:
+        method_class(**bad)
+    settings = method_class().kernel_config(4, (0,))
+    with pytest.raises(ValueError, match=match) as direct:
+        dataclasses.replace(settings, **bad)
+    assert str(built.value) == str(direct.value)
 
 
 @pytest.mark.parametrize("method, kwargs, match", [

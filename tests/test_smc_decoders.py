@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from degs_jax import rows as rows_mod
-from degs_jax.cli import _hyperparameters, build_parser
+from degs_jax.cli import build_parser
+from degs_jax.cli.options import _hyperparameters
 from degs_jax.decoders import decode
 from degs_jax.generation import pad_prompts, prefill
 from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, hyperparameters_for, resolve_hyperparameters
