@@ -117,3 +117,35 @@ def test_both_drivers_give_the_same_tokens(model_name, case):
         np.testing.assert_allclose(got[2], want[2], atol=1e-5, rtol=0)
     if method != "greedy":
         assert wants[0][0] != wants[1][0], "both key sets gave the same tokens: the comparison is weak"
+
+
+def test_decode_reports_the_smc_carry():
+    """What `decode` reports of an SMC run (each candidate's weight; per prompt the
+    resamplings and copied rows; the copied-rows counter) is read off the final carry of
+    the kernel, row for row and prompt for prompt: recomputed here from `run_kernel`'s
+    carry (weights = softmax of each prompt's log weights, in numpy)."""
+    from degs_jax.decoders import row_keys, run_kernel
+    from degs_jax.generation import prefill
+    from degs_jax.rows import repeat_rows
+
+    lm, params, eos = model_named("transformer")
+    config = hyperparameters_for("degs_smc", **dict(SIZES["degs_smc"], max_new_tokens=12, ess_threshold=0.9))
+    n = config.pool_size
+    keys = jax.random.split(jax.random.key(5), len(PROMPTS))  # both prompts resample
+    tokens, lengths = pad_prompts(PROMPTS)
+    state = repeat_rows(prefill(lm, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                tokens.shape[1] + config.max_new_tokens, jnp.float32), n)
+    carry = jax.device_get(run_kernel(lm, params, state, row_keys(keys, n), config, config.plan(lm, eos)))
+    log_w = np.asarray(carry.log_weight, np.float64).reshape(-1, n)
+    weights = np.exp(log_w - log_w.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    copied = np.asarray(carry.copied_rows)
+    assert np.ptp(weights, axis=1).max() > 0.1, "equal weights in every prompt: the check is weak"
+    assert (copied > 0).all() and len(set(copied.tolist())) > 1, "each prompt must copy rows, unequally"
+
+    res = decode(lm, params, PROMPTS, config, keys=keys, eos_ids=eos)
+    got = np.array([[c.weight for c in o.candidates] for o in res.outputs])
+    np.testing.assert_allclose(got, weights, atol=1e-6, rtol=0)  # fp32 softmax of the same values
+    assert [o.diagnostics["copied_rows"] for o in res.outputs] == copied.tolist()
+    assert [o.diagnostics["resamples"] for o in res.outputs] == np.asarray(carry.resamples).tolist()
+    assert res.counters["copied_rows"] == int(copied.sum())
