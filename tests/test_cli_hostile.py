@@ -63,7 +63,10 @@ def degs(request, monkeypatch, capsys):
 
 def _run_dir(path, config=None, invocations=None, records=()):
     path.mkdir()
-    run = {"config": {"model": {"name": "tiny-bytes", "dtype": "float32"}, "benchmark": "gsm8k"}
+    # a valid run record (its method too: `degs eval` reads it before the results), so that
+    # what a directory breaks is what its test names
+    run = {"config": {"model": {"name": "tiny-bytes", "dtype": "float32"}, "benchmark": "gsm8k",
+                      "method": "greedy", "hyperparameters": {}}
            if config is None else config, "invocations": [] if invocations is None else invocations}
     (path / "run.json").write_text(json.dumps(run))
     (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -80,6 +83,8 @@ def _files(tmp):
     _run_dir(tmp / "invocations_str", invocations="2024-01-01")
     _run_dir(tmp / "id_list", records=[good, {**good, "id": ["gsm8k/1"], "index": 1}])
     _run_dir(tmp / "no_correct", records=[{"id": "gsm8k/0", "index": 0}])
+    _run_dir(tmp / "no_method", config={"model": {"name": "tiny-bytes", "dtype": "float32"},
+                                        "benchmark": "gsm8k"}, records=[good])
     _run_dir(tmp / "good_run", records=[good])
     (tmp / "garbage.safetensors").write_bytes(os.urandom(256))
     save_file({"x": np.zeros(3, np.float32)}, str(tmp / "foreign.safetensors"))
@@ -108,6 +113,8 @@ CLI_TABLE = [
      "id_list/results.jsonl: line 2: 'id' must be a string or an integer, got [\"gsm8k/1\"]", False),
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/no_correct"],
      "no_correct/results.jsonl: line 1 has no 'correct'", False),
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/no_method"],
+     "no_method/run.json: a run record needs a method name and its hyperparameters", False),
     (["analyze", "{tmp}/config_list"], "config_list/run.json: 'config' must be a JSON object", False),
     (["analyze", "{tmp}/invocations_str"], "'invocations' must be a list", False),
     (["analyze", "{tmp}/id_list"], "id_list/results.jsonl: line 2: 'id' must be", False),
