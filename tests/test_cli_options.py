@@ -62,3 +62,32 @@ def test_no_progress_also_silences_the_weight_loading_bars(monkeypatch, tmp_path
         assert cli.main(argv) == 2
         assert "stopped after the load call" in capsys.readouterr().err
         assert seen.pop() is progress
+
+
+def test_the_persistent_compilation_cache_is_the_programs_choice(monkeypatch, tmp_path, capsys):
+    """`degs` (entry_point) turns JAX's process-wide persistent cache on; a Python caller of
+    `main` keeps its own JAX configuration unless it names a directory; `degs reproduce
+    --compilation-cache none` keeps it off. (A pytest worker that had the cache turned on
+    by an in-process `main` aborted inside XLA's executable serialization in CI.)"""
+    from degs_jax import cli
+
+    enabled = []
+    monkeypatch.setattr(cli, "enable_compilation_cache", enabled.append)
+
+    def load(source, **kwargs):
+        raise ValueError("stopped at the load call")
+
+    monkeypatch.setattr(cli.loading, "load", load)
+    reproduce = ["reproduce", "--model", "m", "--out", str(tmp_path / "study"), "--benchmarks", "gsm8k",
+                 "--methods", "greedy", "--pool-benchmarks", "none", "--no-layer-pass"]
+    cases = [(["sample", "x"], False, []),
+             (["sample", "x"], True, [None]),
+             (reproduce, False, []),
+             (reproduce, True, [None]),
+             (reproduce + ["--compilation-cache", "none"], True, []),
+             (reproduce + ["--compilation-cache", str(tmp_path / "xla")], False, [str(tmp_path / "xla")])]
+    for argv, persistent, expected in cases:
+        assert cli.main(argv, persistent_cache=persistent) == 2
+        assert "stopped at the load call" in capsys.readouterr().err
+        assert enabled == expected, (argv, persistent)
+        enabled.clear()

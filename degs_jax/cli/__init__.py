@@ -59,7 +59,7 @@ def _load(args):
                              + (" or --lens both" if args.command == "analyze" else ""))
         read_lens_file(args.tuned_lens)
 
-    enable_compilation_cache()  # compiled programs persist across runs (models/compilation.py)
+    _persistent_cache(args)
     source = args.model or loading.DEFAULT_MODEL
     t0 = time.perf_counter()
     mesh = None
@@ -324,8 +324,25 @@ def interrupted_message(args) -> str:
     return "degs: interrupted"
 
 
-def main(argv=None) -> int:
+def _persistent_cache(args) -> None:
+    """Turn on JAX's persistent compilation cache (models/compilation.py) for this run, or not.
+
+    `degs reproduce --compilation-cache DIR|none` decides where given. Otherwise the cache
+    is on for the `degs` program (`entry_point`), so compiled programs persist across runs,
+    and off for a Python caller of `main` (a notebook, a test), whose process keeps the JAX
+    configuration it has: the cache is process-wide and would outlive the call."""
+    choice = getattr(args, "compilation_cache", None)
+    if choice is not None and choice.lower() == "none":
+        return
+    if choice is not None or args.persistent_cache:
+        enable_compilation_cache(choice)
+
+
+def main(argv=None, *, persistent_cache: bool = False) -> int:
+    """Run one `degs` command; returns its exit status. persistent_cache: turn on JAX's
+    persistent compilation cache for it (the `degs` program does; see `_persistent_cache`)."""
     args = build_parser().parse_args(argv)
+    args.persistent_cache = persistent_cache
     with interruptible(interrupted_message(args)) as say_interrupted:
         try:
             with contextlib.ExitStack() as scope:  # what the command enters (the mesh) ends with it
@@ -343,7 +360,7 @@ def entry_point() -> None:
     """The `degs` console script: `main`, ended by `os._exit` after Ctrl-C, because the
     interpreter's normal shutdown (jax's atexit backend clean-up) can crash while XLA
     threads are still compiling or decoding for the interrupted call."""
-    code = main()
+    code = main(persistent_cache=True)
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -8,13 +8,10 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
-
-import jax
+from typing import Any
 
 from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
-from ..models.loading import default_cache_dir
 from ..reproduce.study import Budget, StudyRequest, available_methods, format_plan, plan_table, run_study
 from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
                       parse_lsub_sweep)
@@ -183,15 +180,6 @@ def build_request(args):
         chat=not args.no_chat)
 
 
-def _compilation_cache(choice: Optional[str]) -> Optional[Path]:
-    if choice is not None and choice.lower() == "none":
-        return None
-    path = Path(choice) if choice else default_cache_dir() / "xla"
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    return path
-
-
 def cmd_reproduce(args, load_model) -> int:
     budget = Budget(args.time_budget)  # counted from here: loading and compiling included
     out = check_output_dir(Path(args.out))
@@ -211,8 +199,7 @@ def cmd_reproduce(args, load_model) -> int:
     for benchmark in benchmarks:
         load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
     args.scope.enter_context(code_isolation(benchmarks, args.unsafe_unsandboxed_grading))
-    _compilation_cache(args.compilation_cache)
-    model = load_model(args)
+    model = load_model(args)  # turns the --compilation-cache on (cli._persistent_cache)
     if args.lsub_sets != "paper":
         request = dataclasses.replace(
             request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.lm.num_layers)))
