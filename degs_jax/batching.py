@@ -15,7 +15,11 @@ What one prompt row costs (an estimate, computed before anything is compiled):
   per sequence (logits, log-softmax, probabilities, noise, the lens's streamed logits).
 
 `pick_batch_size` then takes `floor(fraction · free / bytes_per_row)` rows, at least 1
-and at most `MAX_AUTO_BATCH` and the number of prompts. The fraction (default
+and at most `MAX_AUTO_BATCH` and the number of prompts; the record says which of the three
+limited it. Where one prompt row needs more than all the free memory, `choose_batch_size`
+refuses (`BatchDoesNotFitError`, before anything is compiled) instead of starting a run that
+must run out of memory; where it fits only in the part the fraction leaves over, it takes
+one row and the record carries a warning. The fraction (default
 `DEFAULT_MEMORY_FRACTION`) leaves the rest of the free memory for what the estimate
 leaves out: the prefill's activations (prompt length × hidden size per row) and XLA's
 temporaries. Free memory is read after the parameters are loaded: `bytes_limit -
@@ -43,6 +47,10 @@ WORKING_VOCAB_COPIES = 8
 AUTO = "auto"
 
 
+class BatchDoesNotFitError(ValueError):
+    """`--batch-size auto`: one prompt row of the method needs more than the free memory."""
+
+
 def pick_batch_size(bytes_per_row: int, free_bytes: int,
                     fraction: float = DEFAULT_MEMORY_FRACTION, most: int = MAX_AUTO_BATCH) -> int:
     """Rows that fit: floor(fraction · free_bytes / bytes_per_row), clipped to [1, most]."""
@@ -67,8 +75,12 @@ class RowCost:
     working_bytes: int  # per sequence
 
     @property
+    def per_sequence(self) -> int:
+        return self.cache_bytes + self.state_bytes + self.working_bytes
+
+    @property
     def total(self) -> int:
-        return self.sequences * (self.cache_bytes + self.state_bytes + self.working_bytes)
+        return self.sequences * self.per_sequence
 
 
 def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> RowCost:
@@ -129,12 +141,43 @@ def choose_batch_size(requested: int | str, model: Any, config: Any, longest_pro
         devices = 1 if mesh.empty else mesh.size
     cost = row_cost(model, config, longest_prompt, cache_dtype)
     free, source = free_memory()
+    capacity = max(free, 0) * devices
+    if cost.total > capacity:
+        raise BatchDoesNotFitError(
+            f"--batch-size auto: one prompt of {config.method} needs {_gib(cost.total)} "
+            f"({cost.sequences} sequence(s) of {_gib(cost.per_sequence)}: a {cost.max_len}-slot "
+            f"cache, its records and the step's working set), more than the {_gib(capacity)} free "
+            f"on {devices} device(s) ({source}); lower max_new_tokens or the method's sequences "
+            "per prompt, or spread the rows over more devices")
     most = max(1, min(MAX_AUTO_BATCH, n_prompts))
-    chosen = pick_batch_size(cost.total, free * devices, fraction, most)
-    return {"batch_size": chosen, "requested": AUTO, "bytes_per_row": cost.total,
-            "row_cost": dataclasses.asdict(cost), "free_bytes": free, "devices": devices,
-            "memory_source": source, "fraction": fraction, "largest": most,
-            "rule": "min(largest, max(1, floor(fraction * free_bytes * devices / bytes_per_row)))"}
+    chosen = pick_batch_size(cost.total, capacity, fraction, most)
+    fits = int(capacity * fraction) // cost.total
+    limited_by = ("memory" if fits < most else
+                  "the number of prompts" if most == n_prompts else f"MAX_AUTO_BATCH ({MAX_AUTO_BATCH})")
+    record = {"batch_size": chosen, "requested": AUTO, "limited_by": limited_by,
+              "bytes_per_row": cost.total, "row_cost": dataclasses.asdict(cost), "free_bytes": free,
+              "devices": devices, "memory_source": source, "fraction": fraction, "largest": most,
+              "rule": "min(largest, max(1, floor(fraction * free_bytes * devices / bytes_per_row)))"}
+    if fits == 0:
+        record["warning"] = (f"one prompt needs {_gib(cost.total)} of the {_gib(capacity)} free, more "
+                             f"than the {fraction:.0%} the estimate leaves room for: batch 1 may "
+                             "run out of memory")
+    return record
+
+
+def describe_batch_choice(choice: dict[str, Any]) -> str:
+    """One line for a user: the batch size and, for an automatic choice, why."""
+    if choice["requested"] != AUTO:
+        return f"batch size {choice['batch_size']}"
+    line = (f"batch size {choice['batch_size']} (auto, limited by {choice['limited_by']}: "
+            f"{choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, {_gib(choice['free_bytes'])} free"
+            + (f" on each of {choice['devices']} devices" if choice["devices"] > 1 else "")
+            + f", {choice['memory_source']})")
+    return line + (f"; warning: {choice['warning']}" if "warning" in choice else "")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def parse_batch_size(text: str) -> int | str:

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from degs_jax import batching
 from degs_jax.batching import (MAX_AUTO_BATCH, STATE_BYTES_PER_SLOT, WORKING_VOCAB_COPIES,
-                               choose_batch_size, parse_batch_size, peak_memory, pick_batch_size,
-                               row_cost)
+                               BatchDoesNotFitError, choose_batch_size, describe_batch_choice,
+                               parse_batch_size, peak_memory, pick_batch_size, row_cost)
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.examples.nnx_lm import tiny_nnx_model
 
@@ -77,6 +78,42 @@ def test_choose_batch_size_keeps_an_integer_and_records_an_auto_choice():
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         choose_batch_size(0, LM, config, 17, 5, jnp.float32)
     assert MAX_AUTO_BATCH >= 64
+
+
+def test_auto_batch_says_what_limited_it_and_refuses_a_row_that_cannot_fit(monkeypatch):
+    """Issue 28: where memory is short the automatic batch says so; where one prompt row
+    needs more than all the free memory it refuses before anything runs."""
+    config = hyperparameters_for("degs_smc", n_particles=4, max_new_tokens=40)
+    row = row_cost(LM, config, 17, jnp.float32).total
+    free = {}
+    monkeypatch.setattr(batching, "free_memory", lambda: (free["bytes"], "test memory"))
+    cases = [(10 * row, 100, 7, "memory", 1),  # floor(0.7 * 10 rows)
+             (10 * row, 100, 14, "memory", 2),  # two devices hold twice the rows
+             (10 ** 6 * row, 3, 3, "the number of prompts", 1),
+             (10 ** 6 * row, 10 ** 4, MAX_AUTO_BATCH, f"MAX_AUTO_BATCH ({MAX_AUTO_BATCH})", 1)]
+    for free_bytes, n_prompts, batch, limited_by, devices in cases:
+        free["bytes"] = free_bytes
+        record = choose_batch_size("auto", LM, config, 17, n_prompts, jnp.float32, devices=devices)
+        assert (record["batch_size"], record["limited_by"]) == (batch, limited_by)
+        assert "warning" not in record
+        line = describe_batch_choice(record)
+        assert line.startswith(f"batch size {batch} (auto, limited by {limited_by}: ")
+        assert ("on each of 2 devices" in line) == (devices == 2)
+    # Fits only in the part the fraction keeps back: one row, with a warning.
+    free["bytes"] = row + row // 10
+    record = choose_batch_size("auto", LM, config, 17, 100, jnp.float32, devices=1)
+    assert record["batch_size"] == 1 and record["limited_by"] == "memory"
+    assert "batch 1 may run out of memory" in record["warning"]
+    assert "; warning: one prompt needs" in describe_batch_choice(record)
+    # Does not fit at all: refused, with what one prompt needs and what to change.
+    free["bytes"] = row - 1
+    with pytest.raises(BatchDoesNotFitError, match=r"one prompt of degs_smc needs .* \(4 sequence\(s\) "
+                       r"of .*: a 72-slot cache.*more than the .* free on 1 device\(s\) \(test memory\); "
+                       r"lower max_new_tokens"):
+        choose_batch_size("auto", LM, config, 17, 100, jnp.float32, devices=1)
+    free["bytes"] = (row + 1) // 2  # ... but on two devices it fits
+    assert choose_batch_size("auto", LM, config, 17, 100, jnp.float32, devices=2)["batch_size"] == 1
+    assert describe_batch_choice({"batch_size": 5, "requested": 5}) == "batch size 5"
 
 
 def test_parse_batch_size_and_peak_memory_record():

@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from ..batching import choose_batch_size, parse_batch_size, peak_memory
+from ..batching import choose_batch_size, describe_batch_choice, parse_batch_size, peak_memory
 from ..chat import encode_prompt
 from ..eval.results import RunInUseError
 from ..eval.sandbox import IsolationUnavailableError
@@ -152,10 +152,7 @@ def _sample_many(args, seed: int, method: Method) -> int:
     choice = choose_batch_size(args.batch_size, model.lm, method, longest,
                                len(rows), method.cache_dtype or params_dtype(model.params))
     batch = choice["batch_size"]
-    print(f"batch size {batch}" + (f" (auto: {choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, "
-                                   f"{choice['free_bytes'] / 2**30:.1f} GiB free, "
-                                   f"{choice['memory_source']})" if choice["requested"] == "auto"
-                                   else ""), file=sys.stderr)
+    print(describe_batch_choice(choice), file=sys.stderr)
     base = jax.random.key(seed)
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(rows), batch), desc=method.method, unit="batch", file=sys.stderr):

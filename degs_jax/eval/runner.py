@@ -71,7 +71,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from degs_jax.batching import choose_batch_size, peak_memory
+from degs_jax.batching import choose_batch_size, describe_batch_choice, peak_memory
 from degs_jax.decoders import decode
 from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
@@ -292,6 +292,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
         selected = list(enumerate(all_problems[:limit] if limit is not None else all_problems))
     batch_choice = _choose_batch_size(model, batch_size, method, [p for _, p in selected], chat)
     batch_size = batch_choice["batch_size"]
+    if batch_choice["requested"] == "auto" and (group is None or group.index == 0):
+        print(f"{bench} {method.method}: {describe_batch_choice(batch_choice)}", file=sys.stderr)
     invocation = {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv) if argv is not None else None,
