@@ -268,15 +268,20 @@ def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: 
     Rows that are already ended or at their limit are left untouched.
     """
     fresh_from = state.length if fresh_from is None else fresh_from
-
-    def body(loop: GenerationLoop) -> GenerationLoop:
-        with jax.named_scope("decode_step"):
-            state, active = decode_step(model, params, loop.state, loop.active, limit, keys,
-                                        fresh_from, sampler)
-        return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
-
     start = GenerationLoop(state, initial_active(state, limit), jnp.int32(0))
-    return jax.lax.while_loop(lambda loop: jnp.any(loop.active), body, start).state
+    return jax.lax.while_loop(
+        lambda loop: jnp.any(loop.active),
+        lambda loop: loop_step(model, params, loop, limit, keys, fresh_from, sampler), start).state
+
+
+def loop_step(model: CausalLM, params: Any, loop: GenerationLoop, limit: Array, keys: Array,
+              fresh_from: Array, sampler: SamplerSpec) -> GenerationLoop:
+    """One `decode_step` of the loop's active rows, counted: the body of `generate`'s
+    while_loop and of the sampling methods' `advance`."""
+    with jax.named_scope("decode_step"):
+        state, active = decode_step(model, params, loop.state, loop.active, limit, keys, fresh_from,
+                                    sampler)
+    return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "cache_dtype"))

@@ -23,7 +23,7 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import GenerationLoop, SamplerSpec, decode_step, initial_active
+from .generation import GenerationLoop, SamplerSpec, initial_active, loop_step
 from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE, Method,
                      method_field, positive_int)
 
@@ -64,11 +64,8 @@ class SamplingMethod(Method):
                               steps=jnp.int32(0))
 
     def advance(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> GenerationLoop:
-        with jax.named_scope("decode_step"):
-            state, active = decode_step(model, params, carry.state, carry.active,
-                                        carry.state.prompt_len + self.max_new_tokens, keys,
-                                        carry.state.prompt_len, settings)
-        return GenerationLoop(state=state, active=active, steps=carry.steps + 1)
+        return loop_step(model, params, carry, carry.state.prompt_len + self.max_new_tokens, keys,
+                         carry.state.prompt_len, settings)
 
     def done(self, carry: GenerationLoop, settings: SamplerSpec) -> Array:
         return ~jnp.any(carry.active)
