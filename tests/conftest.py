@@ -7,10 +7,17 @@ run's temp root, beside the workers' own temp dirs) and the processes tests star
 worker (concurrent loads wait on the entry's lock, then read it); it starts empty in every
 run, so no test depends on an earlier one.
 
+No test leaves JAX's persistent compilation cache on for the tests after it
+(`_no_persistent_cache_left_on`): a script's `main` run in-process (bench/grpo_run.py in
+test_grpo) turns it on for the whole process, and a CI worker that went on compiling with
+it on crashed inside XLA's executable serialization (SIGABRT, then SIGSEGV, twice at the same
+later test). Processes a test starts (the `degs` command) keep it, as users have it.
+
 JAX sees four host CPU devices, so that test_sharding can build 2x2, 1x4 and 4x1 meshes;
 everything else runs on the first one as usual. The flag must be set before JAX starts its
 backend, and conftest is imported before any test module."""
 
+import contextlib
 import os
 
 import pytest
@@ -28,4 +35,31 @@ def _isolated_degs_cache(tmp_path_factory):
     cache.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DEGS_JAX_CACHE", str(cache))
+        yield
+
+
+_PERSISTENT_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+@contextlib.contextmanager
+def persistent_cache_restored():
+    """On leaving, JAX's persistent-cache options are as they were on entering, and JAX's
+    cache object is reset where they had changed (module docstring)."""
+    import jax
+    from jax._src import compilation_cache  # reset_cache: JAX's own way back to no cache
+
+    before = {name: getattr(jax.config, name) for name in _PERSISTENT_CACHE_OPTIONS}
+    try:
+        yield
+    finally:
+        changed = {name: value for name, value in before.items() if getattr(jax.config, name) != value}
+        for name, value in changed.items():
+            jax.config.update(name, value)
+        if changed:
+            compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache_left_on():
+    with persistent_cache_restored():
         yield

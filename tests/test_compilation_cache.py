@@ -70,3 +70,28 @@ def test_a_truncated_entry_is_removed_and_written_again(tmp_path):
     outcome, err = run(cache)
     assert outcome == "miss" and "removed 1 damaged entries" in err, err
     assert run(cache)[0] == "hit"
+
+
+def test_a_test_cannot_leave_the_persistent_cache_on(tmp_path, monkeypatch):
+    """conftest puts JAX's persistent-cache options back after every test, and resets JAX's
+    cache object (a bench script's main run in-process turned the cache on for the rest of a
+    CI worker, whose later compilations then wrote into that test's temporary directory;
+    the worker crashed in XLA's executable serialization). Nothing is compiled here."""
+    import jax
+    from jax._src import compilation_cache as jax_cache
+
+    from conftest import persistent_cache_restored
+
+    resets = []
+    monkeypatch.setattr(jax_cache, "reset_cache", lambda: resets.append(1))
+    options = lambda: (jax.config.jax_compilation_cache_dir,
+                       jax.config.jax_persistent_cache_min_compile_time_secs)
+    before = options()
+    with persistent_cache_restored():
+        compilation.enable_compilation_cache(tmp_path / "xla")
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+        assert options() == (str(tmp_path / "xla"), 2.0) != before
+    assert options() == before and resets == [1]
+    with persistent_cache_restored():  # nothing changed: nothing reset
+        pass
+    assert resets == [1]
