@@ -7,11 +7,20 @@ run's temp root, beside the workers' own temp dirs) and the processes tests star
 worker (concurrent loads wait on the entry's lock, then read it); it starts empty in every
 run, so no test depends on an earlier one.
 
+A worker process never runs out of memory mappings (`_memory_maps_kept_below_limit`):
+every executable XLA compiles for the CPU is loaded into mappings of its own (about 6 for a
+small program, measured) and JAX's caches keep them all, so a worker that has compiled
+through half the suite nears the kernel's `vm.max_map_count` (65,530 by default). There
+the next compilation fails inside LLVM ("Cannot allocate memory") and the interpreter dies
+(SIGSEGV or SIGABRT): CI lost a worker that way at the same test in four runs, and the
+crash is reproduced by filling the mappings to 300 below the limit before that test.
+After a test that leaves the process above half the limit, JAX's caches are cleared.
+
 No test leaves JAX's persistent compilation cache on for the tests after it
 (`_no_persistent_cache_left_on`): a script's `main` run in-process (bench/grpo_run.py in
-test_grpo) turns it on for the whole process, and a CI worker that went on compiling with
-it on crashed inside XLA's executable serialization (SIGABRT, then SIGSEGV, twice at the same
-later test). Processes a test starts (the `degs` command) keep it, as users have it.
+test_grpo) turns it on for the whole process, and its later compilations would write
+into that test's temporary directory. Processes a test starts (the `degs` command) keep
+it, as users have it.
 
 JAX sees four host CPU devices, so that test_sharding can build 2x2, 1x4 and 4x1 meshes;
 everything else runs on the first one as usual. The flag must be set before JAX starts its
@@ -63,3 +72,38 @@ def persistent_cache_restored():
 def _no_persistent_cache_left_on():
     with persistent_cache_restored():
         yield
+
+
+def memory_map_count() -> int:
+    """The number of memory mappings of this process (lines of /proc/self/maps; 0 where
+    there is no /proc)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def _memory_map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530  # the kernel's default
+
+
+MEMORY_MAP_LIMIT = _memory_map_limit()
+
+
+@pytest.fixture(autouse=True)
+def _memory_maps_kept_below_limit():
+    """Clear JAX's caches (and with them the compiled executables' mappings) after a test
+    that leaves more than half of vm.max_map_count mapped (module docstring)."""
+    yield
+    if memory_map_count() > MEMORY_MAP_LIMIT // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from degs_jax.models import compilation
 
 # Compiles one small program (and nothing else) with the cache in DIR; prints "hit" when
@@ -95,3 +97,32 @@ def test_a_test_cannot_leave_the_persistent_cache_on(tmp_path, monkeypatch):
     with persistent_cache_restored():  # nothing changed: nothing reset
         pass
     assert resets == [1]
+
+
+def test_clearing_jax_caches_unmaps_the_compiled_programs():
+    """What conftest's `_memory_maps_kept_below_limit` relies on: each executable compiled
+    for the CPU holds memory mappings of its own while JAX's caches keep it, and
+    `jax.clear_caches()` gives them back (a CI worker that had compiled through half the
+    suite reached vm.max_map_count and crashed in LLVM at its next compilation)."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+
+    from conftest import memory_map_count
+
+    if memory_map_count() == 0:
+        pytest.skip("no /proc/self/maps here")
+    jax.clear_caches()
+    gc.collect()
+    start = memory_map_count()
+    # 60 programs of functions that stay alive, as the library's module-level jitted ones do
+    functions = [jax.jit(lambda x, i=i: jnp.tanh(x * i) @ x.T) for i in range(60)]
+    for f in functions:
+        f(jnp.ones((4, 4))).block_until_ready()
+    grown = memory_map_count() - start
+    assert grown >= 120, grown  # measured: about 6 mappings per executable
+    jax.clear_caches()
+    gc.collect()
+    given_back = start + grown - memory_map_count()
+    assert given_back >= 120, (grown, given_back)  # measured: 180 of 257 (the rest: thread pools)
