@@ -67,8 +67,7 @@ def test_no_progress_also_silences_the_weight_loading_bars(monkeypatch, tmp_path
 def test_the_persistent_compilation_cache_is_the_programs_choice(monkeypatch, tmp_path, capsys):
     """`degs` (entry_point) turns JAX's process-wide persistent cache on; a Python caller of
     `main` keeps its own JAX configuration unless it names a directory; `degs reproduce
-    --compilation-cache none` keeps it off. (A pytest worker that had the cache turned on
-    by an in-process `main` aborted inside XLA's executable serialization in CI.)"""
+    --compilation-cache none` keeps it off (it used to be turned back on at the model load)."""
     from degs_jax import cli
 
     enabled = []

@@ -77,8 +77,8 @@ def test_a_truncated_entry_is_removed_and_written_again(tmp_path):
 def test_a_test_cannot_leave_the_persistent_cache_on(tmp_path, monkeypatch):
     """conftest puts JAX's persistent-cache options back after every test, and resets JAX's
     cache object (a bench script's main run in-process turned the cache on for the rest of a
-    CI worker, whose later compilations then wrote into that test's temporary directory;
-    the worker crashed in XLA's executable serialization). Nothing is compiled here."""
+    worker, whose later compilations then wrote into that test's temporary directory).
+    Nothing is compiled here."""
     import jax
     from jax._src import compilation_cache as jax_cache
 
