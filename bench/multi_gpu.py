@@ -12,6 +12,8 @@ tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens in the libr
 dp:   the same decode on a smaller shape: one device at batch B against an N x 1 mesh
       at batch N·B (scaling efficiency = throughput ratio / N), for each N of --dp-sizes
       and each cache read of --dp-reads (the read each side took is recorded).
+      With --compilation-cache DIR, run it twice: the second run's first call loads the
+      programs from the persistent cache (the warm compile).
 mcmc: degs_mcmc on the tensor-parallel model, a few problems, the default 16 x 192
       buffer, 2 MH steps, every completion ending with EOS at --mcmc-length tokens.
 """
@@ -31,6 +33,7 @@ from degs_jax.decoders import decode
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.models import init_params
 from degs_jax.models.attention import read_mode
+from degs_jax.models.compilation import enable_compilation_cache
 from degs_jax.models.sharding import make_mesh, param_shardings
 
 OUT = "multi_gpu.jsonl"
@@ -140,13 +143,18 @@ def main():
     ap.add_argument("--mcmc-problems", type=int, default=16)
     ap.add_argument("--mcmc-length", type=int, default=128, help="completion tokens (EOS forced there)")
     ap.add_argument("--mcmc-mh-steps", type=int, default=2)
+    ap.add_argument("--compilation-cache", default=None, metavar="DIR",
+                    help="turn on JAX's persistent compilation cache in DIR: run the same command twice "
+                         "and the second run's seconds_first_call is the warm compile (default: off)")
     ap.add_argument("--copy-gib", type=float, default=4.0,
                     help="size of the array of the bandwidth measurement (GiB; small for CPU smoke tests)")
     args = ap.parse_args()
+    if args.compilation_cache:
+        enable_compilation_cache(args.compilation_cache)
     n = args.devices or jax.local_device_count()
     bw = copy_bandwidth(gib=args.copy_gib)
     emit({"bench": "environment", **environment(), "devices_used": n,
-          "copy_bandwidth_GBps": bw / 1e9}, OUT)
+          "copy_bandwidth_GBps": bw / 1e9, "compilation_cache": args.compilation_cache}, OUT)
     if "dp" in args.parts:
         data_parallel(args, args.dp_sizes or [n])
     if "tp" in args.parts or "mcmc" in args.parts:
