@@ -18,6 +18,7 @@ import pytest
 
 from degs_jax import cli
 from degs_jax.eval.results import ResultStore, accuracy, merge_shards
+from degs_jax.models import loading
 
 pytestmark = pytest.mark.slow
 
@@ -256,3 +257,18 @@ def test_batch_invariant_runs_do_not_depend_on_processes_or_batch_size(setup, tm
     for field in [f for f in FIELDS if f != "generated_tokens"] + ["acceptance"]:
         assert [r[field] for r in sorted(records, key=lambda r: r["index"])] == [r[field] for r in reference], field
     assert json.loads((one / "run.json").read_text())["config"]["model"]["batch_invariant"] is True
+
+
+def test_two_processes_on_a_fresh_cache_convert_the_builtin_model_once(setup, tmp_path):
+    """The README's launch command on a fresh machine: no converted weights yet, so one
+    process converts the built-in GGUF under the cache's file lock while the other waits
+    for it. Until the backend was started in `_join_job`, the converting process's first
+    JAX array waited for the waiting process's device topology: a deadlock, ended by
+    jax's 2-minute topology timeout with process 0 failing (found on 2 x H200)."""
+    fresh = Setup(dict(setup.env, DEGS_JAX_CACHE=str(tmp_path / "fresh")), "smollm2-135m")
+    base = ["eval", "--benchmark", "gsm8k", "--method", "greedy", "--max-new-tokens", "2",
+            "--limit", "2", "--batch-size", "1", "--no-progress"]
+    _assert_ok(_run_two(fresh, tmp_path / "run", base=base))
+    assert [r["index"] for r in _records(tmp_path / "run")] == [0, 1]
+    converted = tmp_path / "fresh" / f"gguf-v{loading.GGUF_CACHE_VERSION}"
+    assert len(list(converted.glob("*/model.safetensors"))) == 1

@@ -149,13 +149,22 @@ def _join_job(options: dict) -> None:
     SIGTERM (kill, Slurm's scancel) then ends this process through an exception, which
     tells the others to stop (``run_eval``'s failure publishing). jax's preemption
     service, which would otherwise catch SIGTERM and carry on, is switched off: an eval
-    has no preemption sync points."""
+    has no preemption sync points.
+
+    The backend starts here too, in every process, before the model load: starting it
+    waits until every process has sent its device topology. Started later, by the first
+    JAX operation, it deadlocked the first run on a fresh cache. One process converted
+    the built-in GGUF under the conversion's file lock and its first JAX array waited
+    for the others' topologies, while they waited for the lock without having started
+    their backends. After jax's 2-minute topology timeout the converting process
+    failed (seen on 2 x H200 and reproduced on CPU)."""
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(**options)
     except ValueError as e:  # auto-detection found no cluster environment
         raise ValueError(f"cannot join a jax.distributed job: {e} (pass --coordinator, "
                          "--num-processes and --process-id)") from e
+    jax.devices()  # the backend, and with it the topology exchange (docstring)
     signal.signal(signal.SIGTERM, _terminated)
 
 
