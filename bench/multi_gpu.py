@@ -9,11 +9,11 @@ tp:   mesh 1 x N (N = all local devices); prompt 256, 512 new tokens in the libr
       state donated (as `decode` does: the cache is updated in place);
       roofline = (weights + KV cache read per step) / N per device over one device's
       measured copy bandwidth.
+      With --compilation-cache DIR, run it twice: the second run's first call loads the
+      programs from the persistent cache (the warm compile).
 dp:   the same decode on a smaller shape: one device at batch B against an N x 1 mesh
       at batch N·B (scaling efficiency = throughput ratio / N), for each N of --dp-sizes
       and each cache read of --dp-reads (the read each side took is recorded).
-      With --compilation-cache DIR, run it twice: the second run's first call loads the
-      programs from the persistent cache (the warm compile).
 mcmc: degs_mcmc on the tensor-parallel model, a few problems, the default 16 x 192
       buffer, 2 MH steps, every completion ending with EOS at --mcmc-length tokens.
 """
