@@ -150,20 +150,20 @@ def main():
             "--method", args.method, "--batch-size", str(args.batch_size), "--no-progress",
             *shlex.split(args.eval_args)]
 
+    def n_processes(flags: list[str], out: Path) -> float:
+        port = free_port()
+        return launch([[*base, *flags, "--limit", str(args.limit), "--out", str(out),
+                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
+                        "--process-id", str(k)] for k in range(n)],
+                      [str(k) for k in range(n)], env, out, args.timeout)
+
     for mode in modes:
         flags = MODE_FLAGS[mode]
         runs = {name: work / f"{mode}_{name}" for name in ("warmup", "one", "many")}
-        def n_processes(out: Path) -> float:
-            port = free_port()
-            return launch([[*base, *flags, "--limit", str(args.limit), "--out", str(out),
-                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
-                            "--process-id", str(k)] for k in range(n)],
-                          [str(k) for k in range(n)], env, out, args.timeout)
-
-        warm = n_processes(runs["warmup"])
+        warm = n_processes(flags, runs["warmup"])
         one = launch([[*base, *flags, "--limit", str(args.limit), "--out", str(runs["one"])]],
                      ["0"], env, runs["one"], args.timeout)
-        many = n_processes(runs["many"])
+        many = n_processes(flags, runs["many"])
         one_records, many_records = records(runs["one"]), records(runs["many"])
         emit({"bench": "multiprocess_eval", "mode": mode, "flags": flags, "model": args.model,
               "benchmark": args.benchmark, "method": args.method, "eval_args": args.eval_args,

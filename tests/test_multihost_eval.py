@@ -37,7 +37,7 @@ TIMEOUT_S = 300  # per command: a hung barrier fails the test instead of hanging
 @dataclasses.dataclass(frozen=True)
 class Setup:
     env: dict  # for the subprocesses
-    model: Path  # --model
+    model: Path | str  # --model: a model directory, or a built-in name
 
 
 @pytest.fixture(scope="module")
