@@ -28,11 +28,42 @@ backend, and conftest is imported before any test module."""
 
 import contextlib
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
+
+
+def _free_disk_gib() -> float:
+    return shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+
+
+# The free disk under the temp root (the run's caches and temp dirs), at the start and at its
+# lowest after any test phase, printed at the end: CI's disk is shared, and a run that finds too
+# little fails in whichever test writes next.
+_free_disk = {}
+
+
+def pytest_sessionstart(session):
+    _free_disk["start"] = _free_disk["lowest"] = _free_disk_gib()
+    _free_disk["after"] = "the start"
+
+
+def pytest_runtest_logreport(report):
+    """After each phase of each test (the xdist controller sees every worker's reports); a
+    test's temp dir is still there after its call phase."""
+    free = _free_disk_gib()
+    if free < _free_disk["lowest"]:
+        _free_disk["lowest"], _free_disk["after"] = free, f"{report.nodeid} ({report.when})"
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(
+        f"free disk under {tempfile.gettempdir()}: {_free_disk['start']:.1f} GiB at the start, "
+        f"{_free_disk['lowest']:.1f} GiB at the lowest (after {_free_disk['after']})")
 
 
 @pytest.fixture(autouse=True, scope="session")
