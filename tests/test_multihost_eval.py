@@ -1,4 +1,5 @@
-"""Multi-process `degs eval`: two CPU processes on loopback, as one jax.distributed job.
+"""Multi-process `degs eval` and `degs reproduce`: two CPU processes on loopback, as one
+jax.distributed job.
 
 Every run is a real `python -m degs_jax.cli` process (jax.distributed cannot be joined
 twice, nor after JAX has started, in the pytest process), on a 4-layer random model
@@ -79,14 +80,16 @@ def reference(setup, tmp_path_factory):
     return out
 
 
-def _degs(setup, out, *extra, base=EVAL):
-    return [sys.executable, "-m", "degs_jax.cli", *base, "--model", str(setup.model),
-            "--out", str(out), *map(str, extra)]
+def _degs(setup, out, *extra, base=EVAL, launcher=None):
+    """The command line; ``launcher``: Python code run in place of ``-m degs_jax.cli``."""
+    start = ["-m", "degs_jax.cli"] if launcher is None else ["-c", launcher]
+    return [sys.executable, *start, *base, "--model", str(setup.model), "--out", str(out),
+            *map(str, extra)]
 
 
-def _run_one(setup, out, *extra, base=EVAL):
-    done = subprocess.run(_degs(setup, out, *extra, base=base), env=setup.env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+def _run_one(setup, out, *extra, base=EVAL, launcher=None):
+    done = subprocess.run(_degs(setup, out, *extra, base=base, launcher=launcher), env=setup.env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -97,7 +100,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_two(setup, out, extra=((), ()), base=EVAL):
+def _run_two(setup, out, extra=((), ()), base=EVAL, launcher=None):
     """Processes 0 and 1 of one job (``extra``: each one's additional arguments); returns
     [(returncode, stdout, stderr)] by process id."""
     port = _free_port()
@@ -107,7 +110,7 @@ def _run_two(setup, out, extra=((), ()), base=EVAL):
     try:
         for k in range(2):
             argv = _degs(setup, out, *extra[k], "--coordinator", f"127.0.0.1:{port}",
-                         "--num-processes", 2, "--process-id", k, base=base)
+                         "--num-processes", 2, "--process-id", k, base=base, launcher=launcher)
             with open(logs[k][0], "w") as stdout, open(logs[k][1], "w") as stderr:
                 procs.append(subprocess.Popen(argv, env=setup.env, stdout=stdout, stderr=stderr))
         for proc in procs:
@@ -272,3 +275,65 @@ def test_two_processes_on_a_fresh_cache_convert_the_builtin_model_once(setup, tm
     assert [r["index"] for r in _records(tmp_path / "run")] == [0, 1]
     converted = tmp_path / "fresh" / f"gguf-v{loading.GGUF_CACHE_VERSION}"
     assert len(list(converted.glob("*/model.safetensors"))) == 1
+
+
+# A study of greedy decoding and a pool (2 candidates each), on 2 problems, one per batch
+# (both prompts in one length bucket: one compilation per decoder), with its layer pass
+# one problem per group: two processes take both batches (or groups) in one step, one
+# process one per step. Both decode the same batches, so their records are equal without
+# --batch-invariant. STUDY_CLI is `degs` with a layer pass of one problem per group and
+# two candidates per lens call (on the CPU a call at the default row budget takes ~10 s).
+STUDY = ["reproduce", "--benchmarks", "deepmind500", "--methods", "greedy", "--limit", "2",
+         "--pool-benchmarks", "deepmind500", "--hp", "max_new_tokens=8", "--hp", "pool.n=2",
+         "--batch-size", "1", "--seed", "7", "--dtype", "float32", "--no-progress"]
+STUDY_CLI = ("import degs_jax.reproduce.study as study; study.LAYER_PASS_PROBLEMS = 1; "
+             "study.LENS_ROW_BUDGET = 2 * 5 * study.LENGTH_BUCKET; "
+             "from degs_jax.cli import entry_point; entry_point()")
+
+
+def _layer_records(study):
+    return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+            for line in (study / "pool/deepmind500/layers.jsonl").read_text().splitlines()]
+
+
+def test_a_study_in_two_processes_matches_one(setup, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run_one(setup, one, "--no-report", base=STUDY, launcher=STUDY_CLI)
+    results = _run_two(setup, two, base=STUDY, launcher=STUDY_CLI)
+    _assert_ok(results)
+    for job in ("runs/deepmind500/greedy", "pool/deepmind500"):
+        records = _records(two / job)
+        assert [r["index"] for r in records] == [0, 1]
+        _assert_same(records, _records(one / job))
+        assert not list((two / job).glob("results.process-*"))
+    assert [r["candidates"] for r in _records(two / "pool/deepmind500")] == \
+        [r["candidates"] for r in _records(one / "pool/deepmind500")]
+    layers = _layer_records(two)
+    assert [r["index"] for r in layers] == [0, 1] and layers == _layer_records(one)
+    assert [len(r["candidates"]) for r in layers] == [2, 2]
+    (invocation,) = json.loads((two / "study.json").read_text())["invocations"]
+    assert invocation["status"] == "finished" and invocation["process_count"] == 2
+    assert [(s["job"], s["problems"]) for s in invocation["steps"]] == [
+        ("runs/deepmind500/greedy", [0, 1]), ("pool/deepmind500", [0, 1]),
+        ("pool/deepmind500/layers", [0, 1])]
+    single = json.loads((one / "study.json").read_text())["invocations"][0]["steps"]
+    assert [s["problems"] for s in single] == [[0], [1]] * 3
+    (rc0, out0, err0), (rc1, out1, err1) = results
+    assert "report: " in out0 and (two / "report.md").exists()  # process 0 writes it
+    assert "study finished" in err0 and out1 == "" and "study finished" not in err1
+
+
+def test_a_study_refuses_processes_started_differently(setup, tmp_path):
+    out = tmp_path / "study"
+    (rc0, _, err0), (rc1, _, err1) = _run_two(setup, out, ([], ["--hp", "pool.temperature=0.5"]),
+                                              base=STUDY)
+    assert rc0 == rc1 == 2, (err0[-2000:], err1[-2000:])
+    assert "process 1 was started with another study than process 0 (overrides: " in err0
+    assert "process 0 of 2 failed: ValueError: process 1 was started with another study" in err1
+    assert not out.exists()  # refused before anything was written
+
+
+def test_a_study_in_several_processes_refuses_single_process_modes(tmp_path, capsys):
+    rc = cli.main(["reproduce", "--out", str(tmp_path / "x"), "--plan", "--coordinator", "h:1",
+                   "--num-processes", "2", "--process-id", "0"])
+    assert rc == 2 and "--plan runs in one process" in capsys.readouterr().err

@@ -8,12 +8,8 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
-from typing import Optional
-
-import jax
 
 from ..batching import parse_batch_size
 from ..eval import runner
@@ -21,6 +17,7 @@ from ..eval.benchmarks import load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
 from ..models.loading import BUILTIN_MODELS
 from ..train.tuned_lens import resolve_lens
+from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
                       check_output_dir, check_seed, code_isolation, method_value, parse_lsub_sweep)
 
@@ -37,19 +34,12 @@ For the predictive-validity analysis (`degs analyze`) keep and grade every candi
   degs eval --benchmark math500 --method best_of_n --n 16 --temperature 0.8 --top-p 0.9 \\
             --keep-candidates --out runs/pool
 
-Several processes (hosts, or GPUs of one host) share the problems as one jax.distributed
-job: start the same command once per process, adding the coordinator (process 0's
-address and a free port) and each process's id; OUT must be a directory all of them
-see. Each claims batches in turn and writes OUT/results.process-K-of-N.jsonl; process 0
-merges them into OUT/results.jsonl (records as from a single process) and prints the
-summary. Resuming works with any number of processes. Two processes on one machine:
-  degs eval --benchmark math500 --method degs_mcmc --out runs/m500 \\
-            --coordinator 127.0.0.1:8476 --num-processes 2 --process-id 0 &
-  degs eval --benchmark math500 --method degs_mcmc --out runs/m500 \\
-            --coordinator 127.0.0.1:8476 --num-processes 2 --process-id 1
-(one GPU each: prefix CUDA_VISIBLE_DEVICES=0 and =1). Under Slurm or Open MPI,
---distributed alone detects the three from the environment.
-"""
+In a job of several processes (below), each claims batches in turn and writes
+OUT/results.process-K-of-N.jsonl; process 0 merges them into OUT/results.jsonl (records
+as from a single process) and prints the summary. Resuming works with any number of
+processes.
+
+""" + LAUNCH_HELP.format(command="degs eval --benchmark math500 --out runs/m500")
 
 ANALYZE_DESCRIPTION = """Collapse depth D(x) as a predictor of correctness, on a `degs eval` run
 (best with --keep-candidates): D of correct vs incorrect (mean gap, Mann-Whitney U), AUC,
@@ -84,14 +74,7 @@ def add_commands(sub, load_model) -> None:
                                                     "the copies installed with degs_jax)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_unsafe_grading_flag(g)
-    d = e.add_argument_group("several processes (jax.distributed; see above)")
-    d.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="process 0's address and a free port (the same for every process)")
-    d.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
-    d.add_argument("--process-id", type=int, metavar="K", help="this process, 0..N-1")
-    d.add_argument("--distributed", action="store_true",
-                   help="join a jax.distributed job, detecting what the three options above "
-                        "leave out from the cluster environment (Slurm, Open MPI, TPU)")
+    add_distributed_args(e)
     e.set_defaults(func=lambda args: cmd_eval(args, load_model))
 
     a = sub.add_parser("analyze", help="D(x) as a predictor of correctness; L_sub sweep",
@@ -117,61 +100,6 @@ def add_commands(sub, load_model) -> None:
     a.set_defaults(dtype=None, func=lambda args: cmd_analyze(args, load_model))
 
 
-def _distributed_options(args) -> Optional[dict]:
-    """``jax.distributed.initialize`` arguments from `degs eval`'s options; None when the
-    run is not a distributed one. ValueError for an incomplete or inconsistent set."""
-    given = {"coordinator_address": args.coordinator, "num_processes": args.num_processes,
-             "process_id": args.process_id}
-    if not args.distributed and all(v is None for v in given.values()):
-        return None
-    if not args.distributed and any(v is None for v in given.values()):
-        missing = [f"--{k.replace('_address', '').replace('_', '-')}"
-                   for k, v in given.items() if v is None]
-        raise ValueError(f"--coordinator, --num-processes and --process-id go together (missing "
-                         f"{', '.join(missing)}); or add --distributed to detect the missing ones "
-                         "from a Slurm, Open MPI or TPU environment")
-    n, k = args.num_processes, args.process_id
-    if n is not None and n < 1:
-        raise ValueError(f"--num-processes must be positive, got {n}")
-    if k is not None and not (0 <= k and (n is None or k < n)):
-        raise ValueError(f"--process-id {k} is out of range"
-                         + (f" 0..{n - 1} (--num-processes {n})" if n is not None else ""))
-    if args.coordinator is not None:
-        host, _, port = args.coordinator.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
-    return {key: v for key, v in given.items() if v is not None}
-
-
-def _join_job(options: dict) -> None:
-    """Join the jax.distributed job; it must precede every JAX computation (model load).
-
-    SIGTERM (kill, Slurm's scancel) then ends this process through an exception, which
-    tells the others to stop (``run_eval``'s failure publishing). jax's preemption
-    service, which would otherwise catch SIGTERM and carry on, is switched off: an eval
-    has no preemption sync points.
-
-    The backend starts here too, in every process, before the model load: starting it
-    waits until every process has sent its device topology. Started later, by the first
-    JAX operation, it deadlocked the first run on a fresh cache. One process converted
-    the built-in GGUF under the conversion's file lock and its first JAX array waited
-    for the others' topologies, while they waited for the lock without having started
-    their backends. After jax's 2-minute topology timeout the converting process
-    failed (seen on 2 x H200 and reproduced on CPU)."""
-    jax.config.update("jax_enable_preemption_service", False)
-    try:
-        jax.distributed.initialize(**options)
-    except ValueError as e:  # auto-detection found no cluster environment
-        raise ValueError(f"cannot join a jax.distributed job: {e} (pass --coordinator, "
-                         "--num-processes and --process-id)") from e
-    jax.devices()  # the backend, and with it the topology exchange (docstring)
-    signal.signal(signal.SIGTERM, _terminated)
-
-
-def _terminated(signum, frame):
-    raise SystemExit(f"degs: terminated by {signal.Signals(signum).name}")
-
-
 def cmd_eval(args, load_model) -> int:
     # Everything that can be checked without the model, before loading it.
     method = method_value(args)
@@ -182,9 +110,9 @@ def cmd_eval(args, load_model) -> int:
     check_output_dir(Path(args.out))
     runner.check_run_directory(Path(args.out))  # what a resume would read
     args.scope.enter_context(code_isolation([args.benchmark], args.unsafe_unsandboxed_grading))
-    options = _distributed_options(args)
+    options = distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
-        _join_job(options)   # waiting in jax.distributed.initialize
+        join_job(options)    # waiting in jax.distributed.initialize
     try:
         load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
         model = load_model(args)

@@ -12,7 +12,9 @@ from typing import Any
 
 from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
+from ..eval.processes import PeerProcessError, publish_failure
 from ..reproduce.study import Budget, StudyRequest, available_methods, format_plan, plan_table, run_study
+from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
                       parse_lsub_sweep)
 
@@ -41,7 +43,13 @@ examples:
       --batch-size 64 --time-budget 480
   degs reproduce --out runs/study --report-only          # rewrite the report (no model)
   degs reproduce --out runs/study --export docs/reproduction/NAME   # compact copy to commit
-"""
+
+In a job of several processes (below), process 0 decides each step and keeps study.json;
+each step gives every process one batch of the same job (or one group of the layer
+pass), and process 0 writes the report. --plan, --report-only and --export run in one
+process.
+
+""" + LAUNCH_HELP.format(command="degs reproduce --model M --out runs/study")
 
 ALL_BENCHMARKS = "math500,deepmind500,gsm8k,humaneval,gpqa"
 PAPER_POOL_BENCHMARKS = "math500,deepmind500"
@@ -106,6 +114,7 @@ def add_commands(sub, load_model) -> None:
                                                     "the copies installed with degs_jax)")
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_unsafe_grading_flag(m)
+    add_distributed_args(r)
     r.set_defaults(func=lambda args: cmd_reproduce(args, load_model))
 
 
@@ -184,6 +193,12 @@ def cmd_reproduce(args, load_model) -> int:
     budget = Budget(args.time_budget)  # counted from here: loading and compiling included
     out = check_output_dir(Path(args.out))
     check_seed(args.seed)
+    options = distributed_options(args)
+    single = [flag for flag, on in (("--plan", args.plan), ("--report-only", args.report_only),
+                                    ("--export", args.export)) if on]
+    if options is not None and single:
+        raise ValueError(f"{single[0]} runs in one process: leave out --coordinator, "
+                         "--num-processes, --process-id and --distributed")
     if args.export:
         result = reproduce.export_study(out, args.export)
         print(f"exported {out} to {args.export}; report: {result['report']}")
@@ -196,17 +211,27 @@ def cmd_reproduce(args, load_model) -> int:
         print(format_plan(plan_table(out, request, data_dir=args.data_dir)))
         return 0
     benchmarks = {**request.benchmarks, **request.pool_benchmarks}
-    for benchmark in benchmarks:
-        load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
     args.scope.enter_context(code_isolation(benchmarks, args.unsafe_unsandboxed_grading))
-    model = load_model(args)  # turns the --compilation-cache on (cli._persistent_cache)
-    if args.lsub_sets != "paper":
-        request = dataclasses.replace(
-            request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.lm.num_layers)))
-    run_study(model, out, request, budget=budget, progress=not args.no_progress,
-              data_dir=args.data_dir, argv=sys.argv[1:],
-              allow_unsandboxed=args.unsafe_unsandboxed_grading)
-    if not args.no_report:
+    if options is not None:  # before any JAX computation (the model load)
+        join_job(options)
+    try:
+        for benchmark in benchmarks:
+            load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
+        model = load_model(args)  # turns the --compilation-cache on (cli._persistent_cache)
+        if args.lsub_sets != "paper":
+            request = dataclasses.replace(
+                request, lsub_sets=tuple(parse_lsub_sweep(args.lsub_sets, model.lm.num_layers)))
+    except BaseException as e:  # e.g. data or a model path missing on one host: stop the others
+        publish_failure(e)
+        raise
+    try:
+        study = run_study(model, out, request, budget=budget, progress=not args.no_progress,
+                          data_dir=args.data_dir, argv=sys.argv[1:],
+                          allow_unsandboxed=args.unsafe_unsandboxed_grading)
+    except PeerProcessError as e:  # the failing process reports the details
+        print(f"degs: error: {e}", file=sys.stderr)
+        return 2
+    if study is not None and not args.no_report:  # process 0 of a job writes the report
         t0 = time.perf_counter()
         result = reproduce.write_report(out)
         print(f"report: {result['report']} ({time.perf_counter() - t0:.1f} s)")

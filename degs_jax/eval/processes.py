@@ -1,7 +1,7 @@
-"""The multi-process protocol of `degs eval` (a ``jax.distributed`` job): process groups,
+"""The multi-process protocol of `degs eval` and `degs reproduce` (a ``jax.distributed`` job): process groups,
 barriers, shared values and failure propagation over the coordination service's key-value
 store. What the processes do between the barriers (claim batches, write shards, merge) is
-in :mod:`degs_jax.eval.runner`.
+in :mod:`degs_jax.eval.runner` and :mod:`degs_jax.reproduce.study`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import jax
 from jax._src import distributed
 
 __all__ = ["PeerProcessError", "ProcessGroup", "process_group", "publish_failure",
-           "failures_published", "raise_if_peer_failed", "barrier", "share", "shared"]
+           "failures_published", "raise_if_peer_failed", "barrier", "share", "shared", "from_process_0",
+           "gathered_on_process_0"]
 
 
 class PeerProcessError(RuntimeError):
-    """Another process of a multi-process `degs eval` failed (its error is in the message)."""
+    """Another process of a multi-process `degs eval` or `degs reproduce` failed (its error is in the message)."""
 
 
 # Synchronisation goes through the key-value store of jax.distributed's coordination
@@ -39,7 +40,8 @@ class PeerProcessError(RuntimeError):
 
 _POLL_S = 0.5
 _FAILED = "degs_eval/failed"  # job-wide: after a failure the processes are out of step
-_CALLS = itertools.count()  # run_eval calls of this process: distinct key namespaces
+_CALLS = itertools.count()  # groups made by this process (run_eval calls, studies): distinct
+#                             key namespaces, the same on every process that makes the same calls
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,28 @@ def shared(group: ProcessGroup, name: str) -> Any:
     """A value ``share``d before a barrier that this process has passed."""
     return json.loads(group.client.key_value_try_get(f"{group.prefix}/{name}"))
 
+
+def from_process_0(group: Optional[ProcessGroup], name: str, value: Any) -> Any:
+    """Process 0's ``value`` (JSON), on every process once all have reached ``name`` (a
+    name new to ``group``); ``value`` itself outside a job. What the other processes pass
+    is ignored."""
+    if group is None:
+        return value
+    if group.index == 0:
+        share(group, name, value)
+    barrier(group, name)
+    return shared(group, name)
+
+
+def gathered_on_process_0(group: Optional[ProcessGroup], name: str, value: Any) -> Optional[list]:
+    """Every process's ``value`` (JSON), by process index, on process 0 once all have
+    reached ``name`` (a name new to ``group``); None on the others; ``[value]`` outside a
+    job."""
+    if group is None:
+        return [value]
+    share(group, f"{name}/{group.index}", value)
+    barrier(group, name)
+    return [shared(group, f"{name}/{k}") for k in range(group.count)] if group.index == 0 else None
 
 
 def failures_published(fn):

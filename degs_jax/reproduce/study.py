@@ -41,10 +41,23 @@ the study then stops cleanly and the report says what ran.
 
 Randomness is ``run_eval``'s: problem ``i`` uses ``fold_in(key(seed), i)``, whatever
 the batch, round or invocation.
+
+Several processes (a ``jax.distributed`` job, one process per GPU or host; the study
+directory on a filesystem all of them see) run one study together: every process calls
+:func:`run_study` with the same request (process 0 checks that, before anything is
+written). Process 0 alone reads what is done, applies the time budget and keeps
+``study.json``; it hands each step to all as one ``run_eval`` call of up to N batches,
+the same batches as a single process decodes, one per process (``run_eval``'s own
+multi-process protocol). With N processes a step therefore lasts about as long as one
+batch, and the time budget counts a batch's time as one process measures it. The layer
+pass is shared the same way: each step gives every process a group of pool problems, and
+process 0 stores what they computed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import sys
 import time
@@ -58,6 +71,8 @@ import numpy as np
 
 from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
+from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, from_process_0,
+                                     gathered_on_process_0, process_group, share, shared)
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
 from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_from_record, resolve_hyperparameters
@@ -449,44 +464,100 @@ def _batches(job: Job, start: int, stop: int) -> Iterator[list[int]]:
             yield chunk
 
 
+def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rates: _Rates,
+               budget: Budget, skipped: list[str]) -> list[list[int]]:
+    """The batches of the next ``run_eval`` call of ``job``: the next ones from ``chunks``
+    (each without its finished problems) whose estimated time fits the budget, up to
+    ``width`` (one per process; the estimate of a batch is the time one process takes).
+    A batch cut short (by a round's end or by finished problems) ends the call, so that
+    ``run_eval``, cutting the call's problems into batches of the largest one's size,
+    decodes exactly these batches. Batches the budget does not admit go to ``skipped``;
+    [] when ``chunks`` has no more."""
+    call: list[list[int]] = []
+    for chunk in chunks:
+        done = {r["index"] for r in read_records(out / job.directory)}
+        todo = [i for i in chunk if i not in done]
+        if not todo:
+            continue
+        rate = rates.per_unit(_job_rate_keys(job))
+        if not budget.fits(None if rate is None else rate * len(todo)):
+            skipped.append(f"{job.label} problems {todo[0]}-{todo[-1]}")
+            continue
+        call.append(todo)
+        if len(call) == width or len(todo) < job.batch_size:
+            break
+    return call
+
+
+def _check_same_request(group: ProcessGroup, request: StudyRequest) -> None:
+    """Process 0 checks that every process of the job runs its study (else their calls
+    would differ), before anything is written; the others learn of a refusal at the next
+    barrier (PeerProcessError)."""
+    share(group, f"request/{group.index}", json.loads(json.dumps(request.as_json())))
+    barrier(group, "requests")
+    if group.index != 0:
+        return
+    first = shared(group, "request/0")
+    for k in range(1, group.count):
+        other = shared(group, f"request/{k}")
+        differ = [f"{name}: process 0 has {first[name]!r}, process {k} has {other.get(name)!r}"
+                  for name in first if other.get(name) != first[name]]
+        if differ:
+            raise ValueError(f"process {k} was started with another study than process 0 "
+                             f"({'; '.join(differ)}); give every process the same command")
+
+
+@failures_published
 def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[float] = None,
               progress: bool = True, data_dir=None, argv: Optional[Sequence[str]] = None,
               grader=None, budget: Optional[Budget] = None, log=None,
-              allow_unsandboxed: bool = False) -> dict:
+              allow_unsandboxed: bool = False) -> Optional[dict]:
     """Run (or continue) the study of ``request`` with a loaded model into ``out_dir``.
 
     ``allow_unsandboxed``: grade HumanEval under the sandbox's weaker fallback where there
     are no namespaces (see ``run_eval``; a given ``grader`` brings its own setting).
     Returns ``study.json``'s content after this invocation. The report is not written
     here (see :func:`degs_jax.reproduce.report.write_report`).
+
+    In a ``jax.distributed`` job every process calls this with the same request (the
+    module docstring); process 0 returns ``study.json``'s content, the others None.
     """
 
     out = Path(out_dir)
+    group = process_group()
+    lead = group is None or group.index == 0
     if grader is not None:
         allow_unsandboxed = grader.allow_unsandboxed
     if "humaneval" in {**request.benchmarks, **request.pool_benchmarks}:
         sandbox.isolation(allow_unsandboxed)  # refused before anything is written
+    if group is not None:
+        _check_same_request(group, request)
     budget = budget or Budget(time_budget)
     log = log or (lambda message: print(f"[{budget.elapsed():7.1f} s] {message}",
                                         file=sys.stderr, flush=True))
     lsub_sets = request.lsub_sets or paper_lsub_sets(model.lm.num_layers)
-    study = open_study(out, model.name, model.lm.num_layers, request, argv)
-    invocation = study["invocations"][-1]
-    invocation["model"] = {"source": model.source,
-                           "chat_template": uses_chat_template(model.tokenizer)}
     jobs = plan_jobs(request)
     problems = {b: load_benchmark(b, data_dir=data_dir)
                 for b in {j.benchmark for j in jobs}}
     targets = {j.directory: len(problems[j.benchmark]) if j.limit is None
                else min(j.limit, len(problems[j.benchmark])) for j in jobs}
-    invocation.update(describe(request, jobs, targets))
-    _save_study(out, study)
     rates = _Rates()
-    for job in jobs:  # what earlier invocations measured
-        recs = read_records(out / job.directory)
-        if recs:
-            rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
     skipped: list[str] = []
+    if lead:
+        study = open_study(out, model.name, model.lm.num_layers, request, argv)
+        invocation = study["invocations"][-1]
+        invocation["model"] = {"source": model.source,
+                               "chat_template": uses_chat_template(model.tokenizer)}
+        if group is not None:
+            invocation["process_count"] = group.count
+        invocation.update(describe(request, jobs, targets))
+        _save_study(out, study)
+        for job in jobs:  # what earlier invocations measured
+            recs = read_records(out / job.directory)
+            if recs:
+                rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
+    width = 1 if group is None else group.count  # batches per run_eval call
+    calls = itertools.count()  # the decisions process 0 shares
     own_grader = grader is None
     grader = grader or Grader(allow_unsandboxed=allow_unsandboxed)
     try:
@@ -495,32 +566,34 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
         for start in range(0, rounds, size):
             for job in jobs:
                 stop = min(start + size, targets[job.directory])
-                for chunk in _batches(job, start, stop):
-                    done = {r["index"] for r in read_records(out / job.directory)}
-                    todo = [i for i in chunk if i not in done]
-                    if not todo:
-                        continue
-                    rate = rates.per_unit(_job_rate_keys(job))
-                    estimate = None if rate is None else rate * len(todo)
-                    if not budget.fits(estimate):
-                        skipped.append(f"{job.label} problems {todo[0]}-{todo[-1]}")
-                        continue
+                chunks = _batches(job, start, stop)
+                while True:
+                    call = _next_call(job, chunks, width, out, rates, budget, skipped) if lead else None
+                    call = from_process_0(group, f"call/{next(calls)}", call)
+                    if not call:
+                        break
+                    todo = [i for chunk in call for i in chunk]
                     t0 = time.monotonic()
                     runner.run_eval(model, out / job.directory, benchmark=job.benchmark,
-                             method=job.decoder, seed=request.seed, indices=todo, batch_size=len(todo),
-                             keep_candidates=job.keep_candidates, chat=request.chat,
-                             progress=progress, data_dir=data_dir, grader=grader, argv=argv,
-                             print_table=False)
+                             method=job.decoder, seed=request.seed, indices=todo,
+                             batch_size=max(map(len, call)), keep_candidates=job.keep_candidates,
+                             chat=request.chat, progress=progress, data_dir=data_dir,
+                             grader=grader, argv=argv, print_table=False)
                     seconds = time.monotonic() - t0
-                    rates.add(_job_rate_keys(job), seconds, len(todo))
+                    if not lead:
+                        continue
+                    # the call's batches ran side by side: one process's seconds per problem
+                    rates.add(_job_rate_keys(job), seconds * len(call), len(todo))
                     invocation["steps"].append({"job": job.directory, "problems": todo,
                                                 "seconds": round(seconds, 3)})
                     _save_study(out, study)
                     log(f"{job.label}: problems {todo[0]}-{todo[-1]} ({len(todo)}) in {seconds:.1f} s")
                 if job.kind == "pool" and request.layer_pass:
                     _layer_pass(model, out / job.directory, problems[job.benchmark], lsub_sets,
-                                budget, rates, invocation, skipped, log)
-                    _save_study(out, study)
+                                budget, rates, invocation if lead else None, skipped, log, group,
+                                calls)
+                    if lead:
+                        _save_study(out, study)
         status = "stopped by the time budget" if skipped else "finished"
     except BaseException as error:
         status = ("interrupted" if isinstance(error, KeyboardInterrupt)
@@ -529,11 +602,14 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
     finally:
         if own_grader:
             grader.close()
-        invocation["status"] = status
-        invocation["finished"] = _now()
-        invocation["seconds"] = round(budget.elapsed(), 1)
-        invocation["skipped"] = skipped
-        _save_study(out, study)
+        if lead:
+            invocation["status"] = status
+            invocation["finished"] = _now()
+            invocation["seconds"] = round(budget.elapsed(), 1)
+            invocation["skipped"] = skipped
+            _save_study(out, study)
+    if not lead:
+        return None
     log(f"study {status} after {budget.elapsed():.1f} s" +
         (f"; {len(skipped)} batches left for a later invocation" if skipped else ""))
     return study
@@ -584,49 +660,80 @@ def _set_label(lsub: Sequence[int]) -> str:
 
 
 def _layer_pass(model, pool_dir: Path, problems, lsub_sets, budget: Budget, rates: _Rates,
-                invocation: dict, skipped: list, log) -> None:
-    """Layer statistics of every graded pool problem not yet in ``layers.jsonl``."""
-    records = read_records(pool_dir)
+                invocation: Optional[dict], skipped: list, log, group: Optional[ProcessGroup],
+                steps: Iterator[int]) -> None:
+    """Layer statistics of every graded pool problem not yet in ``layers.jsonl``.
+
+    Every process of a job calls this (``invocation`` is process 0's; ``steps`` numbers
+    the decisions process 0 shares, the same sequence on every process). Process 0
+    decides each step, up to one group of LAYER_PASS_PROBLEMS problems per process, within
+    the time budget; each process computes its group and sends the statistics to process
+    0 (the coordination service's key-value store: a few KB per problem), which stores
+    them in order."""
+    records = read_records(pool_dir)  # the same on every process: merged at the last step
     if not records:
         return
+    lead = group is None or group.index == 0
+    width = 1 if group is None else group.count
     run = results.read_run_file(pool_dir / "run.json")
     tau = float(method_from_record(run["config"], pool_dir / "run.json").tau)
     meta = {"layers": list(range(model.lm.num_layers + 1)), "tau": tau,
             "lsub_sets": [list(s) for s in lsub_sets], "model": model.name,
             "num_layers": model.lm.num_layers, "chat": run["config"]["chat"]}
     meta_path = pool_dir / LAYERS_META
-    if meta_path.exists():
+    if lead and meta_path.exists():
         stored = json.loads(meta_path.read_text())
         if stored != meta:
             raise ValueError(f"{meta_path} was computed with other settings ("
                              + "; ".join(f"{k}: {stored.get(k)!r} vs {v!r}" for k, v in meta.items()
                                          if stored.get(k) != v)
                              + f"); delete it and {LAYERS_FILE} to recompute")
-    else:
-        write_json(meta_path, meta)
     by_id = {p.id: p for p in problems}
-    with ResultStore(pool_dir / LAYERS_FILE) as store:
-        todo = [r for r in records if not store.is_done(r["id"])]
-        keys = (f"layers:{pool_dir}", "layers")
-        for start in range(0, len(todo), LAYER_PASS_PROBLEMS):
-            group = todo[start:start + LAYER_PASS_PROBLEMS]
-            n_cand = sum(len(r["candidates"]) for r in group)
-            rate = rates.per_unit(keys)
-            if not budget.fits(None if rate is None else rate * n_cand):
-                skipped.append(f"{pool_dir.name} layer pass ({len(todo) - start} problems)")
+    keys = (f"layers:{pool_dir}", "layers")
+    with ResultStore(pool_dir / LAYERS_FILE) if lead else contextlib.nullcontext() as store:
+        todo = [k for k, r in enumerate(records) if not store.is_done(r["id"])] if lead else []
+        if lead and not meta_path.exists():
+            write_json(meta_path, meta)
+        groups = iter(range(0, len(todo), LAYER_PASS_PROBLEMS))
+        while True:
+            step = None
+            if lead:  # up to `width` groups (record positions) that fit the budget
+                step = []
+                for start in groups:
+                    group_todo = todo[start:start + LAYER_PASS_PROBLEMS]
+                    n_cand = sum(len(records[k]["candidates"]) for k in group_todo)
+                    rate = rates.per_unit(keys)
+                    if not budget.fits(None if rate is None else rate * n_cand):
+                        skipped.append(f"{pool_dir.name} layer pass ({len(todo) - start} problems)")
+                        groups = iter(())
+                        break
+                    step.append(group_todo)
+                    if len(step) == width:
+                        break
+            name = f"layers/{next(steps)}"
+            step = from_process_0(group, name, step)
+            if not step:
                 return
             t0 = time.monotonic()
-            stats = pool_layer_statistics(model, [(by_id[r["id"]], r) for r in group],
+            index = 0 if group is None else group.index
+            mine = step[index] if index < len(step) else []  # this process's group
+            stats = pool_layer_statistics(model, [(by_id[records[k]["id"]], records[k]) for k in mine],
                                           chat=meta["chat"], lsub_sets=lsub_sets, tau=tau)
+            every = gathered_on_process_0(group, f"{name}/statistics", stats)
             seconds = time.monotonic() - t0
-            for r, s in zip(group, stats):
-                store.append({"id": r["id"], "index": r["index"], "seconds": seconds / len(group),
-                              "candidates": s})
-            rates.add(keys, seconds, n_cand)
+            if not lead:
+                continue
+            n_cand = 0
+            for positions, group_stats in zip(step, every):
+                for k, s in zip(positions, group_stats):
+                    store.append({"id": records[k]["id"], "index": records[k]["index"],
+                                  "seconds": seconds / len(positions), "candidates": s})
+                    n_cand += len(s)
+            rates.add(keys, seconds * len(step), n_cand)  # the groups ran side by side
+            done = [records[k]["index"] for positions in step for k in positions]
             invocation["steps"].append({"job": f"{pool_dir.parent.name}/{pool_dir.name}/layers",
-                                        "problems": [r["index"] for r in group],
-                                        "seconds": round(seconds, 3)})
-            log(f"{pool_dir.name} layer pass: {len(group)} problems ({n_cand} candidates) "
+                                        "problems": done, "seconds": round(seconds, 3)})
+            log(f"{pool_dir.name} layer pass: {len(done)} problems ({n_cand} candidates) "
                 f"in {seconds:.1f} s")
 
 
