@@ -1,6 +1,6 @@
-"""The multi-process protocol of `degs eval` and `degs reproduce` (a ``jax.distributed`` job): process groups,
-barriers, shared values and failure propagation over the coordination service's key-value
-store. What the processes do between the barriers (claim batches, write shards, merge) is
+"""The multi-process protocol of `degs eval` and `degs reproduce` (a ``jax.distributed``
+job): process groups, barriers, shared values and failure propagation over the
+coordination service's key-value store. What the processes do between the barriers (claim batches, write shards, merge) is
 in :mod:`degs_jax.eval.runner` and :mod:`degs_jax.reproduce.study`.
 """
 
@@ -17,12 +17,13 @@ import jax
 from jax._src import distributed
 
 __all__ = ["PeerProcessError", "ProcessGroup", "process_group", "publish_failure",
-           "failures_published", "raise_if_peer_failed", "barrier", "share", "shared", "from_process_0",
-           "gathered_on_process_0"]
+           "failures_published", "raise_if_peer_failed", "barrier", "share", "shared",
+           "from_process_0", "gathered_on_process_0"]
 
 
 class PeerProcessError(RuntimeError):
-    """Another process of a multi-process `degs eval` or `degs reproduce` failed (its error is in the message)."""
+    """Another process of a multi-process `degs eval` or `degs reproduce` failed (its error
+    is in the message)."""
 
 
 # Synchronisation goes through the key-value store of jax.distributed's coordination

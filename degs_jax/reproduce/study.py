@@ -71,8 +71,8 @@ import numpy as np
 
 from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
-from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, from_process_0,
-                                     gathered_on_process_0, process_group, share, shared)
+from degs_jax.eval.processes import (ProcessGroup, failures_published, from_process_0,
+                                     gathered_on_process_0, process_group)
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
 from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_from_record, resolve_hyperparameters
@@ -493,13 +493,11 @@ def _check_same_request(group: ProcessGroup, request: StudyRequest) -> None:
     """Process 0 checks that every process of the job runs its study (else their calls
     would differ), before anything is written; the others learn of a refusal at the next
     barrier (PeerProcessError)."""
-    share(group, f"request/{group.index}", json.loads(json.dumps(request.as_json())))
-    barrier(group, "requests")
-    if group.index != 0:
+    requests = gathered_on_process_0(group, "requests", json.loads(json.dumps(request.as_json())))
+    if requests is None:
         return
-    first = shared(group, "request/0")
-    for k in range(1, group.count):
-        other = shared(group, f"request/{k}")
+    first = requests[0]
+    for k, other in enumerate(requests[1:], start=1):
         differ = [f"{name}: process 0 has {first[name]!r}, process {k} has {other.get(name)!r}"
                   for name in first if other.get(name) != first[name]]
         if differ:
