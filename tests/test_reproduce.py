@@ -436,8 +436,9 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
     assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
-    assert "**5 comparisons**" in text and report.CRN_STATEMENT in text
-    assert paired["common_random_numbers_note"] == report.CRN_STATEMENT
+    mcmc_statement = report.CRN_STATEMENTS[("degs_mcmc", "power_mcmc")]
+    assert "**5 comparisons**" in text and mcmc_statement in text
+    assert paired["common_random_numbers_notes"] == [mcmc_statement]  # no SMC pair ran
     assert "**1.000 [1.000, 1.000]** | 0.750 [0.750, 1.000]" in text
     for name in ("table1", "paired", "predictive_validity_gsm8k", "trajectory_gsm8k"):
         png = Path(result["figures"][name])
@@ -703,3 +704,41 @@ def test_reranking_rows_are_the_decoders_choices(embedded_model, tmp_path):
             # ... and the same choice
             chosen = [c["chosen"] for c in theirs["candidates"]].index(True)
             assert report.select_candidate(name, pool["candidates"], weights[name]) == chosen
+
+
+def test_the_default_batch_shrinks_to_what_fits_and_a_given_one_is_kept(embedded_model, tmp_path,
+                                                                        monkeypatch):
+    """A job given no --batch-size takes at most what `--batch-size auto` says fits in the
+    free memory (so the study's own default never runs out of memory, as Scalable Power
+    Sampling at 16 problems did on an H200); a size the user gives is kept. The free memory
+    is set to hold two of this job's problems."""
+    import dataclasses
+
+    from degs_jax import batching
+    from degs_jax.eval import Grader, load_benchmark
+    from degs_jax.eval.runner import choose_problem_batch
+
+    request = StudyRequest(benchmarks={"gsm8k": 3}, methods=("greedy",), pool_benchmarks={},
+                           overrides={"*": {"max_new_tokens": 4}})
+    decoder = study.plan_jobs(request)[0].decoder
+    problems = load_benchmark("gsm8k")[:3]
+    row = choose_problem_batch(embedded_model, "auto", decoder, problems, True)["bytes_per_row"]
+    free = int(2.5 * row / batching.DEFAULT_MEMORY_FRACTION)
+    monkeypatch.setattr(batching, "free_memory", lambda device=None: (free, "the test's"))
+
+    messages = []
+    with Grader() as grader:
+        fitted = study.run_study(embedded_model, tmp_path / "default", request, progress=False,
+                                 grader=grader, log=messages.append)
+        given = study.run_study(embedded_model, tmp_path / "given",
+                                dataclasses.replace(request, batch_sizes={"*": 16}),
+                                progress=False, grader=grader, log=messages.append)
+    (inv,) = fitted["invocations"]
+    assert [s["problems"] for s in inv["steps"]] == [[0, 1], [2]]
+    assert inv["jobs"]["runs/gsm8k/greedy"]["batch_size"] == 2
+    assert messages[0].startswith("gsm8k greedy: 2 problems per batch instead of the default 16 "
+                                  "(batch size 2 (auto, limited by memory")
+    (inv,) = given["invocations"]
+    assert [s["problems"] for s in inv["steps"]] == [[0, 1, 2]]
+    assert inv["jobs"]["runs/gsm8k/greedy"]["batch_size"] == 16
+    assert not any("instead of the default" in m for m in messages[1:])

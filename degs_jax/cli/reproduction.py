@@ -13,7 +13,8 @@ from typing import Any
 from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
-from ..reproduce.study import Budget, StudyRequest, available_methods, format_plan, plan_table, run_study
+from ..reproduce.study import (DEFAULT_BATCH_SIZE, Budget, StudyRequest, available_methods, format_plan,
+                              plan_table, run_study)
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
                       parse_lsub_sweep)
@@ -89,8 +90,11 @@ def add_commands(sub, load_model) -> None:
                    help="skip the layer pass (no L_sub ablation, no trajectories)")
     s = r.add_argument_group("scheduling")
     s.add_argument("--batch-size", action="append", default=[], metavar="[SCOPE=]N",
-                   help="problems per decode call for every decoder (16), or SCOPE=N for one "
-                        "method or the pool (rows per call = N x candidates/chains)")
+                   help="problems per decode call for every decoder, or SCOPE=N for one "
+                        "method or the pool (rows per call = N x candidates/chains); kept as "
+                        f"given. Default: {DEFAULT_BATCH_SIZE}, or fewer where the memory estimate "
+                        "of degs eval's --batch-size auto says that many do not fit (the study "
+                        "prints the size it took)")
     s.add_argument("--round-size", type=int, default=None, metavar="N",
                    help="problems per benchmark per round: every job finishes a round before the "
                         "next starts (default: one round)")

@@ -290,7 +290,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
         selected = [(int(i), all_problems[i]) for i in indices]
     else:
         selected = list(enumerate(all_problems[:limit] if limit is not None else all_problems))
-    batch_choice = _choose_batch_size(model, batch_size, method, [p for _, p in selected], chat)
+    batch_choice = choose_problem_batch(model, batch_size, method, [p for _, p in selected], chat)
     batch_size = batch_choice["batch_size"]
     if batch_choice["requested"] == "auto" and (group is None or group.index == 0):
         print(f"{bench} {method.method}: {describe_batch_choice(batch_choice)}", file=sys.stderr)
@@ -324,8 +324,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
     return summary
 
 
-def _choose_batch_size(model, requested: int | str, method: Method, problems: Sequence[Problem],
-                       chat: bool) -> dict[str, Any]:
+def choose_problem_batch(model, requested: int | str, method: Method, problems: Sequence[Problem],
+                         chat: bool) -> dict[str, Any]:
     """``degs_jax.batching.choose_batch_size`` for these problems (their longest prompt)."""
     if requested != "auto":
         return choose_batch_size(requested, None, None, 0, len(problems), None)

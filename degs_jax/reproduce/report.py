@@ -228,7 +228,7 @@ def paired_table(study: Study, verdict) -> dict:
     crn = common_random_numbers(study)
     return {"comparisons": comparisons, "comparisons_made": m, "beta_sign_tests": beta,
             "common_random_numbers": crn,
-            "common_random_numbers_note": CRN_STATEMENT if crn else None,
+            "common_random_numbers_notes": _crn_statements(crn),
             "note": "difference = accuracy(treatment) − accuracy(baseline) on the problems both "
                     "answered; interval: 95% Newcombe (1998) paired score interval (method 10: "
                     "Wilson limits of each accuracy with the continuity-adjusted correlation of "
@@ -271,16 +271,36 @@ def common_random_numbers(study: Study) -> list[dict]:
     return out
 
 
-CRN_STATEMENT = (
-    "Common random numbers: the two chains of a beta pair draw problem i with the same key, "
-    "fold_in(key(seed), i), and within a chain the same counter-based streams for the "
-    "extensions, cut indices, regenerations and accept uniforms (docs/design.md §4); they "
-    "differ only by the beta·ΔD term of the acceptance ratio. Until that term flips an "
-    "accept decision the two chains hold the same tokens (up to floating-point differences "
-    "between the two compiled programs); after it, they sample different continuations. "
-    "The paired difference therefore has a smaller variance than with independent keys, "
-    "and a discordant problem is one the depth term changed (with the sampling that "
-    "followed), not one where the keys differed.")
+def _crn_statements(crn: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The statement of each kind of beta pair present in ``crn``, in BETA_PAIRS order."""
+    present = {(c["treatment"], c["baseline"]) for c in crn}
+    return [CRN_STATEMENTS[pair] for pair in BETA_PAIRS if pair in present]
+
+
+# What the common random numbers of a beta pair imply, per pair of BETA_PAIRS.
+CRN_STATEMENTS = {
+    ("degs_mcmc", "power_mcmc"): (
+        "Common random numbers (MCMC): the two chains of a beta pair draw problem i with the "
+        "same key, fold_in(key(seed), i), and within a chain the same counter-based streams "
+        "for the extensions, cut indices, regenerations and accept uniforms (docs/design.md "
+        "§4); they differ only by the beta·ΔD term of the acceptance ratio. Until that term "
+        "flips an accept decision the two chains hold the same tokens (up to floating-point "
+        "differences between the two compiled programs); after it, they sample different "
+        "continuations. The paired difference therefore has a smaller variance than with "
+        "independent keys, and a discordant problem is one the depth term changed (with the "
+        "sampling that followed), not one where the keys differed."),
+    ("degs_smc", "power_smc"): (
+        "Common random numbers (SMC): the two runs of a beta pair draw problem i with the same "
+        "key, fold_in(key(seed), i), and the same counter-based streams for each particle's "
+        "tokens (per particle and position), the systematic uniform of each resampling check "
+        "and the final draw of the returned particle (degs_jax/smc.py); they differ only by "
+        "the beta·D terms of the particles' incremental weights. Until those terms change "
+        "whether a check resamples or which ancestors it copies, the two runs hold the same "
+        "particles; the final draw reads the final weights, which the depth term also "
+        "changes, so a problem can return another particle of the same set. A discordant "
+        "problem is therefore one the depth term changed through the weights, not one where "
+        "the keys differed."),
+}
 
 
 # --------------------------------------------------------------------------- pool analyses
@@ -970,7 +990,9 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
                       "cells positive, p = 2^-12).")
         crn = p["common_random_numbers"]
         if crn:
-            md += ["", CRN_STATEMENT, ""]
+            for statement in p["common_random_numbers_notes"]:
+                md += ["", statement]
+            md.append("")
             md.append(_md_table(
                 ["treatment − baseline", "benchmark", "same keys (seed)", "other settings that differ",
                  "identical final completions"],

@@ -33,7 +33,11 @@ order; per benchmark the decoders in the given order, then the pool, then its la
 pass) finishes its share before the next round starts, so a run that stops early leaves
 paired results for every method on the same problems. Each batch is ``batch_size``
 consecutive problems (``problems [k·b, (k+1)·b)``), the same partition in every
-invocation, so a resumed run decodes the same batches as an uninterrupted one. With a
+invocation, so a resumed run decodes the same batches as an uninterrupted one. A job
+given no batch size takes ``DEFAULT_BATCH_SIZE`` problems, or fewer where the memory
+estimate of ``--batch-size auto`` (``degs_jax.batching``) says that many do not fit
+(the partition then follows the smaller size; a resumed run on the same device cuts the
+same batches). With a
 ``time_budget`` a batch starts only if its estimated time fits in what is left (the
 estimate: seconds per problem measured on this job, else on the same method elsewhere,
 times the batch's problems; work never measured starts while 15% of the budget is left);
@@ -57,6 +61,7 @@ process 0 stores what they computed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import sys
@@ -69,6 +74,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
+from degs_jax.batching import AUTO, describe_batch_choice
 from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
 from degs_jax.eval.processes import (ProcessGroup, failures_published, from_process_0,
@@ -489,6 +495,25 @@ def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rat
     return call
 
 
+def _fit_to_memory(model, job: Job, request: StudyRequest, problems: Sequence, log) -> Job:
+    """``job`` with a batch that fits the device: where the request gives no size for it
+    (the study's default, ``DEFAULT_BATCH_SIZE`` problems), at most what ``--batch-size
+    auto`` would choose for these problems from the free memory, so that the study never
+    runs out of memory at a size it chose itself (Scalable Power Sampling holds up to 105
+    caches of the whole buffer per problem: 16 problems of a 1.5B model need 163 GiB). A
+    size the request gives is kept: the user chose it. A problem that fits nowhere is
+    refused here (``BatchDoesNotFitError``), before anything is compiled."""
+    scope = POOL_SCOPE if job.kind == "pool" else job.method
+    if scope in request.batch_sizes or "*" in request.batch_sizes or not problems:
+        return job
+    choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat)
+    if choice["limited_by"] != "memory" or choice["batch_size"] >= job.batch_size:
+        return job
+    log(f"{job.label}: {choice['batch_size']} problems per batch instead of the default "
+        f"{job.batch_size} ({describe_batch_choice(choice)})")
+    return dataclasses.replace(job, batch_size=choice["batch_size"])
+
+
 def _check_same_request(group: ProcessGroup, request: StudyRequest) -> None:
     """Process 0 checks that every process of the job runs its study (else their calls
     would differ), before anything is written; the others learn of a refusal at the next
@@ -541,7 +566,9 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                else min(j.limit, len(problems[j.benchmark])) for j in jobs}
     rates = _Rates()
     skipped: list[str] = []
-    if lead:
+    if lead:  # process 0 alone cuts batches (_next_call)
+        jobs = [_fit_to_memory(model, job, request, problems[job.benchmark][:targets[job.directory]],
+                               log) for job in jobs]
         study = open_study(out, model.name, model.lm.num_layers, request, argv)
         invocation = study["invocations"][-1]
         invocation["model"] = {"source": model.source,
