@@ -1,7 +1,8 @@
 """The multi-process protocol of `degs eval` and `degs reproduce` (a ``jax.distributed``
 job): process groups, barriers, shared values and failure propagation over the
-coordination service's key-value store. What the processes do between the barriers (claim batches, write shards, merge) is
-in :mod:`degs_jax.eval.runner` and :mod:`degs_jax.reproduce.study`.
+coordination service's key-value store. What the processes do between the barriers
+(claim batches, write shards, merge) is in :mod:`degs_jax.eval.runner` and
+:mod:`degs_jax.reproduce.study`.
 """
 
 from __future__ import annotations

@@ -205,6 +205,10 @@ class StudyRequest:
     def batch_size(self, scope: str) -> int:
         return self.batch_sizes.get(scope, self.batch_sizes.get("*", DEFAULT_BATCH_SIZE))
 
+    def gives_batch_size(self, scope: str) -> bool:
+        """Whether the request sets ``scope``'s batch size (itself or through "*")."""
+        return scope in self.batch_sizes or "*" in self.batch_sizes
+
     def as_json(self) -> dict[str, Any]:
         return {"benchmarks": dict(self.benchmarks), "methods": list(self.methods),
                 "pool_benchmarks": dict(self.pool_benchmarks),
@@ -293,6 +297,11 @@ class Job:
 
     def __post_init__(self):
         object.__setattr__(self, "decoder", hyperparameters_for(self.method, **self.hyperparameters))
+
+    @property
+    def scope(self) -> str:
+        """Its name in --batch-size and --hp: the pool's, else the decoder's."""
+        return POOL_SCOPE if self.kind == "pool" else self.method
 
     @property
     def label(self) -> str:
@@ -503,8 +512,7 @@ def _fit_to_memory(model, job: Job, request: StudyRequest, problems: Sequence, l
     caches of the whole buffer per problem: 16 problems of a 1.5B model need 163 GiB). A
     size the request gives is kept: the user chose it. A problem that fits nowhere is
     refused here (``BatchDoesNotFitError``), before anything is compiled."""
-    scope = POOL_SCOPE if job.kind == "pool" else job.method
-    if scope in request.batch_sizes or "*" in request.batch_sizes or not problems:
+    if request.gives_batch_size(job.scope) or not problems:
         return job
     choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat)
     if choice["limited_by"] != "memory" or choice["batch_size"] >= job.batch_size:
