@@ -1,5 +1,5 @@
 """Golden numbers: every decoder of `degs_jax.hyperparameters.METHODS`, on CPU, on a
-tiny random transformer with fixed keys, gives bit for bit the values recorded in
+tiny random transformer with fixed keys, gives the values recorded in
 `tests/golden/decoders.json` (written from the code of 827a286, before the layering
 refactor of issue 26; the `scalable_power` entry from 209f809, after issue 25 made SPS
 draw its candidate blocks at temperature 1 by default). A refactor that claims to change
@@ -17,9 +17,23 @@ method; rows end early, late or never) and the Llama-shaped one in bfloat16 (DEG
 Compilation dominates the cost (~1 s of decoding against ~100 s of compiling on CPU),
 so the methods and drivers recorded are the fewest that cover every code path.
 
+What must match, and how closely:
+- Everything discrete (tokens, lengths, EOS flags, the chosen candidate, accepted
+  steps, resampling counts and copied rows, counters) and every float that a decoder
+  computes from discrete choices alone (acceptance rates, D(x)) equals the record
+  exactly: one different decision anywhere fails.
+- The other floats (log probabilities, entropies, SMC weights, ESS, log Z-hat) agree to
+  `RTOL` relative (and `ATOL` absolute, for values near 0). XLA's CPU code depends on
+  the host beyond its instruction set: on an Intel Xeon with AVX-512 and AMX the same
+  code, JAX and jaxlib give 195 of these floats different from the recording host's, by
+  at most 5.7e-6 relative (65 float32 ulps, a log q near 0.5), and every discrete field
+  equal. `RTOL` is about nine times that; a change of formula moves numbers by far more.
+  Bitwise reproducibility on one host is what `test_batch_invariance.py` and the seeded
+  tests check.
+
 Floats are stored as `float.hex` of their float64 value (float32 and bfloat16 values
-are exact in float64), so equality is bitwise. To rewrite the file after a change that
-is *meant* to move numbers: `python tests/test_golden.py` (and say why in the commit).
+are exact in float64). To rewrite the file after a change that is *meant* to move
+numbers: `python tests/test_golden.py` (and say why in the commit).
 """
 
 from __future__ import annotations
@@ -72,6 +86,8 @@ SETTINGS = {
                            rollouts=2, rollout_horizon=2),
 }
 TRACED = ("temperature", "best_of_n", "degs_mcmc")  # recorded through `decode_tokens` too
+RTOL = 5e-5  # relative tolerance of the floats that are not exact (module docstring)
+ATOL = 1e-6  # absolute tolerance beside it, for floats near 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +103,8 @@ CASES = {
     "qwen2_float32": Case("Qwen2ForCausalLM", "float32", True, METHODS, TRACED),
     "llama_bfloat16": Case("LlamaForCausalLM", "bfloat16", False, ("degs_mcmc",)),
 }
+# Floats decided by discrete choices alone: they match exactly on every host.
+EXACT_FLOATS = ("acceptance", "depth")
 STATE_FIELDS = ("tokens", "logp", "logq", "depth", "final_entropy", "length", "prompt_len",
                 "ended", "n_generated", "n_forward", "n_probed")
 
@@ -178,11 +196,29 @@ def first_difference(want, got, path="") -> str | None:
             if found:
                 return found
         return None
-    if want != got:
-        shown = [float.fromhex(v) if isinstance(v, str) and v not in ("nan", "inf", "-inf") else v
-                 for v in (want, got)]
-        return f"{path}: recorded {want} ({shown[0]}), now {got} ({shown[1]})"
+    if want == got:
+        return None
+    shown = [_float(v) for v in (want, got)]
+    if (None not in shown and math.isfinite(shown[0]) and _inexact(path)
+            and abs(shown[1] - shown[0]) <= ATOL + RTOL * abs(shown[0])):
+        return None
+    return f"{path}: recorded {want} ({shown[0]}), now {got} ({shown[1]})"
+
+
+def _float(value) -> float | None:
+    """A recorded float (its hex), or None for anything else."""
+    if isinstance(value, str):
+        try:
+            return float.fromhex(value)
+        except ValueError:
+            return None
     return None
+
+
+def _inexact(path: str) -> bool:
+    """Whether the record's field at `path` is a float that may move with the host."""
+    field = path.rsplit("/", 1)[-1].split("[")[0]
+    return field not in EXACT_FLOATS
 
 
 @pytest.fixture(scope="module")
@@ -207,17 +243,26 @@ def test_golden_file_covers_every_method(golden):
 
 
 @pytest.mark.parametrize("case, method", [(c, m) for c, spec in CASES.items() for m in spec.methods])
-def test_decoders_match_the_golden_file_bitwise(golden, case, method):
+def test_decoders_match_the_golden_file(golden, case, method):
     difference = first_difference(golden[case][method], record(case, method), f"{case}/{method}")
     assert difference is None, f"numbers moved: {difference}"
 
 
-def test_first_difference_sees_one_ulp():
+def test_first_difference_tolerates_only_what_a_host_moves():
     value = 0.5
-    want = _plain({"x": [value]})
-    got = _plain({"x": [math.nextafter(value, 1.0)]})
-    assert first_difference(want, got) is not None
-    assert first_difference(want, _plain({"x": [value]})) is None
+    recorded = _plain({"log_p": [value], "depth": [value], "tokens": [3]})
+    assert first_difference(recorded, _plain({"log_p": [value], "depth": [value], "tokens": [3]})) is None
+    # a float that may move with the host: within the tolerance passes, beyond it fails
+    assert first_difference(recorded, _plain({"log_p": [value * (1 + RTOL / 2)], "depth": [value],
+                                              "tokens": [3]})) is None
+    assert first_difference(recorded, _plain({"log_p": [value * (1 + 2 * RTOL)], "depth": [value],
+                                              "tokens": [3]})) == (
+        f"/log_p[0]: recorded {value.hex()} ({value}), now {(value * (1 + 2 * RTOL)).hex()} "
+        f"({value * (1 + 2 * RTOL)})")
+    # exact fields: one ulp of D(x), one token
+    assert first_difference(recorded, _plain({"log_p": [value], "depth": [math.nextafter(value, 1.0)],
+                                              "tokens": [3]})) is not None
+    assert first_difference(recorded, _plain({"log_p": [value], "depth": [value], "tokens": [4]})) is not None
 
 
 if __name__ == "__main__":  # rewrite the golden file from the current code
