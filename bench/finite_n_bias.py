@@ -164,7 +164,7 @@ def mcmc_rows(model: Enumerated, steps: list[int], chains: int, seed: int):
             index = completion_index(*jax.device_get((run.state.tokens, run.state.length)))
             emit(dict(part="mcmc", method=method, alpha=ALPHA, beta=beta, **shape, chains=chains,
                       tv=tv(histogram(index, len(pi)), pi), tv_noise=histogram_noise(pi, chains),
-                      acceptance=float(np.asarray(run.accepted).sum() / (np.asarray(run.ran).sum() * mc.mh_steps)),
+                      acceptance=float(np.asarray(run.decisions.accepted).sum() / (np.asarray(run.ran).sum() * mc.mh_steps)),
                       forwards=float(np.asarray(run.state.n_forward).mean())), OUT_NAME)
 
 

@@ -245,7 +245,8 @@ def run_ours(method: str, lm, params, tokens, lengths, config, key, sps_chunk: i
         state = rows_of(tokens, lengths, 1)
         accepted = []
         for block in range(config.num_blocks):
-            state, acc, _, _ = mcmc_block_donating(lm, params, state, keys, jnp.int32(block), config)
+            state, decisions, _ = mcmc_block_donating(lm, params, state, keys, jnp.int32(block), config)
+            acc = decisions.accepted_steps()
             accepted.append(float(jax.device_get(acc).mean()) / config.mh_steps)
         jax.block_until_ready(state.length)
         seconds = time.perf_counter() - t

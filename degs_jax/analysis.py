@@ -57,7 +57,7 @@ from degs_jax.stats import (BOOTSTRAP_RESAMPLES, CONFIDENCE, auc, bucket_accurac
 
 __all__ = [
     "Pool", "predictive_validity", "pool_from_records", "load_run", "analyze_run", "format_report",
-    "format_interval", "plot_predictive_validity", "lsub_sweep", "format_lsub_table",
+    "format_interval", "plot_predictive_validity", "lsub_sweep", "format_lsub_table", "analyze_decisions",
 ]
 
 
@@ -296,6 +296,31 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
                   "problem (no within-problem pairs). Use `degs eval --keep-candidates`.")
         print(f"wrote {out / 'analysis.json'} and {png}", file=sys.stderr)
     return stats
+
+
+def analyze_decisions(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                      quiet: bool = False) -> dict[str, Any]:
+    """The anatomy of an MCMC run's MH decisions (`degs_jax.decisions`): prints it and
+    writes ``decisions.json`` and ``decisions.png`` into ``out_dir`` (default ``run_dir``)."""
+    from degs_jax.decisions import decision_anatomy, decision_table, format_anatomy, plot_decisions
+    from degs_jax.eval.results import write_json  # the harness when called (module docstring)
+
+    run, records = load_run(run_dir)
+    cfg = run.get("config", {})
+    beta = cfg.get("hyperparameters", {}).get("beta")
+    table = decision_table(records)
+    anatomy = decision_anatomy(table, beta=beta or None)
+    title = (f"{cfg.get('model', {}).get('name', '?')} · {cfg.get('benchmark', '?')} · "
+             f"{cfg.get('method', '?')}")
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "decisions.json", {"run": cfg, "decisions": anatomy})
+    png = plot_decisions(table, anatomy, out / "decisions.png", title=title)
+    if not quiet:
+        print(f"MH decisions: {title}")
+        print(format_anatomy(anatomy))
+        print(f"wrote {out / 'decisions.json'} and {png}", file=sys.stderr)
+    return anatomy
 
 
 # --------------------------------------------------------------------------- L_sub sweep

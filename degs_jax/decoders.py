@@ -68,6 +68,9 @@ class Candidate:
     # with and without it differ for the same u; 0 for power-MCMC). While 0, the chain is
     # the power-MCMC chain of the same key, token for token (`degs_jax.mcmc`'s docstring).
     depth_decisions: Optional[list[int]] = None
+    # MCMC: every MH decision, field -> per block run -> per step (`mcmc.MHDecisions`,
+    # `mcmc.decision_lists`): log r_0, D(x') - D(x), log u, null move, cut, suffix lengths
+    mh_decisions: Optional[dict[str, Any]] = None
     text: Optional[str] = None
     weight: Optional[float] = None  # SMC: normalised final importance weight of the particle
 
@@ -112,6 +115,7 @@ class Decoded:
     accepted: Array  # [rows, num_blocks] int32 accepted MH steps ([rows, 0] without MCMC)
     ran: Array  # [rows, num_blocks] bool: the chain ran the block
     depth_decided: Array  # [rows, num_blocks] int32 MH decisions beta·ΔD decided (`Candidate.depth_decisions`)
+    decisions: Any  # MCMC: `mcmc.MHDecisions` [rows, num_blocks, mh_steps], every MH decision; else None
     log_p: Array  # [rows] log p(x)
     depth: Array  # [rows] D(x) (0 where nothing was probed)
     final_entropy: Array  # [rows] mean final-layer entropy
@@ -185,8 +189,8 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
         accepted, depth_decided, ran = answer.accepted, answer.depth_decided, answer.ran
     log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
     chosen = choose(config, log_p, depth, final_entropy) if answer.chosen is None else answer.chosen
-    return Decoded(state=state, accepted=accepted, ran=ran, depth_decided=depth_decided, log_p=log_p, depth=depth,
-                   final_entropy=final_entropy, chosen=chosen)
+    return Decoded(state=state, accepted=accepted, ran=ran, depth_decided=depth_decided,
+                   decisions=answer.decisions, log_p=log_p, depth=depth, final_entropy=final_entropy, chosen=chosen)
 
 
 # The host driver calls the method's `advance` in jitted chunks of an adaptive number of

@@ -33,6 +33,15 @@ so while this count is 0 the two chains are identical, token for token: a GPU st
 them identical on all 64 problems it ran, and this count shows why (beta·ΔD never flipped a
 decision there). It adds no model work: the second ratio is made of the same stored
 per-token sums, compared with the same u (a few [B] operations per decision).
+
+Decision records: every MH decision is also recorded whole (`MHDecisions`, per row, block
+and step): the log ratio without the depth term (log r_0: the first four terms of log r
+above, cut-index ratio included), the depth difference D(x') - D(x) (so beta·ΔD at the
+run's beta, or any other), log u, whether the proposal equals the current state (a null
+move: same suffix, always accepted since log r_0 = 0 and ΔD = 0), the cut m and both
+suffix lengths. They are the same stored per-token sums the decision used (no model
+work), so the anatomy of a run's decisions, and the decisions another beta would flip at
+the states this chain visited, are read off its records (`degs_jax.decisions`).
 """
 
 from __future__ import annotations
@@ -191,8 +200,9 @@ class MCMCMethod(Method):
         return ~chains_continue(carry, settings)
 
     def answer(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> Answer:
-        return Answer(state=carry.state, accepted=carry.accepted, depth_decided=carry.depth_decided,
-                      ran=carry.ran)
+        return Answer(state=carry.state, accepted=carry.decisions.accepted_steps(),
+                      depth_decided=carry.decisions.depth_decided_steps(), ran=carry.ran,
+                      decisions=carry.decisions)
 
     progress_unit: ClassVar[str] = "block"
 
@@ -203,12 +213,33 @@ class MCMCMethod(Method):
         return carry.block
 
     def run_details(self, model, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> RunDetails:
-        """Per row, the acceptance rate and the depth-decided decisions of every block it ran."""
-        accepted, depth_decided, ran = jax.device_get((carry.accepted, carry.depth_decided, carry.ran))
+        """Per row, over every block it ran: the acceptance rate, the depth-decided decisions
+        and the decision records (`decision_lists`)."""
+        decisions, ran = jax.device_get((carry.decisions, carry.ran))
+        accepted, depth_decided = decisions.accepted.sum(-1), decisions.depth_decided.sum(-1)
         return RunDetails(candidate_fields=[
             dict(acceptance=[float(accepted[r, b]) / self.mh_steps for b in np.flatnonzero(ran[r])],
-                 depth_decisions=[int(depth_decided[r, b]) for b in np.flatnonzero(ran[r])])
+                 depth_decisions=[int(depth_decided[r, b]) for b in np.flatnonzero(ran[r])],
+                 mh_decisions=decision_lists(decisions, r, ran[r], self.probed))
             for r in range(ran.shape[0])])
+
+
+def decision_lists(decisions: MHDecisions, row: int, ran: np.ndarray, probed: bool) -> dict[str, list]:
+    """Row `row`'s decision records (host arrays [rows, num_blocks, mh_steps]) as lists
+    per block it ran (`ran`: [num_blocks] bool) and per step, for JSON records: floats as
+    the shortest decimal that reads back as the same float32; `depth_delta` None when the
+    chain did not probe (power MCMC: nothing measured)."""
+    blocks = np.flatnonzero(ran)
+
+    def lists(values: np.ndarray) -> list:
+        if values.dtype == np.float32:
+            return [[float(str(v)) for v in values[row, b]] for b in blocks]
+        return values[row][blocks].tolist()
+
+    fields = {name: lists(values) for name, values in vars(decisions).items()}
+    if not probed:
+        fields["depth_delta"] = None
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +308,53 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mcmc
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class MHDecisions:
+    """Every MH decision (module docstring, "Decision records"): one entry per row and
+    MH step, [B, mh_steps] per field in a block ([B, num_blocks, mh_steps] over a chain);
+    a step a row did not run (it had ended before the block) holds zeros."""
+
+    accepted: Array  # bool: the proposal was accepted (log u < log r)
+    depth_decided: Array  # bool: accepting with and without beta·ΔD differ for this u
+    log_ratio_power: Array  # fp32: log r_0, the log ratio with beta = 0
+    depth_delta: Array  # fp32: D(x') - D(x) (0 when the chain does not probe, beta = 0)
+    log_u: Array  # fp32: log of the uniform of the accept test
+    null_move: Array  # bool: x' equals x (same length, same tokens past the cut)
+    cut: Array  # int32: the cut m, in completion positions
+    current_suffix: Array  # int32: tokens of x past the cut (n_x - m)
+    proposal_suffix: Array  # int32: tokens of x' past the cut (n_x' - m)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...]) -> "MHDecisions":
+        kinds = dict(accepted=bool, depth_decided=bool, null_move=bool, cut=jnp.int32,
+                     current_suffix=jnp.int32, proposal_suffix=jnp.int32)
+        return cls(**{f.name: jnp.zeros(shape, kinds.get(f.name, jnp.float32))
+                      for f in dataclasses.fields(cls)})
+
+    def record(self, step: Array, decided: Array, **values: Array) -> "MHDecisions":
+        """These [B, mh_steps] records with step `step[b]` of each row b in `decided` set
+        to `values` ([B] per field, every field given)."""
+        at = decided[:, None] & (jnp.arange(self.accepted.shape[-1])[None] == step[:, None])
+        return MHDecisions(**{name: jnp.where(at, values[name][:, None].astype(old.dtype), old)
+                              for name, old in vars(self).items()})
+
+    def accepted_steps(self) -> Array:
+        """int32 [...]: accepted steps, summed over the last (step) axis."""
+        return self.accepted.sum(-1, dtype=jnp.int32)
+
+    def depth_decided_steps(self) -> Array:
+        """int32 [...]: decisions beta·ΔD decided, summed over the last (step) axis."""
+        return self.depth_decided.sum(-1, dtype=jnp.int32)
+
+
+def null_move(current: GenState, proposal: GenState, cut: Array) -> Array:
+    """[B] bool: the proposal x' is the current state x (equal past the cut, and so whole)."""
+    pos = jnp.arange(current.max_len)[None]
+    differs = (current.tokens != proposal.tokens) & (pos >= cut[:, None]) & (pos < current.length[:, None])
+    return (current.length == proposal.length) & ~jnp.any(differs, axis=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class MHState:
     """The carry of `mh_steps`' loop: a chain and its running proposal, per row."""
 
@@ -287,21 +365,20 @@ class MHState:
     cut: Array  # [B] int32: slot of the running proposal's cut m (prompt_len + m)
     proposal_limit: Array  # [B] int32: length the running proposal may reach
     proposal_keys: Array  # [B] PRNG keys of the running proposal's tokens
-    accepted: Array  # [B] int32: accepted steps in this block
-    depth_decided: Array  # [B] int32: decisions in this block that beta·ΔD decided (module docstring)
+    decisions: MHDecisions  # [B, mh_steps]: this block's decisions so far
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mcmc"))
 def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mcmc: MCMCConfig) -> tuple[GenState, Array, Array]:
+             limit: Array, active: Array, mcmc: MCMCConfig) -> tuple[GenState, MHDecisions]:
     """`mcmc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
 
     limit: [B] the block boundary (total length) proposals regenerate up to;
     active: [B] rows that move (others are left untouched). keys: [B] chain keys;
-    streams as in the module docstring. Returns (state, accepted [B] int32,
-    depth_decided [B] int32: the decisions that accepting with and without the depth term
-    beta·ΔD would have taken differently, from the same u; 0 when beta = 0; module
-    docstring). `state` is not donated.
+    streams as in the module docstring. Returns (state, decisions: `MHDecisions`
+    [B, mh_steps], among them whether each step was accepted and whether the depth term
+    beta·ΔD decided it, i.e. accepting with and without it differ for the same u; never
+    when beta = 0; module docstring). `state` is not donated.
 
     Rows advance independently: every loop iteration is one decode step of every row's
     proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
@@ -347,41 +424,47 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
             log_u = jnp.log(jax.vmap(jax.random.uniform)(accept_keys))
             ratio = lambda config: log_acceptance_ratio(chain.current, proposal, chain.cut, config,
                                                         model.num_layers, model.batch_invariant)
-            accepts = log_u < ratio(mcmc)
+            log_r = ratio(mcmc)
+            accepts = log_u < log_r
             accept = done & accepts
-            depth_decided = jnp.zeros_like(done)
+            log_r_power, depth_delta = log_r, jnp.zeros_like(log_r)
             if mcmc.beta > 0:  # the power-MCMC decision from the same u
-                depth_decided = done & (accepts != (log_u < ratio(dataclasses.replace(mcmc, beta=0.0))))
+                log_r_power = ratio(dataclasses.replace(mcmc, beta=0.0))
+                depth_delta = (_depth_score(proposal, model.num_layers)
+                               - _depth_score(chain.current, model.num_layers))
+            decisions = chain.decisions.record(
+                chain.step, done, accepted=accept, depth_decided=accepts != (log_u < log_r_power),
+                log_ratio_power=log_r_power, depth_delta=depth_delta, log_u=log_u,
+                null_move=null_move(chain.current, proposal, chain.cut),
+                cut=chain.cut - chain.current.prompt_len, current_suffix=chain.current.length - chain.cut,
+                proposal_suffix=proposal.length - chain.cut)
             # Both states take the decided row; the proposal keeps the work counters (work
             # on rejected proposals counts in the compute accounting).
             current, proposal = settle_rows(chain.current, proposal, done, accept)
         step = chain.step + done
         chain = MHState(current=current, proposal=proposal, generating=chain.generating & still,
                         step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
-                        proposal_keys=chain.proposal_keys, accepted=chain.accepted + accept,
-                        depth_decided=chain.depth_decided + depth_decided)
+                        proposal_keys=chain.proposal_keys, decisions=decisions)
         return begin(chain, done & (step < mcmc.mh_steps))
 
-    zeros = jnp.zeros(active.shape, jnp.int32)
-    chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active), step=zeros,
-                    cut=state.length, proposal_limit=state.length, proposal_keys=keys,
-                    accepted=zeros, depth_decided=zeros)
+    chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active),
+                    step=jnp.zeros(active.shape, jnp.int32), cut=state.length, proposal_limit=state.length,
+                    proposal_keys=keys, decisions=MHDecisions.zeros((active.shape[0], mcmc.mh_steps)))
     chain = jax.lax.while_loop(lambda c: jnp.any(c.generating), body, begin(chain, active))
     final = dataclasses.replace(chain.current, **work_counters(chain.proposal))
-    return final, chain.accepted, chain.depth_decided
+    return final, chain.decisions
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mcmc"))
 def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-               mcmc: MCMCConfig) -> tuple[GenState, Array, Array, Array]:
+               mcmc: MCMCConfig) -> tuple[GenState, MHDecisions, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
     (block + 1)·block_len, then `mcmc.mh_steps` MH steps.
 
     state: GenState of B chains (not donated: the caller may keep using it; see
     `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
-    key, the block and the step). Returns (state, accepted [B] int32 count, depth_decided
-    [B] int32 count (`mh_steps`), active [B] bool: rows that ran this block, i.e. had not
-    ended before it).
+    key, the block and the step). Returns (state, decisions [B, mh_steps] (`mh_steps`),
+    active [B] bool: rows that ran this block, i.e. had not ended before it).
     """
     active = ~state.ended
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mcmc.block_len, state.max_len)
@@ -390,8 +473,8 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
         state = generate(model, params, state, limit, fold_in_rows(keys, block, EXTENSION_STREAM),
                          mcmc.proposal)
     with jax.named_scope("mh_steps"):
-        state, accepted, depth_decided = mh_steps(model, params, state, keys, block, limit, active, mcmc)
-    return state, accepted, depth_decided, active
+        state, decisions = mh_steps(model, params, state, keys, block, limit, active, mcmc)
+    return state, decisions, active
 
 
 # `mcmc_block` with `state` donated, for host loops that replace their state every block
@@ -408,8 +491,7 @@ class ChainRun:
 
     state: GenState
     block: Array  # int32 scalar: blocks run so far
-    accepted: Array  # [B, num_blocks] int32: accepted MH steps per row and block
-    depth_decided: Array  # [B, num_blocks] int32: MH decisions beta·ΔD decided (`mh_steps`)
+    decisions: MHDecisions  # [B, num_blocks, mh_steps]: every MH decision (`mh_steps`)
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
 
 
@@ -428,8 +510,7 @@ def start_chains(state: GenState, mcmc: MCMCConfig) -> ChainRun:
     """`run_chains`' carry before its first block."""
     B = state.length.shape[0]
     return ChainRun(state=state, block=jnp.int32(0),
-                    accepted=jnp.zeros((B, mcmc.num_blocks), jnp.int32),
-                    depth_decided=jnp.zeros((B, mcmc.num_blocks), jnp.int32),
+                    decisions=MHDecisions.zeros((B, mcmc.num_blocks, mcmc.mh_steps)),
                     ran=jnp.zeros((B, mcmc.num_blocks), bool))
 
 
@@ -441,8 +522,8 @@ def chains_continue(run: ChainRun, mcmc: MCMCConfig) -> Array:
 def chains_block(model: CausalLM, params: Any, run: ChainRun, keys: Array, mcmc: MCMCConfig) -> ChainRun:
     """The next block of every chain (`mcmc_block`), recorded in the carry."""
     with jax.named_scope("block"):
-        state, accepted, depth_decided, active = mcmc_block(model, params, run.state, keys, run.block, mcmc)
+        state, decisions, active = mcmc_block(model, params, run.state, keys, run.block, mcmc)
     return ChainRun(state=state, block=run.block + 1,
-                    accepted=run.accepted.at[:, run.block].set(accepted),
-                    depth_decided=run.depth_decided.at[:, run.block].set(depth_decided),
+                    decisions=jax.tree.map(lambda every, block: every.at[:, run.block].set(block),
+                                           run.decisions, decisions),
                     ran=run.ran.at[:, run.block].set(active))

@@ -215,14 +215,15 @@ class Answer:
     accepted: Optional[Array] = None  # [rows, num_blocks] int32 accepted MH steps
     depth_decided: Optional[Array] = None  # [rows, num_blocks] int32 decisions beta·ΔD decided
     ran: Optional[Array] = None  # [rows, num_blocks] bool: the row ran the block
+    decisions: Any = None  # MCMC: `mcmc.MHDecisions` [rows, num_blocks, mh_steps]; None otherwise
 
 
 @dataclasses.dataclass
 class RunDetails:
     """What a method reports of a finished run, on the host (`Method.run_details`)."""
 
-    # per row: extra `decoders.Candidate` fields (MCMC acceptance and depth decisions,
-    # SMC weight); None: none
+    # per row: extra `decoders.Candidate` fields (MCMC acceptance, depth decisions and
+    # decision records, SMC weight); None: none
     candidate_fields: Optional[list[dict[str, Any]]] = None
     diagnostics: Optional[list[dict[str, Any]]] = None  # per prompt (`decoders.Output.diagnostics`)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)  # added to the work totals

@@ -27,7 +27,7 @@ from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC
                                       PowerMCMC, ScalablePower, hyperparameters_for, method_from_record,
                                       resolve_hyperparameters)
 from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
-from degs_jax.lens import LensConfig
+from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, FIRST_MH_STREAM, REGENERATE_STREAM, MCMCConfig,
                            log_acceptance_ratio, mcmc_block, mh_steps)
 from degs_jax.models import TransformerLM
@@ -276,7 +276,8 @@ def mcmc_by_hand(params, cfg, prompts, keys, mc):
     acc = [[] for _ in prompts]
     for block in range(mc.num_blocks):
         before = state
-        state, accepted, _, active = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(block), mc)
+        state, decisions, active = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(block), mc)
+        accepted = decisions.accepted_steps()
         active = np.asarray(active)
         np.testing.assert_array_equal(active, ~np.asarray(before.ended))
         for r in np.flatnonzero(active):
@@ -400,7 +401,8 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
     keys = jax.random.split(jax.random.key(2), B)
     state = generate(TransformerLM(cfg), params, state, limit, keys, mc.proposal)
     active = jnp.arange(B) < B - 2  # the last two rows sit out
-    after, accepted, _ = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    after, decisions = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    accepted = decisions.accepted_steps()
     eos = cfg.eos_token_ids[0]
     for b in range(B):
         comp = completions(after)[b]
@@ -420,12 +422,14 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
     assert np.all(np.asarray(accepted)[B - 2:] == 0)
 
 
-def test_depth_decided_decisions_are_the_flips_of_the_depth_term(model):
+def test_decision_records_are_the_step_redone_by_hand(model):
     """One MH step of 16 chains at beta = 50, redone by hand from the module docstring's
     streams: cut, proposal (`generate` from the cut), u, and log r from the stored per-token
     values with and without beta·ΔD. The kernel accepts exactly where log u < log r and
     counts as depth-decided exactly the chains where the two decisions differ; at this
-    beta some do (beta = 0 counts none: test_every_method_well_formed, power_mcmc)."""
+    beta some do (beta = 0 counts none: test_every_method_well_formed, power_mcmc). Its
+    decision records (`MHDecisions`) are the hand's values: log r_0, D(x') - D(x), log u
+    bit for bit, the cut, both suffix lengths and the null moves (x' = x) exactly."""
     cfg, params = model
     B = 16
     lm = TransformerLM(cfg)
@@ -436,7 +440,8 @@ def test_depth_decided_decisions_are_the_flips_of_the_depth_term(model):
     limit = state.prompt_len + mc.block_len
     keys = jax.random.split(jax.random.key(4), B)
     state = generate(lm, params, state, limit, keys, mc.proposal)
-    _, accepted, depth_decided = mh_steps(lm, params, state, keys, jnp.int32(0), limit, jnp.ones((B,), bool), mc)
+    _, decisions = mh_steps(lm, params, state, keys, jnp.int32(0), limit, jnp.ones((B,), bool), mc)
+    accepted, depth_decided = decisions.accepted_steps(), decisions.depth_decided_steps()
 
     step_keys = fold_in_rows(keys, 0, FIRST_MH_STREAM)  # block 0, step 0
     n_x = state.length - state.prompt_len
@@ -452,6 +457,24 @@ def test_depth_decided_decisions_are_the_flips_of_the_depth_term(model):
     np.testing.assert_array_equal(np.asarray(accepted), with_depth)
     np.testing.assert_array_equal(np.asarray(depth_decided), with_depth != power)
     assert 0 < int(np.sum(depth_decided)), "beta = 50 flipped no decision: the comparison is vacuous"
+
+    record = jax.device_get(jax.tree.map(lambda field: field[:, 0], decisions))  # the one step
+    completion = lambda s: s.completion_mask(scored=True)
+    delta = (sequence_depth(proposal.depth, completion(proposal), cfg.num_layers)
+             - sequence_depth(state.depth, completion(state), cfg.num_layers))
+    np.testing.assert_array_equal(record.log_ratio_power, np.asarray(log_acceptance_ratio(
+        state, proposal, cut, dataclasses.replace(mc, beta=0.0), cfg.num_layers)))
+    np.testing.assert_array_equal(record.depth_delta, np.asarray(delta))
+    np.testing.assert_array_equal(record.log_u, np.asarray(log_u))
+    np.testing.assert_array_equal(record.cut, np.asarray(cut - state.prompt_len))
+    np.testing.assert_array_equal(record.current_suffix, np.asarray(state.length - cut))
+    np.testing.assert_array_equal(record.proposal_suffix, np.asarray(proposal.length - cut))
+    tokens_x, tokens_y = completions(state), completions(proposal)
+    same = np.array([x == y for x, y in zip(tokens_x, tokens_y)])
+    np.testing.assert_array_equal(record.null_move, same)
+    assert same.any() and not same.all(), "no null move, or only null moves: the check is vacuous"
+    # a null move's log r_0 is 0 up to the rounding of its re-stored per-token values
+    assert np.all(record.accepted[same]) and np.all(np.abs(record.log_ratio_power[same]) < 1e-4)
 
 
 def hand_state(logp, logq, depth, length, prompt_len, ended, S):

@@ -123,8 +123,8 @@ def run_chains(cfg, params, mc, steps_seed=0):
     state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), len(PROMPT) + BLOCK, jnp.float32)
     state = repeat_rows(state, N_CHAINS)
     keys = jax.random.split(jax.random.key(steps_seed), N_CHAINS)
-    state, accepted, _, _ = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(0), mc)
-    return _completions(state), np.asarray(accepted)
+    state, decisions, _ = mcmc_block(TransformerLM(cfg), params, state, keys, jnp.int32(0), mc)
+    return _completions(state), np.asarray(decisions.accepted_steps())
 
 
 def _completions(state):
@@ -165,8 +165,8 @@ def run_from_target(cfg, params, mc, seqs, pi, seed=0):
     keys = jax.random.split(jax.random.key(seed + 1), N_CHAINS)
     limit = jnp.full((N_CHAINS,), len(PROMPT) + BLOCK, jnp.int32)
     active = jnp.ones((N_CHAINS,), bool)
-    state, accepted, _ = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
-    return _completions(state), np.asarray(accepted)
+    state, decisions = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    return _completions(state), np.asarray(decisions.accepted_steps())
 
 
 def tv_and_threshold(seqs, target, samples, seed=0):

@@ -46,6 +46,12 @@ ANALYZE_DESCRIPTION = """Collapse depth D(x) as a predictor of correctness, on a
 Spearman rho, within-problem pairwise ranking accuracy and accuracy by D quartile; writes
 analysis.json and analysis.png.
 
+An MCMC run also gets the anatomy of its Metropolis-Hastings decisions (decisions.json,
+decisions.png): null moves, |log r_0| (the beta = 0 log ratio) beside |beta·ΔD|, and per
+beta the decisions the depth term would flip at the states the chains visited, expected
+over u and realized with the run's own u, and the chains that would depart from the power
+chain (degs_jax.decisions).
+
 --lsub-sweep re-scores every kept candidate with each probe set (needs the model; default
 the run's) and reports AUC, pairwise accuracy and DEGS-rerank accuracy per set. Sets are
 separated by ';', layers by ','; 'all' = every layer, 'default' = the default grid.
@@ -136,15 +142,18 @@ def cmd_eval(args, load_model) -> int:
 def cmd_analyze(args, load_model) -> int:
     # the analyses' figures and statistics (matplotlib, scipy): seconds of start-up that
     # the other commands do not pay
-    from ..analysis import analyze_run, load_run, lsub_sweep
+    from ..analysis import analyze_decisions, analyze_run, load_run, lsub_sweep
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir
     run, records = load_run(run_dir)
+    has_decisions = any(r.get("mh_decisions") for r in records)
+    if has_decisions:
+        analyze_decisions(run_dir, out)
     if records and all(c.get("D") is not None for r in records
                        for c in r.get("candidates", [r])):
         analyze_run(run_dir, out, n_buckets=args.buckets)
-    elif not args.lsub_sweep and not args.lens:
+    elif not args.lsub_sweep and not args.lens and not has_decisions:
         raise ValueError(f"{run_dir}: the outputs have no D(x) (the method did not probe); "
                          "use --lsub-sweep default to re-score them")
     if args.lens and not args.lsub_sweep:

@@ -42,7 +42,8 @@ Per problem: id, index, correct, extracted answer, grading detail (HumanEval: an
 isolation), completion (GPQA: only its hash and
 length, see :func:`~degs_jax.eval.results.transcript_fields`), completion tokens, log p,
 D(x), final-layer entropy, MCMC acceptance rates and MH decisions decided by beta·ΔD (per
-block and in total: `decoders.Candidate.depth_decisions`), generated tokens, forward tokens,
+block and in total: `decoders.Candidate.depth_decisions`) and every MH decision whole
+(`mh_decisions`: `degs_jax.mcmc.MHDecisions`), generated tokens, forward tokens,
 probed token-layers, forward-equivalents (probing charged K/L of a forward per probed
 token) and wall-clock (decoding, including compilation on a new shape, plus grading);
 for power_smc / degs_smc / scalable_power also the decoder's `diagnostics` (log Z-hat,
@@ -489,7 +490,7 @@ def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> d
     rec.update({
         "n_tokens": len(cand.tokens), "ended": cand.ended, "log_p": cand.log_p, "D": cand.depth,
         "final_entropy": cand.final_entropy, "acceptance": cand.acceptance,
-        "depth_decisions": cand.depth_decisions,
+        "depth_decisions": cand.depth_decisions, "mh_decisions": cand.mh_decisions,
         "correct": verdict.correct, "extracted": verdict.extracted, "chosen": chosen,
     })
     if cand.weight is not None:  # SMC particle
@@ -534,6 +535,7 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         "acceptance": chosen.acceptance, "mean_acceptance": _mean_or_none(chosen.acceptance),
         "depth_decisions": chosen.depth_decisions,
         "depth_decisions_total": None if chosen.depth_decisions is None else sum(chosen.depth_decisions),
+        "mh_decisions": chosen.mh_decisions,
         "generated_tokens": counters["generated_tokens"],
         "forward_tokens": counters["forward_tokens"],
         "probed_token_layers": counters["probed_token_layers"],
