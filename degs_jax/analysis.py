@@ -58,6 +58,7 @@ from degs_jax.stats import (BOOTSTRAP_RESAMPLES, CONFIDENCE, auc, bucket_accurac
 __all__ = [
     "Pool", "predictive_validity", "pool_from_records", "load_run", "analyze_run", "format_report",
     "format_interval", "plot_predictive_validity", "lsub_sweep", "format_lsub_table", "analyze_decisions",
+    "analyze_departures",
 ]
 
 
@@ -321,6 +322,41 @@ def analyze_decisions(run_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         print(format_anatomy(anatomy))
         print(f"wrote {out / 'decisions.json'} and {png}", file=sys.stderr)
     return anatomy
+
+
+def analyze_departures(run_dir: str | os.PathLike, base_dir: str | os.PathLike,
+                       out_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Check the decision records' prediction (`degs_jax.decisions.departures`): the
+    chains of `run_dir` (DEGS-MCMC at some beta) depart from the power chains exactly
+    where the records of `base_dir` (the same problems and keys at a beta that decided
+    nothing) say. Writes ``departures.json`` into ``out_dir`` (default ``run_dir``)."""
+    from degs_jax.decisions import decision_table, departures
+    from degs_jax.eval.results import write_json  # the harness when called (module docstring)
+
+    run, records = load_run(run_dir)
+    base_run, base_records = load_run(base_dir)
+    records, base_records = (sorted(r, key=lambda record: record["index"]) for r in (records, base_records))
+    for name, cfg in (("run", run["config"]), ("base", base_run["config"])):
+        if cfg.get("method") != "degs_mcmc":
+            raise ValueError(f"the {name} is a {cfg.get('method')} run; both must be degs_mcmc runs")
+    same = ("benchmark", "seed", "model", "key_derivation")
+    if any(run["config"].get(k) != base_run["config"].get(k) for k in same) or \
+            [r["id"] for r in records] != [r["id"] for r in base_records]:
+        raise ValueError(f"{run_dir} and {base_dir} are not the same problems, model and keys "
+                         f"({', '.join(same)} and the problem order must agree)")
+    beta = run["config"]["hyperparameters"]["beta"]
+    result = departures(decision_table(base_records), decision_table(records), beta)
+    result["base_beta"] = base_run["config"]["hyperparameters"]["beta"]
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    write_json(out / "departures.json", result)
+    if not quiet:
+        print(f"chains departing from the power chain at beta = {beta:g}: predicted by the records at "
+              f"beta = {result['base_beta']:g}: {result['predicted_departing']} of {result['chains']}; "
+              f"departed: {result['departed_count']}; every one where predicted: {result['all_as_predicted']}")
+        for chain, (predicted, actual) in result["mismatches"].items():
+            print(f"  chain {chain}: predicted {predicted}, departed {actual}")
+        print(f"wrote {out / 'departures.json'}", file=sys.stderr)
+    return result
 
 
 # --------------------------------------------------------------------------- L_sub sweep

@@ -36,7 +36,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["DecisionTable", "decision_table", "flip_curve", "decision_anatomy", "format_anatomy",
+__all__ = ["DecisionTable", "decision_table", "flip_curve", "first_decided", "departures",
+           "decision_anatomy", "format_anatomy",
            "plot_decisions", "BETA_GRID", "NEAR_ZERO_NATS"]
 
 # The betas of the flip curve: 0.1 .. 10,000 on a log grid, with the paper's range in it.
@@ -126,8 +127,6 @@ def flip_curve(table: DecisionTable, betas: Sequence[float] = BETA_GRID) -> list
     r0, delta, log_u = table.log_ratio_power, table.depth_delta, table.log_u
     base = _accept_probability(r0)
     accept_power = log_u < r0
-    # A chain's trajectory is the power chain's only up to its first depth-decided decision.
-    order = np.lexsort((table.step, table.block, table.chain))
     rows = []
     for beta in betas:
         log_r = r0 + beta * delta
@@ -137,9 +136,6 @@ def flip_curve(table: DecisionTable, betas: Sequence[float] = BETA_GRID) -> list
         np.multiply.at(stay, table.chain, 1.0 - p_flip)
         departed = np.zeros(table.n_chains, bool)
         departed[table.chain[realized]] = True
-        first = {}
-        for i in order[realized[order]]:
-            first.setdefault(int(table.chain[i]), (int(table.block[i]), int(table.step[i])))
         rows.append({
             "beta": float(beta),
             "expected_flips": float(p_flip.sum()),
@@ -147,9 +143,45 @@ def flip_curve(table: DecisionTable, betas: Sequence[float] = BETA_GRID) -> list
             "realized_flips": int(realized.sum()),
             "expected_departing_chains": float((1.0 - stay).sum()),
             "realized_departing_chains": int(departed.sum()),
-            "first_flips": {str(chain): list(at) for chain, at in sorted(first.items())},
+            "first_flips": _first_at(table, realized),
         })
     return rows
+
+
+def _first_at(table: DecisionTable, marked: np.ndarray) -> dict[str, list[int]]:
+    """Per chain with a `marked` decision: (block, step) of its first one."""
+    order = np.lexsort((table.step, table.block, table.chain))
+    first: dict[str, list[int]] = {}
+    for i in order[marked[order]]:
+        first.setdefault(str(int(table.chain[i])), [int(table.block[i]), int(table.step[i])])
+    return dict(sorted(first.items(), key=lambda item: int(item[0])))
+
+
+def first_decided(table: DecisionTable) -> dict[str, list[int]]:
+    """Per chain that has one: (block, step) of its first decision that beta·ΔD decided,
+    i.e. where the chain departed from the power chain of its keys."""
+    return _first_at(table, table.depth_decided)
+
+
+def departures(base: DecisionTable, other: DecisionTable, beta: float) -> dict[str, Any]:
+    """The records' prediction checked against a run: `base`, a run's decisions in which
+    no decision was depth-decided (its chains are the power chains of their keys),
+    predicts where each chain of a run at `beta` with the same keys departs (its first
+    realized flip); `other` is that run's decisions. Both runs must hold the same chains
+    in the same order."""
+    if base.depth_decided.any():
+        raise ValueError("the base run has depth-decided decisions: its chains are not the power "
+                         "chains, so it predicts nothing past them")
+    if base.n_chains != other.n_chains:
+        raise ValueError(f"the runs hold {base.n_chains} and {other.n_chains} chains: not the same problems")
+    predicted = flip_curve(base, [beta])[0]["first_flips"]
+    actual = first_decided(other)
+    return {"beta": float(beta), "chains": base.n_chains, "predicted": predicted, "departed": actual,
+            "predicted_departing": len(predicted), "departed_count": len(actual),
+            "all_as_predicted": predicted == actual,
+            "mismatches": {chain: [predicted.get(chain), actual.get(chain)]
+                           for chain in sorted(set(predicted) | set(actual), key=int)
+                           if predicted.get(chain) != actual.get(chain)}}
 
 
 def _quantiles(values: np.ndarray) -> dict[str, Optional[float]]:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.decisions import DecisionTable, decision_anatomy, decision_table, flip_curve, format_anatomy
+from degs_jax.decisions import (DecisionTable, decision_anatomy, decision_table, departures, flip_curve,
+                                format_anatomy)
 from degs_jax.decoders import decode
 from degs_jax.models import TransformerLM, init_params
 from tiny_models import tiny_config
@@ -110,6 +111,10 @@ def test_records_predict_which_chains_a_larger_beta_changes(model):
         assert row["realized_flips"] == int(t.depth_decided.sum())
     predicted = flip_curve(base_table, [large])[0]["first_flips"]
     assert 0 < len(predicted) < len(chains), "every or no chain departs: the prediction is vacuous"
+    check = departures(base_table, large_table, large)
+    assert check["all_as_predicted"] and check["departed"] == predicted and not check["mismatches"]
+    with pytest.raises(ValueError, match="not the power chains"):
+        departures(large_table, base_table, small)
     for chain, (a, b) in enumerate(zip(chains, chains_large)):
         first = predicted.get(str(chain))
         a_steps, b_steps = (decision_table([{"index": 0, "mh_decisions": c["mh_decisions"]}]) for c in (a, b))

@@ -89,6 +89,10 @@ def add_commands(sub, load_model) -> None:
     a.add_argument("run_dir", help="a `degs eval` directory")
     a.add_argument("--out", default=None, help="where to write the analysis (default RUN_DIR)")
     a.add_argument("--buckets", type=int, default=4, help="D(x) quantile buckets (4)")
+    a.add_argument("--departures-from", default=None, metavar="BASE_RUN",
+                   help="a degs_mcmc run of the same problems and seed at a beta that decided no MH "
+                        "decision: check that RUN_DIR's chains depart from the power chains exactly "
+                        "where BASE_RUN's decision records predict (departures.json)")
     a.add_argument("--lsub-sweep", default=None,
                    help='probe sets to re-score with, e.g. "4,8,12;16,20,24,28;all;default"')
     a.add_argument("--alpha", type=float, default=None,
@@ -142,7 +146,7 @@ def cmd_eval(args, load_model) -> int:
 def cmd_analyze(args, load_model) -> int:
     # the analyses' figures and statistics (matplotlib, scipy): seconds of start-up that
     # the other commands do not pay
-    from ..analysis import analyze_decisions, analyze_run, load_run, lsub_sweep
+    from ..analysis import analyze_decisions, analyze_departures, analyze_run, load_run, lsub_sweep
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir
@@ -150,6 +154,8 @@ def cmd_analyze(args, load_model) -> int:
     has_decisions = any(r.get("mh_decisions") for r in records)
     if has_decisions:
         analyze_decisions(run_dir, out)
+    if args.departures_from is not None:
+        analyze_departures(run_dir, args.departures_from, out)
     if records and all(c.get("D") is not None for r in records
                        for c in r.get("candidates", [r])):
         analyze_run(run_dir, out, n_buckets=args.buckets)
