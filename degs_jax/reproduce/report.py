@@ -1084,11 +1084,13 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
            f"{len(st['invocations'])} invocation(s); the last on {last['device']}, started "
            f"{last['started']}, status: **{last['status']}**."]
     for r in st["regrades"]:
+        changed = (f"{r['changed']} stored verdicts changed (chosen completions and kept "
+                   "candidates; study.json lists them)" if r["changed"]
+                   else "no stored verdict changed")
         md += ["", f"Verdicts re-graded on {r['when']} with grading rules version "
-                   f"{r['rules_version']} (`degs reproduce --regrade`): {r['changed']} stored "
-                   f"verdicts changed (chosen completions and kept candidates; study.json lists "
-                   f"them)" + (f", {r['timeouts_kept']} timed out and were kept"
-                               if r["timeouts_kept"] else "") + "."]
+                   f"{r['rules_version']} (`degs reproduce --regrade`): {changed}"
+                   + (f"; {r['timeouts_kept']} timed out and were kept" if r["timeouts_kept"]
+                      else "") + "."]
     if not st["complete"]:
         md += ["", "**Partial results**: not every job reached its target (see *What ran*); "
                    "every number below is over the problems that finished, and paired "
