@@ -13,6 +13,7 @@ from typing import Any
 from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
+from ..reproduce.regrade import regrade_study
 from ..reproduce.study import (DEFAULT_BATCH_SIZE, Budget, StudyRequest, available_methods, format_plan,
                               plan_table, run_study)
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
@@ -214,8 +215,6 @@ def cmd_reproduce(args, load_model) -> int:
         if len(single) > 1:
             raise ValueError(f"--regrade is a mode of its own; leave out "
                              f"{', '.join(f for f in single if f != '--regrade')}")
-        from ..reproduce.regrade import regrade_study  # the grader's modules, not the decoders'
-
         regrade_study(out, data_dir=args.data_dir)
         if not args.no_report:
             print(f"report: {reproduce.write_report(out)['report']}")
