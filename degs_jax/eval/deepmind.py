@@ -60,12 +60,11 @@ _LIST_BRACKETS = (("\\left(", "\\right)"), ("\\left[", "\\right]"), ("(", ")"), 
 _LAST_AND = re.compile(r"^(?:and|or)\s+")
 
 
-def grade_answer(question: str, gold: str, pred: str,
-                 equal: Optional[Callable[[str, str], bool]] = None) -> bool:
+def grade_answer(question: str, gold: str, pred: str) -> bool:
     """Whether the boxed content ``pred`` answers ``question``, whose DeepMind gold answer is
-    ``gold`` (module docstring: the rules, in order). ``equal(gold, pred)``: math-verify on
-    two LaTeX strings (default :func:`math_equal`; runs in the grading worker)."""
-    equal = equal or math_equal
+    ``gold`` (module docstring: the rules, in order). Runs in the grading worker
+    (math-verify through :func:`math_equal`)."""
+    equal = math_equal
     gold = gold.strip()
     if gold in ("True", "False"):
         return yes_no(question, pred) == (gold == "True")
