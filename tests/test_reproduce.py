@@ -681,6 +681,22 @@ def test_regrade_refuses_a_record_whose_answer_is_not_its_completion(graded_stud
         regrade_study(graded_study, log=lambda line: None)
 
 
+def test_regrade_of_one_eval_directory(graded_study, capsys):
+    from degs_jax import cli
+
+    run = graded_study / "runs/deepmind500/greedy"
+    assert cli.main(["reproduce", "--out", str(run), "--regrade"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy deepmind500/45 chosen: wrong -> right" in out and "re-graded 1 runs" in out
+    assert [r["correct"] for r in study.read_records(run)] == [True, False, True, False, True]
+    assert json.loads((run / "run.json").read_text())["regrades"][-1]["changed"] == 3
+    assert not (run / "study.json").exists() and not (run / "report.md").exists()
+    with pytest.raises(FileNotFoundError, match="neither"):
+        from degs_jax.reproduce.regrade import regrade_study
+
+        regrade_study(graded_study / "runs")
+
+
 def test_regrade_command(graded_study, capsys):
     from degs_jax import cli
 

@@ -115,10 +115,10 @@ def add_commands(sub, load_model) -> None:
     m.add_argument("--no-report", action="store_true", help="run without writing the report")
     m.add_argument("--regrade", action="store_true",
                    help="grade the stored answers of every MATH500, DeepMind500 and GSM8K run "
-                        "and pool again with the current grader, in place (a study or its "
-                        "export; no model), print every verdict that changes (run, problem, "
-                        "chosen or candidate, old -> new), record it in study.json and rewrite "
-                        "the report (not with --no-report)")
+                        "and pool again with the current grader, in place (a study, its "
+                        "export, or one `degs eval` directory; no model), print every verdict "
+                        "that changes (run, problem, chosen or candidate, old -> new), record "
+                        "it in study.json and rewrite the report (not with --no-report)")
     m.add_argument("--export", metavar="DEST", default=None,
                    help="write a compact copy of the study (no candidate tokens) and its report "
                         "into DEST, for committing (no model)")
@@ -216,7 +216,7 @@ def cmd_reproduce(args, load_model) -> int:
             raise ValueError(f"--regrade is a mode of its own; leave out "
                              f"{', '.join(f for f in single if f != '--regrade')}")
         regrade_study(out, data_dir=args.data_dir)
-        if not args.no_report:
+        if not args.no_report and (out / "study.json").exists():  # not a single `degs eval` run
             print(f"report: {reproduce.write_report(out)['report']}")
         return 0
     if args.export:

@@ -131,18 +131,24 @@ def regrade_study(study_dir, *, grader: Optional[Grader] = None, data_dir=None,
     """Re-grade every math run and pool of a `degs reproduce` directory (or its export) in
     place, ``log`` each changed verdict, and record the re-grading in study.json. Returns
     that record: ``changed`` (every change, as dicts of :class:`VerdictChange`), the
-    directories re-graded and those left alone. The report is not rewritten here."""
+    directories re-graded and those left alone. The report is not rewritten here. A
+    single `degs eval` directory (a run.json, no study.json) is re-graded alone (its
+    run.json records it; there is no study.json)."""
     study_dir = Path(study_dir)
-    if not (study_dir / STUDY_FILE).exists():
-        raise FileNotFoundError(f"{study_dir} is not a `degs reproduce` directory (no {STUDY_FILE})")
+    single = not (study_dir / STUDY_FILE).exists() and (study_dir / RUN_FILE).exists()
+    if not single and not (study_dir / STUDY_FILE).exists():
+        raise FileNotFoundError(f"{study_dir} is neither a `degs reproduce` directory (no "
+                                f"{STUDY_FILE}) nor a `degs eval` one (no {RUN_FILE})")
     own = grader is None
     grader = grader or Grader()
     regraded, skipped, changes = [], [], []
+    runs = ([study_dir] if single else
+            sorted(list(study_dir.glob("runs/*/*")) + list(study_dir.glob("pool/*"))))
     try:
-        for run_dir in sorted(list(study_dir.glob("runs/*/*")) + list(study_dir.glob("pool/*"))):
+        for run_dir in runs:
             if not (run_dir / RUN_FILE).exists():
                 continue
-            name = str(run_dir.relative_to(study_dir))
+            name = str(run_dir.relative_to(study_dir)) if not single else run_dir.name
             found = regrade_run(run_dir, grader, name=name, data_dir=data_dir)
             if found is None:
                 skipped.append(name)
@@ -158,9 +164,10 @@ def regrade_study(study_dir, *, grader: Optional[Grader] = None, data_dir=None,
              "versions": package_versions(), "regraded": regraded, "not_regraded": skipped,
              "changed": [asdict(c) for c in changes if not c.timeout],
              "timeouts_kept": [asdict(c) for c in changes if c.timeout]}
-    study = json.loads((study_dir / STUDY_FILE).read_text())
-    study.setdefault("regrades", []).append(entry)
-    write_json(study_dir / STUDY_FILE, study)
+    if not single:
+        study = json.loads((study_dir / STUDY_FILE).read_text())
+        study.setdefault("regrades", []).append(entry)
+        write_json(study_dir / STUDY_FILE, study)
     log(f"re-graded {len(regraded)} runs ({', '.join(regraded) or 'none'}); "
         f"{len(entry['changed'])} verdicts changed, {len(entry['timeouts_kept'])} timed out "
         f"(stored verdict kept); not re-graded: {', '.join(skipped) or 'none'}")
