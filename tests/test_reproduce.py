@@ -609,6 +609,11 @@ def test_regrade_changes_stored_verdicts_in_place(graded_study):
     from degs_jax.reproduce.regrade import regrade_study
 
     humaneval = (graded_study / "runs/humaneval/greedy/results.jsonl").read_bytes()
+    before = {r["setting"]: r for r in report.build_tables(report.load_study(graded_study))[
+        "deviations"]}["DeepMind500 grader"]
+    assert before["used"].endswith("; stored verdicts by grading rules 1 (the current rules are "
+                                   "version 2: `degs reproduce --regrade`)")
+    assert before["effect"] is None
     lines = []
     entry = regrade_study(graded_study, log=lines.append)
     assert {(c["directory"], c["problem_id"], c["candidate"], c["old"], c["new"])
@@ -638,6 +643,7 @@ def test_regrade_changes_stored_verdicts_in_place(graded_study):
 
     tables = report.write_report(graded_study)
     grader = {r["setting"]: r for r in tables["deviations"]}["DeepMind500 grader"]
+    assert grader["used"].endswith("degs_jax/eval/deepmind.py)")  # every verdict by rules 2
     assert grader["deviates"] and grader["effect"].startswith(
         "re-grading on 20") and "changed 5 stored DeepMind500 verdicts, of 4 distinct" in grader["effect"]
     assert tables["status"]["regrades"][0]["changed"] == 5
