@@ -34,7 +34,10 @@ rules below, tried in this order, each decide an answer alone (no fall-through):
 
 Left as math-verify does it: a gold that names a variable of the question (``l`` in
 "What is the third smallest value in l, s, d?", where ``Let l = 1.2 + -0.2``) is not
-matched by its value (``1.0``), since that needs the question solved.
+matched by its value (``1.0``), since that needs the question solved; and an answer to
+"Factor ...", "Expand ...", "Collect ..." or "Simplify ..." is judged by its value, not its
+form (the question's own expression, restated, equals the gold). No answer stored in the
+committed studies was judged right in the wrong form.
 """
 
 from __future__ import annotations
