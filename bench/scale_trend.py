@@ -2,7 +2,8 @@
 directory, the predictive validity of D(x) (problem-demeaned AUC with its cluster-bootstrap
 interval), the effect of the depth term in MCMC (DEGS-MCMC − power MCMC: paired difference
 with Newcombe's interval, and how many chains ended identical), and the MH acceptance of
-DEGS-MCMC, against the model's parameter count. Reads only each study's `tables/*.json`
+DEGS-MCMC (accepted proposals / MH steps, pooled over every chain), against the model's
+parameter count. Reads only each study's `tables/*.json`
 (written by `degs reproduce --report-only`), so it needs no model and no GPU.
 
 Prints one JSON record and writes a three-panel PNG:
@@ -48,7 +49,7 @@ def study_point(directory: Path, benchmark: str) -> dict:
         "beta_ci": None if beta is None else [beta["ci_low"], beta["ci_high"]],
         "beta_problems": None if beta is None else beta["n"],
         "identical_completions": None if same is None else same["identical_completions"],
-        "acceptance": None if degs is None else degs["mean_acceptance"],
+        "acceptance": None if degs is None else degs["acceptance_pooled"],
     }
 
 
@@ -63,7 +64,7 @@ def plot(points: list[dict], path: Path, benchmark: str) -> str:
     size = np.array([p["parameters_b"] for p in points])
     panels = [("demeaned_auc", "demeaned_auc_ci", "D(x): problem-demeaned AUC", 0.5),
               ("beta_difference", "beta_ci", "DEGS-MCMC − power MCMC (accuracy)", 0.0),
-              ("acceptance", None, "MH acceptance, DEGS-MCMC", None)]
+              ("acceptance", None, "MH acceptance (pooled over steps), DEGS-MCMC", None)]
     for ax, (key, ci, title, reference) in zip(axes, panels):
         have = [i for i, p in enumerate(points) if p[key] is not None]
         y = np.array([points[i][key] for i in have], float)

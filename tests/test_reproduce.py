@@ -10,7 +10,7 @@ import pytest
 
 from degs_jax import stats
 from degs_jax.cli import reproduction as command
-from degs_jax.reproduce import report, study
+from degs_jax.reproduce import paper, report, study
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
@@ -253,6 +253,10 @@ DEGS = [True, True, False, True, True, False]
 # final completions of the two chains: the same on problems 0, 2 and 3
 POWER_TEXT = ["a", "b", "c", "d", "e", "f"]
 DEGS_TEXT = ["a", "B", "c", "d", "E", "F"]
+# DEGS-MCMC's accepted fraction of its 10 MH steps per block: problem 0 ran three blocks
+# (9 of 10 accepted in each), the others one (6 of 10). Mean of the per-problem means
+# (0.9 + 5 x 0.6) / 6 = 0.65; pooled over the 80 MH steps (27 + 5 x 6) / 80 = 0.7125.
+DEGS_ACCEPTANCE = [[0.9, 0.9, 0.9]] + [[0.6]] * 5
 # pool of 2 problems x 2 candidates with layer statistics (L = 4, layers 0..4):
 # sets {1,2,3,4} (default) and {3,4}
 POOL_CANDS = [[_cand(True, -1, .5, 1), _cand(False, -1.2, .25, 1)],
@@ -275,7 +279,8 @@ def synthetic_study(tmp_path):
                 for i, c in enumerate(POWER)], hp={"beta": 0.0})
     _write_run(root / "runs/gsm8k/degs_mcmc", "degs_mcmc",
                [_record(i, c, generated_tokens=120, forward_tokens=120, probed_token_layers=240,
-                        forward_equivalents=180.0, decode_s=2.7, mean_acceptance=0.6,
+                        forward_equivalents=180.0, decode_s=2.7, acceptance=DEGS_ACCEPTANCE[i],
+                        mean_acceptance=float(np.mean(DEGS_ACCEPTANCE[i])),
                         completion=DEGS_TEXT[i], ended=i != 5)
                 for i, c in enumerate(DEGS)], hp={"beta": 5.0, "num_blocks": 4, "lsub": [3, 4]})
     _write_run(root / "pool/gsm8k", "best_of_n",
@@ -389,12 +394,19 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     assert traj["correct"]["mean_entropy"] == pytest.approx([3.5, 3, 2.5, 2, 0.5])
     assert traj["incorrect"]["mean_entropy"] == pytest.approx([5.2, 4.6, 4, 3.4, 2.8])
     assert traj["correct"]["tokens"] == 4 and traj["incorrect"]["candidates"] == 2
-    # mean collapse layer: D * L token-weighted: correct (.5*2 + 1*2)/4 * 4 = 3
+    # mean collapse layer: D * L token-weighted: correct (.5*2 + 1*2)/4 * 4 = 3, incorrect
+    # (.25*6 + .75*4)/10 * 4 = 1.8, on the pool's probe grid {1,2,3,4}, which is all layers
+    # here
+    assert result["trajectories"]["gsm8k"]["probe_grid"] == [1, 2, 3, 4]
     assert traj["correct"]["mean_collapse_layer"] == pytest.approx(3.0)
+    assert traj["incorrect"]["mean_collapse_layer"] == pytest.approx(1.8)
+    assert traj["incorrect"]["mean_collapse_layer_all_layers"] == pytest.approx(1.8)
 
     compute = {(r["benchmark"], r["method"]): r for r in result["compute"]["rows"]}
     assert compute[("gsm8k", "degs_mcmc")]["probe_charge"] == pytest.approx(240 / L)
-    assert compute[("gsm8k", "degs_mcmc")]["mean_acceptance"] == pytest.approx(0.6)
+    assert compute[("gsm8k", "degs_mcmc")]["mean_acceptance"] == pytest.approx(0.65)
+    assert compute[("gsm8k", "degs_mcmc")]["acceptance_pooled"] == pytest.approx(57 / 80)
+    assert compute[("gsm8k", "degs_mcmc")]["mh_steps_total"] == 80
     (over,) = result["compute"]["probe_overhead"]
     assert over["forward_equivalents_per_generated_token"] == pytest.approx(1.5 / 1.0 - 1)
     assert over["wall_clock_overhead_per_generated_token"] == pytest.approx((2.7 / 120) / (2.0 / 100) - 1)
@@ -404,7 +416,11 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     claims = {c["claim"][:10]: c for c in result["claims"]}
     assert claims["beta = 5 i"]["verdict"].startswith(
         "positive in every cell, as the paper: 1 positive, 0 negative, 0 zero of 1 cell;")
-    assert "1 of 1 benchmarks inside" in claims["MH accepta"]["verdict"]  # 0.6
+    assert claims["MH accepta"]["measured"] == (
+        "gsm8k: 0.713 pooled over 80 MH steps (mean of per-problem means 0.650)")
+    assert claims["MH accepta"]["verdict"].startswith("1 of 1 benchmarks inside 57-78% (pooled")
+    assert claims["beta = 5 i"]["verdict"].endswith(
+        "significant at 5% after Holm over the 5 comparisons of the paired table: none")
     assert claims["D(x) predi"]["verdict"] == ("problem-demeaned AUC interval above 0.5 in 1, "
                                                "below 0.5 in 0 of 1 pools")
 
@@ -419,12 +435,20 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
                            "gsm8k; 3072 (16 blocks of 192): power_mcmc on gsm8k")
     assert cap["effect"].endswith("gsm8k 0–17%")  # one DEGS-MCMC completion of six cut
     bon = deviations["Best-of-N pool (Best-of-N and its selections)"]
-    assert bon["deviates"] and bon["used"] == "N = 16, T = 1, top-p 1: gsm8k"
+    # the paper's Best-of-N: N = 16, top-p 1, temperature not stated (reranking: 0.7 to 1)
+    assert bon["paper"] == paper.BEST_OF_N_SAMPLING
+    assert not bon["deviates"] and bon["used"] == "N = 16, T = 1, top-p 1: gsm8k"
     # candidates of problems 0 and 1 (the pool's): 3 of 6 correct; the pool's 2 of 4
     assert bon["effect"] == ("mean candidate accuracy on the 2 gsm8k problems both drew: 0.500 at "
                              "N = 16, T = 1, top-p 1 vs 0.500 at N = 2, T = 1, top-p 1 (the "
                              "predictive-validity pool)")
     assert deviations["predictive-validity pool"]["used"] == "N = 2, T = 1, top-p 1: gsm8k"
+    assert deviations["predictive-validity pool"]["deviates"]
+    assert deviations["predictive-validity pool"]["paper"] == "N = 16, T = 0.8, top-p 0.9"
+    # rows of runs that are not in this study
+    for setting in ("Scalable Power Sampling candidate temperature", "DeepMind500 grader",
+                    "HumanEval completion end"):
+        assert setting not in deviations
     assert (deviations["mh_steps"]["paper"], deviations["mh_steps"]["used"]) == (10, "2: degs_mcmc on gsm8k")
     assert "num_blocks" not in deviations  # part of the token cap
     assert deviations["problems per benchmark"]["used"] == "gsm8k 4–6 (not in the paper's Table 1)"
@@ -468,9 +492,10 @@ def test_paired_table_holm_over_the_comparisons_made():
     assert comps["math500"]["p_value"] == pytest.approx(2 / 8)
     assert comps["gsm8k"]["p_holm"] == pytest.approx(2 * 2 / 256)
     assert comps["math500"]["p_holm"] == pytest.approx(2 / 8)
-    assert report.beta_verdict(paired["comparisons"]).endswith(
+    assert paired["holm_family"] == 2
+    assert report.beta_verdict(paired["comparisons"], paired["holm_family"]).endswith(
         "one-sided sign test over the 2 non-zero cells p = 0.25; significant at 5% after "
-        "Holm: gsm8k")
+        "Holm over the 2 comparisons of the paired table: gsm8k")
     # every completion differs: no identical final completion
     assert [c["identical_completions"] for c in paired["common_random_numbers"]] == [0, 0]
 
@@ -480,19 +505,20 @@ def test_beta_verdict_counts_ties_as_no_direction():
         return [{"benchmark": f"b{i}", "difference": d, "p_holm": 1.0} for i, d in enumerate(diffs)]
 
     # the committed 0.5B study: +0.016, 0, 0 is not "the same direction" as the paper
-    verdict = report.beta_verdict(cells(0.016, 0.0, 0.0))
+    verdict = report.beta_verdict(cells(0.016, 0.0, 0.0), 21)
     assert verdict == ("not positive in every cell: 1 positive, 0 negative, 2 zero of 3 cells; "
                        "one-sided sign test over the 1 non-zero cell p = 0.5; significant at 5% "
-                       "after Holm: none")
-    assert report.beta_verdict(cells(0.0, 0.0)).startswith("no difference in any cell: 0 positive")
-    assert "p = n/a" in report.beta_verdict(cells(0.0, 0.0))
-    assert report.beta_verdict(cells(-0.1, -0.2)).startswith("negative in every cell")
-    assert report.beta_verdict(cells(0.1, -0.2, 0.3)).startswith(
+                       "after Holm over the 21 comparisons of the paired table: none")
+    assert report.beta_verdict(cells(0.0, 0.0), 2).startswith("no difference in any cell: 0 positive")
+    assert "p = n/a" in report.beta_verdict(cells(0.0, 0.0), 2)
+    assert report.beta_verdict(cells(-0.1, -0.2), 2).startswith("negative in every cell")
+    assert report.beta_verdict(cells(0.1, -0.2, 0.3), 3).startswith(
         "not positive in every cell: 2 positive, 1 negative, 0 zero of 3 cells; one-sided sign "
         "test over the 3 non-zero cells p = 0.5")  # P(X >= 2), X ~ Bin(3, 1/2) = 4/8
     significant = cells(0.1, 0.2)
     significant[1]["p_holm"] = 0.01
-    assert report.beta_verdict(significant).endswith("significant at 5% after Holm: b1")
+    assert report.beta_verdict(significant, 2).endswith(
+        "significant at 5% after Holm over the 2 comparisons of the paired table: b1")
 
 
 def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_path):
@@ -507,6 +533,187 @@ def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_pa
         (tmp_path / "other").mkdir()
         (tmp_path / "other/file").write_text("x")
         report.export_study(synthetic_study, tmp_path / "other")
+
+
+# --------------------------------------------------------------------------- regrade
+
+def _boxed(answer):
+    return "Step by step ... so the answer is $\\boxed{" + answer + "}$."
+
+
+def _stored_run(directory: Path, benchmark, method, records):
+    """A run as `degs reproduce --export` leaves it (candidates without tokens)."""
+    directory.mkdir(parents=True)
+    config = {"benchmark": benchmark, "method": method, "hyperparameters": {}, "chat": True,
+              "model": {"name": "toy", "num_layers": L, "architecture": "ToyForCausalLM",
+                        "dtype": "float32"},
+              "seed": 0, "key_derivation": "fold_in(key(seed), problem_index)",
+              "template_sha256": "0" * 64}
+    invocation = {"started": "2026-01-01T00:00:00+00:00", "versions": {"math-verify": "0.9.0"}}
+    (directory / "run.json").write_text(json.dumps({"config": config, "invocations": [invocation]}))
+    (directory / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _answer_record(problem_id, index, answer, correct, **extra):
+    return _record(index, correct, id=problem_id, completion=_boxed(answer) if answer else "no box",
+                   extracted=answer, grade_detail="ok" if answer else "no boxed answer", **extra)
+
+
+def _answer_cand(answer, correct, chosen=False):
+    return {"correct": correct, "extracted": answer, "chosen": chosen, "log_p": -1.0, "D": 0.5,
+            "final_entropy": 1.0, "n_tokens": 5, "ended": True}
+
+
+@pytest.fixture
+def graded_study(tmp_path):
+    """Real DeepMind500 problems with answers Qwen2.5-Coder-1.5B wrote (docs/reproduction/
+    qwen2.5-coder-1.5b) and the verdicts the grader before the DeepMind500 rules gave them;
+    a MATH500 and a HumanEval run beside them."""
+    root = tmp_path / "study"
+    _stored_run(root / "runs/deepmind500/greedy", "deepmind500", "greedy", [
+        _answer_record("deepmind500/0", 0, "3", True),  # "Solve 99*y - 331 = 3*y - 43 for y."
+        _answer_record("deepmind500/3", 3, None, False),  # no boxed answer
+        _answer_record("deepmind500/45", 45, r"\text{No}", False),  # "Does 1230 divide ...?" False
+        _answer_record("deepmind500/51", 51, "-53, 2911, 5, 0.5", True),  # sort decreasing
+        _answer_record("deepmind500/60", 60, r"7:01 \text{ PM}", False)])  # 7:01 PM
+    _stored_run(root / "runs/deepmind500/best_of_n", "deepmind500", "best_of_n", [
+        # "Is 873578389 composite?" (True)
+        _answer_record("deepmind500/61", 61, r"\text{Yes}", False, n_candidates=3,
+                       n_candidates_correct=0,
+                       candidates=[_answer_cand(r"\text{No}", False),
+                                   _answer_cand(r"\text{Yes}", False, chosen=True),
+                                   _answer_cand("873578389", False)])])
+    _stored_run(root / "runs/math500/greedy", "math500", "greedy", [
+        _answer_record("test/precalculus/807.json", 0, r"(3, \frac{\pi}{2})", True)])
+    _stored_run(root / "runs/humaneval/greedy", "humaneval", "greedy", [
+        _record(0, False, id="HumanEval/0", completion="def f(): pass")])
+    (root / "study.json").write_text(json.dumps({
+        "model": {"name": "toy", "num_layers": L},
+        "invocations": [{"started": "2026-01-01T00:00:00+00:00", "status": "finished",
+                         "device": "cpu", "seconds": 1.0, "jobs": {}, "selections": {},
+                         "skipped": []}]}))
+    return root
+
+
+# (run, problem, candidate, old, new) of every verdict the DeepMind500 rules change
+REGRADE_CHANGES = {
+    ("runs/deepmind500/best_of_n", "deepmind500/61", None, False, True),
+    ("runs/deepmind500/best_of_n", "deepmind500/61", 1, False, True),
+    ("runs/deepmind500/greedy", "deepmind500/45", None, False, True),
+    ("runs/deepmind500/greedy", "deepmind500/51", None, True, False),
+    ("runs/deepmind500/greedy", "deepmind500/60", None, False, True),
+}
+
+
+def test_regrade_changes_stored_verdicts_in_place(graded_study):
+    from degs_jax.reproduce.regrade import regrade_study
+
+    humaneval = (graded_study / "runs/humaneval/greedy/results.jsonl").read_bytes()
+    before = {r["setting"]: r for r in report.build_tables(report.load_study(graded_study))[
+        "deviations"]}["DeepMind500 grader"]
+    assert before["used"].endswith("; stored verdicts by grading rules 1 (the current rules are "
+                                   "version 2: `degs reproduce --regrade`)")
+    assert before["effect"] is None
+    lines = []
+    entry = regrade_study(graded_study, log=lines.append)
+    assert {(c["directory"], c["problem_id"], c["candidate"], c["old"], c["new"])
+            for c in entry["changed"]} == REGRADE_CHANGES
+    assert entry["timeouts_kept"] == [] and entry["rules_version"] == 2
+    assert entry["regraded"] == ["runs/deepmind500/best_of_n", "runs/deepmind500/greedy",
+                                 "runs/math500/greedy"]
+    assert entry["not_regraded"] == ["runs/humaneval/greedy"]
+    assert ("runs/deepmind500/greedy deepmind500/51 chosen: right -> wrong  (answer "
+            "'-53, 2911, 5, 0.5')") in lines
+    assert "runs/deepmind500/best_of_n deepmind500/61 candidate 1: wrong -> right  (answer " \
+           "'\\\\text{Yes}')" in lines
+    assert lines[-1].startswith("re-graded 3 runs") and "5 verdicts changed" in lines[-1]
+
+    greedy = study.read_records(graded_study / "runs/deepmind500/greedy")
+    assert [r["correct"] for r in greedy] == [True, False, True, False, True]
+    assert greedy[1]["grade_detail"] == "no boxed answer"
+    summary = json.loads((graded_study / "runs/deepmind500/greedy/summary.json").read_text())
+    assert summary["accuracy"]["correct"] == 3 and summary["accuracy"]["n"] == 5
+    (bon,) = study.read_records(graded_study / "runs/deepmind500/best_of_n")
+    assert bon["correct"] and bon["n_candidates_correct"] == 1
+    assert [c["correct"] for c in bon["candidates"]] == [False, True, False]
+    run = json.loads((graded_study / "runs/deepmind500/greedy/run.json").read_text())
+    assert run["regrades"][-1]["changed"] == 3 and run["regrades"][-1]["rules_version"] == 2
+    assert (graded_study / "runs/humaneval/greedy/results.jsonl").read_bytes() == humaneval
+    assert not (graded_study / "runs/humaneval/greedy/summary.json").exists()
+
+    tables = report.write_report(graded_study)
+    grader = {r["setting"]: r for r in tables["deviations"]}["DeepMind500 grader"]
+    assert grader["used"].endswith("degs_jax/eval/deepmind.py)")  # every verdict by rules 2
+    assert grader["deviates"] and grader["effect"].startswith(
+        "re-grading on 20") and "changed 5 stored DeepMind500 verdicts, of 4 distinct" in grader["effect"]
+    assert tables["status"]["regrades"][0]["changed"] == 5
+    assert "(`degs reproduce --regrade`): 5 stored verdicts changed" in Path(tables["report"]).read_text()
+    cell = {r["method"]: r for r in tables["table1"]["rows"]}["greedy"]["cells"]["deepmind500"]
+    assert (cell["correct"], cell["n"]) == (3, 5)
+
+    again = regrade_study(graded_study, log=lines.append)  # nothing left to change
+    assert again["changed"] == [] and len(json.loads(
+        (graded_study / "study.json").read_text())["regrades"]) == 2
+
+
+def test_regrade_keeps_a_verdict_that_timed_out(graded_study, monkeypatch):
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from degs_jax.eval import Grader
+    from degs_jax.reproduce.regrade import regrade_study
+
+    def hang(*args):
+        raise FutureTimeout
+
+    with Grader() as grader:
+        monkeypatch.setattr(grader.math, "call", hang)
+        entry = regrade_study(graded_study, grader=grader, log=lambda line: None)
+    assert entry["changed"] == []
+    # every stored answer timed out (the record without a boxed answer needs no grading)
+    assert len(entry["timeouts_kept"]) == 4 + 4 + 1
+    greedy = study.read_records(graded_study / "runs/deepmind500/greedy")
+    assert [r["correct"] for r in greedy] == [True, False, False, True, False]  # as stored
+    assert greedy[2]["grade_detail"] == "timeout (stored verdict kept)"
+
+
+def test_regrade_refuses_a_record_whose_answer_is_not_its_completion(graded_study):
+    from degs_jax.reproduce.regrade import regrade_study
+
+    path = graded_study / "runs/deepmind500/greedy/results.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[2]["extracted"] = r"\text{Yes}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match="not the last boxed span"):
+        regrade_study(graded_study, log=lambda line: None)
+
+
+def test_regrade_of_one_eval_directory(graded_study, capsys):
+    from degs_jax import cli
+
+    run = graded_study / "runs/deepmind500/greedy"
+    assert cli.main(["reproduce", "--out", str(run), "--regrade"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy deepmind500/45 chosen: wrong -> right" in out and "re-graded 1 runs" in out
+    assert [r["correct"] for r in study.read_records(run)] == [True, False, True, False, True]
+    assert json.loads((run / "run.json").read_text())["regrades"][-1]["changed"] == 3
+    assert not (run / "study.json").exists() and not (run / "report.md").exists()
+    with pytest.raises(FileNotFoundError, match="neither"):
+        from degs_jax.reproduce.regrade import regrade_study
+
+        regrade_study(graded_study / "runs")
+
+
+def test_regrade_command(graded_study, capsys):
+    from degs_jax import cli
+
+    assert cli.main(["reproduce", "--out", str(graded_study), "--regrade", "--no-report"]) == 0
+    out = capsys.readouterr().out
+    assert "runs/deepmind500/greedy deepmind500/60 chosen: wrong -> right" in out
+    assert not (graded_study / "report.md").exists()
+    assert cli.main(["reproduce", "--out", str(graded_study), "--regrade"]) == 0
+    assert "report: " in capsys.readouterr().out and (graded_study / "report.md").exists()
+    assert cli.main(["reproduce", "--out", str(graded_study), "--regrade", "--report-only"]) == 2
+    assert "--regrade is a mode of its own; leave out --report-only" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- end to end (CPU)

@@ -13,6 +13,7 @@ from typing import Any
 from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
+from ..reproduce.regrade import regrade_study
 from ..reproduce.study import (DEFAULT_BATCH_SIZE, Budget, StudyRequest, available_methods, format_plan,
                               plan_table, run_study)
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
@@ -44,11 +45,12 @@ examples:
       --batch-size 64 --time-budget 480
   degs reproduce --out runs/study --report-only          # rewrite the report (no model)
   degs reproduce --out runs/study --export docs/reproduction/NAME   # compact copy to commit
+  degs reproduce --out docs/reproduction/NAME --regrade  # verdicts by today's grader
 
 In a job of several processes (below), process 0 decides each step and keeps study.json;
 each step gives every process one batch of the same job (or one group of the layer
-pass), and process 0 writes the report. --plan, --report-only and --export run in one
-process.
+pass), and process 0 writes the report. --plan, --report-only, --export and --regrade run
+in one process.
 
 """ + LAUNCH_HELP.format(command="degs reproduce --model M --out runs/study")
 
@@ -111,6 +113,12 @@ def add_commands(sub, load_model) -> None:
     m.add_argument("--report-only", action="store_true",
                    help="rewrite OUT/report.md, tables/ and figures/ from the stored files (no model)")
     m.add_argument("--no-report", action="store_true", help="run without writing the report")
+    m.add_argument("--regrade", action="store_true",
+                   help="grade the stored answers of every MATH500, DeepMind500 and GSM8K run "
+                        "and pool again with the current grader, in place (a study, its "
+                        "export, or one `degs eval` directory; no model), print every verdict "
+                        "that changes (run, problem, chosen or candidate, old -> new), record "
+                        "it in study.json and rewrite the report (not with --no-report)")
     m.add_argument("--export", metavar="DEST", default=None,
                    help="write a compact copy of the study (no candidate tokens) and its report "
                         "into DEST, for committing (no model)")
@@ -199,10 +207,18 @@ def cmd_reproduce(args, load_model) -> int:
     check_seed(args.seed)
     options = distributed_options(args)
     single = [flag for flag, on in (("--plan", args.plan), ("--report-only", args.report_only),
-                                    ("--export", args.export)) if on]
+                                    ("--export", args.export), ("--regrade", args.regrade)) if on]
     if options is not None and single:
         raise ValueError(f"{single[0]} runs in one process: leave out --coordinator, "
                          "--num-processes, --process-id and --distributed")
+    if args.regrade:
+        if len(single) > 1:
+            raise ValueError(f"--regrade is a mode of its own; leave out "
+                             f"{', '.join(f for f in single if f != '--regrade')}")
+        regrade_study(out, data_dir=args.data_dir)
+        if not args.no_report and (out / "study.json").exists():  # not a single `degs eval` run
+            print(f"report: {reproduce.write_report(out)['report']}")
+        return 0
     if args.export:
         result = reproduce.export_study(out, args.export)
         print(f"exported {out} to {args.export}; report: {result['report']}")

@@ -2,7 +2,9 @@
 
 - Math: the content of the LAST complete ``\\boxed{...}`` span (brace-balanced,
   nested braces allowed) is compared with the gold answer by ``math-verify``
-  (``verify(parse(gold), parse(pred))``, gold first). math-verify runs in a
+  (``verify(parse(gold), parse(pred))``, gold first); DeepMind500 answers by the rules of
+  :mod:`degs_jax.eval.deepmind` (yes/no, clock times, numbers in a base, sorted lists,
+  multiple choice; math-verify for the rest), which read the question. math-verify runs in a
   worker process (``spawn`` start method: forking a process that has
   initialised JAX is unsafe) with a timeout; a hung worker is killed and the
   pool recreated, and the answer counts as incorrect. The worker exits when the
@@ -31,16 +33,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from degs_jax.eval import sandbox
+from degs_jax.eval import deepmind, sandbox
 from degs_jax.eval.benchmarks import MATH_BENCHMARKS, Problem
 from degs_jax.eval.prompts import humaneval_solution
 
+# The version of the grading rules, recorded with every re-grading (`degs reproduce
+# --regrade`): 1, math-verify (True/False golds as words) for every math benchmark; 2, the
+# DeepMind500 rules of degs_jax.eval.deepmind.
+RULES_VERSION = 2
 DEFAULT_MATH_TIMEOUT_S = 20.0
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 _PARENT_POLL_S = 0.5
-# math-verify's own parse/verify timeouts (signal based, inside the worker);
-# the outer pool timeout above is the backstop if they do not fire.
-_VERIFY_TIMEOUT_S = 5
+# math-verify's own parse/verify timeouts (deepmind.VERIFY_TIMEOUT_S, signal based, inside
+# the worker) fire first; the pool timeout above is the backstop if they do not.
 
 _BOXED_OPEN = re.compile(r"(?:\\boxed|\\fbox)\s*\{")
 _LETTER = re.compile(
@@ -113,38 +118,20 @@ def grade_gpqa(completion: str, gold_letter: str) -> GradeResult:
     return GradeResult(letter == gold_letter, letter, "ok")
 
 
-def normalize_gold(benchmark: str, gold: str) -> str:
-    """Gold answer as LaTeX math-verify parses well.
+def verify_answer(benchmark: str, question: str, gold: str, pred: str) -> bool:
+    """Whether the boxed content ``pred`` is a right answer to a math benchmark's problem
+    (``question``, gold answer ``gold``). Runs in-process: used inside the grading worker;
+    call it directly only where a hang cannot hurt.
 
-    DeepMind answers use Python syntax: ``**`` would be dropped by the LaTeX
-    parser (``-6*h**2`` parses as ``-6``), so it becomes ``^``.
+    DeepMind500: :func:`degs_jax.eval.deepmind.grade_answer`. MATH500 and GSM8K: math-verify,
+    gold first, except that a True/False gold is compared as a word (math-verify reads
+    ``True`` as the product of symbols T*r*u*e).
     """
     if benchmark == "deepmind500":
-        return gold.replace("**", "^")
-    return gold
-
-
-def verify_boxed(gold: str, pred: str) -> bool:
-    """math-verify on a gold answer and a boxed-span content. Runs in-process.
-
-    Used inside the grading worker; call it directly only where a hang cannot
-    hurt. True/False answers (DeepMind) are compared as words, because
-    math-verify reads ``True`` as the product of symbols T*r*u*e.
-    """
-    words = {"true", "false"}
-    if gold.strip().lower() in words:
-        return _plain_word(pred) == gold.strip().lower()
-    from math_verify import parse, verify  # math-verify and sympy: a second; in the worker only
-
-    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=_VERIFY_TIMEOUT_S)
-    pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=_VERIFY_TIMEOUT_S)
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=_VERIFY_TIMEOUT_S))
-
-
-def _plain_word(text: str) -> str:
-    """Lower-case word with ``\\text{...}``/``\\mathrm{...}`` wrappers removed."""
-    text = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", text)
-    return text.strip().strip(".$ ").lower()
+        return deepmind.grade_answer(question, gold, pred)
+    if gold.strip() in ("True", "False"):
+        return deepmind.yes_no("", pred) == (gold.strip() == "True")
+    return deepmind.math_equal(gold, pred)
 
 
 def _import_math_verify() -> None:
@@ -200,13 +187,24 @@ class MathGrader:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def grade(self, completion: str, gold: str, benchmark: str = "math500") -> GradeResult:
-        """Grade the last boxed span of ``completion`` against ``gold``."""
-        pred = last_boxed(completion)
+    def grade(self, completion: str, gold: str, benchmark: str = "math500",
+              question: str | None = None) -> GradeResult:
+        """Grade the last boxed span of ``completion`` against ``gold``. DeepMind500 needs
+        the ``question`` (its rules read it: :mod:`degs_jax.eval.deepmind`)."""
+        return self.grade_answer(last_boxed(completion), gold, benchmark, question)
+
+    def grade_answer(self, pred: str | None, gold: str, benchmark: str = "math500",
+                     question: str | None = None) -> GradeResult:
+        """Grade an answer already extracted from its completion (a boxed span's content,
+        ``None`` where the completion has none): :meth:`grade` after the extraction, and
+        what re-grading a stored record's ``extracted`` answer uses."""
+        if benchmark == "deepmind500" and question is None:
+            raise ValueError("a deepmind500 answer is graded against its question (the rules "
+                             "read it); pass question=")
         if pred is None:
             return GradeResult(False, None, "no boxed answer")
         try:
-            ok = self.call(verify_boxed, normalize_gold(benchmark, gold), pred)
+            ok = self.call(verify_answer, benchmark, question or "", gold, pred)
         except FutureTimeout:
             return GradeResult(False, pred, "timeout")
         return GradeResult(bool(ok), pred, "ok")
@@ -285,7 +283,7 @@ class Grader:
     def grade(self, problem: Problem, completion: str, *, chat: bool = True) -> GradeResult:
         """Grade one completion of ``problem``."""
         if problem.benchmark in MATH_BENCHMARKS:
-            return self.math.grade(completion, problem.answer, problem.benchmark)
+            return self.math.grade(completion, problem.answer, problem.benchmark, problem.question)
         if problem.benchmark == "gpqa_diamond":
             return grade_gpqa(completion, problem.answer)
         return grade_humaneval(problem, completion, chat=chat, timeout=self.code_timeout,

@@ -76,7 +76,7 @@ from degs_jax.batching import choose_batch_size, describe_batch_choice, peak_mem
 from degs_jax.decoders import decode
 from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
-from degs_jax.eval.graders import Grader, pass_at_k
+from degs_jax.eval.graders import RULES_VERSION, Grader, pass_at_k
 from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
                                      raise_if_peer_failed, share, shared)
 from degs_jax.eval.prompts import problem_prompt_ids, template_hash, uses_chat_template
@@ -106,7 +106,8 @@ GPQA = "gpqa_diamond"
 
 SHARD_PATTERN = "results.process-*-of-*.jsonl"
 
-__all__ = ["run_eval", "run_config", "problem_key", "format_summary", "shard_file", "check_run_directory",
+__all__ = ["run_eval", "run_config", "problem_key", "run_summary", "format_summary", "shard_file",
+           "check_run_directory",
            "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
 
 
@@ -300,8 +301,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
         "argv": list(argv) if argv is not None else None,
         "limit": limit, "indices": list(indices) if indices is not None else None,
         "batch_size": batch_size, "batch_choice": batch_choice, "model_source": None if model.source is None else str(model.source),
-        "versions": package_versions(), "device": str(jax.local_devices()[0]),
-        "process_count": jax.process_count(),
+        "versions": package_versions(), "grading_rules": RULES_VERSION,
+        "device": str(jax.local_devices()[0]), "process_count": jax.process_count(),
         **({"humaneval_isolation": code_isolation} if code_isolation else {}),
     }
     own_grader = grader is None
@@ -372,11 +373,11 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batc
                 store.append(record)
                 bar.update(1)
             bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}")
-            write_summary(out, _summary(store.records, run))
+            write_summary(out, run_summary(store.records, run))
         bar.close()
         records = list(store.records)
         _record_peak_memory(out, run)
-    summary = _summary(records, run)
+    summary = run_summary(records, run)
     write_summary(out, summary)
     return summary
 
@@ -472,7 +473,7 @@ def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, s
             if missing:
                 raise RuntimeError(f"{len(missing)} problems have no result after merging the "
                                    f"shards of {out} (first: {missing[0]})")
-            summary = _summary(store.records, run)
+            summary = run_summary(store.records, run)
             write_summary(out, summary)
             _record_peak_memory(out, run)  # process 0's device
     barrier(group, "merged")
@@ -554,7 +555,10 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
     return record
 
 
-def _summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) -> dict[str, Any]:
+def run_summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) -> dict[str, Any]:
+    """``summary.json`` of a run's records and its ``run.json`` content: accuracy with its
+    interval, means, the last invocation's versions, and the kept candidates' accuracy and
+    pass@k."""
     cfg = run["config"]
     summary = summarize(records, template_sha256=cfg["template_sha256"],
                         versions=run["invocations"][-1]["versions"], config=cfg,

@@ -134,10 +134,27 @@ BETA_DIRECTION = {"cells": 12, "positive": 12, "sign_test_p": 2.0 ** -12,
 # deviations table (the decoders' own defaults are the paper's: docs/design.md §4).
 # Table 1's models: 7B base and math models, prompted without a chat turn.
 MODELS = ("Qwen2.5-7B", "Qwen2.5-Math-7B", "DeepSeek-Math-7B")
-# Candidate sampling: N = 16 at T = 0.8, top-p 0.9, stated for the predictive-validity
-# pool (PREDICTIVE_VALIDITY); issue 27 reads it as the sampling of the Best-of-N pools
-# behind Table 1's Best-of-N and Best-of-N-Entropy rows as well.
+# The predictive-validity pool: N = 16 at T = 0.8, top-p 0.9 ("Predictive-validity
+# sampling": "deliberately uses a higher-entropy regime than the decoding runs").
 CANDIDATE_SAMPLING = {"n": 16, "temperature": 0.8, "top_p": 0.9}
+# Table 1's Best-of-N (and Best-of-N-Entropy): "The reranking methods ... draw N = 16
+# candidates"; "We disable nucleus and top-k truncation throughout (top-p = 1.0)". No
+# temperature is stated for them; the DEGS-reranking appendix samples candidates "using
+# moderate randomness (temperature in [0.7, 1.0], top-p = 0.95)". A pool deviates when its
+# N, its temperature or its top-p is outside these.
+BEST_OF_N_SAMPLING = ("N = 16, top-p 1 (nucleus off throughout); temperature not stated "
+                      "(DEGS reranking appendix: T in [0.7, 1.0], top-p 0.95)")
+BEST_OF_N_N = 16
+BEST_OF_N_TEMPERATURES = (0.7, 1.0)
+BEST_OF_N_TOP_P = (0.95, 1.0)
+# Scalable Power Sampling's budget column in the full results table: "(T = 0.25)".
+SPS_CANDIDATE_TEMPERATURE = 0.25
+# DeepMind500: "identical prompt, parser, and grader as MATH500"; MATH500: "answer parsed
+# from last \boxed{} span; graded by sympy-based symbolic/numeric matcher".
+DEEPMIND_GRADER = "the MATH500 grader: a sympy-based symbolic/numeric matcher on the last boxed span"
+# HumanEval: "Direct completion from function signature (no CoT); code extracted via regex";
+# where a completion stops (stop sequences, token cap) is not stated.
+HUMANEVAL_END = "direct completion, code extracted via regex; stop sequences not stated"
 # HumanEval: the model continues the prompt (signature and docstring), the benchmark's
 # convention for base models.
 HUMANEVAL_PROMPT = "completion of the signature and docstring"

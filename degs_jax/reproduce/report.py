@@ -45,6 +45,7 @@ from matplotlib.figure import Figure
 
 from degs_jax.analysis import format_interval, plot_predictive_validity, pool_from_records, predictive_validity
 from degs_jax.eval.benchmarks import BENCHMARKS
+from degs_jax.eval.graders import RULES_VERSION
 from degs_jax.eval.results import read_run_file, write_json
 from degs_jax.hyperparameters import BestOfN, method_from_record
 from degs_jax.method import Method
@@ -217,6 +218,8 @@ def paired_table(study: Study, verdict) -> dict:
                                 "benchmark": b, **asdict(c)})
     for c, adjusted in zip(comparisons, holm([c["p_value"] for c in comparisons])):
         c["p_holm"] = adjusted
+    # Holm's family: the comparisons with a p-value (stats.holm leaves NaN ones out)
+    family = sum(not math.isnan(c["p_value"]) for c in comparisons)
     beta = []
     for treat, base in BETA_PAIRS:
         diffs = {c["benchmark"]: c["difference"] for c in comparisons
@@ -226,16 +229,26 @@ def paired_table(study: Study, verdict) -> dict:
                          **sign_test(list(diffs.values()), alternative="greater")})
     m = len(comparisons)
     crn = common_random_numbers(study)
-    return {"comparisons": comparisons, "comparisons_made": m, "beta_sign_tests": beta,
-            "common_random_numbers": crn,
+    return {"comparisons": comparisons, "comparisons_made": m, "holm_family": family,
+            "beta_sign_tests": beta, "common_random_numbers": crn,
             "common_random_numbers_notes": _crn_statements(crn),
             "note": "difference = accuracy(treatment) − accuracy(baseline) on the problems both "
                     "answered; interval: 95% Newcombe (1998) paired score interval (method 10: "
                     "Wilson limits of each accuracy with the continuity-adjusted correlation of "
                     "the pairs; it keeps its width with few discordant pairs); p: exact McNemar "
-                    "(two-sided binomial on the discordant pairs); Holm p: adjusted over the "
-                    f"{m} comparison{'s' if m != 1 else ''} of this table (family-wise error "
-                    "5% at Holm p < 0.05)"}
+                    "(two-sided binomial on the discordant pairs); Holm p: adjusted over "
+                    + _holm_family(family, m) + " (one family: family-wise error 5% at Holm "
+                    "p < 0.05)"}
+
+
+def _holm_family(family: int, rows: int) -> str:
+    """Holm's family, as the report states it: ``family`` comparisons with a p-value of the
+    table's ``rows``."""
+    text = f"all {family} comparison{'s' if family != 1 else ''} of this table"
+    if family != rows:
+        text = (f"the {family} comparison{'s' if family != 1 else ''} of this table that "
+                f"have a p-value ({rows - family} without one left out)")
+    return text
 
 
 # Hyperparameters that do not change a chain's random draws: the depth weight and the
@@ -378,13 +391,19 @@ def lsub_table(study: Study) -> dict:
 
 
 def trajectory_table(study: Study) -> dict:
+    """Per pool benchmark, for correct and incorrect candidates: the token-weighted mean lens
+    entropy at every layer and the mean collapse layer, both on the probe grid that D(x)
+    uses (the pool's L_sub: a token's collapse layer is a grid layer, or L) and on all L
+    layers where the layer pass scored the all-layers set (the collapse layer itself)."""
     out = {}
     for b, pool in study.pools.items():
         items = _pool_items(pool)
         if not items:
             continue
-        k = _default_set(pool)
+        sets = pool["layers_meta"]["lsub_sets"]
         L = pool["layers_meta"]["num_layers"]
+        k = _default_set(pool)
+        k_all = sets.index(list(range(1, L + 1))) if list(range(1, L + 1)) in sets else None
         groups = {}
         for name, want in (("correct", True), ("incorrect", False)):
             ent, n_tok, depth = [], [], []
@@ -393,18 +412,20 @@ def trajectory_table(study: Study) -> dict:
                     if bool(c["correct"]) == want and s["n_scored"] > 0:
                         ent.append(s["entropy"])
                         n_tok.append(s["n_scored"])
-                        depth.append(s["D"][k] if k is not None else math.nan)
+                        depth.append([s["D"][j] if j is not None else math.nan for j in (k, k_all)])
             if not ent:
                 continue
             ent, n_tok, depth = np.array(ent, float), np.array(n_tok, float), np.array(depth)
+            # token-weighted: every scored token of the group counts once
+            layer = [float((depth[:, j] * L * n_tok).sum() / n_tok.sum()) if index is not None
+                     else None for j, index in enumerate((k, k_all))]
             groups[name] = {
                 "candidates": int(len(n_tok)), "tokens": int(n_tok.sum()),
-                # token-weighted: every scored token of the group counts once
                 "mean_entropy": list(map(float, (ent * n_tok[:, None]).sum(0) / n_tok.sum())),
-                "mean_collapse_layer": (float((depth * L * n_tok).sum() / n_tok.sum())
-                                        if k is not None else None)}
+                "mean_collapse_layer": layer[0], "mean_collapse_layer_all_layers": layer[1]}
         out[b] = {"layers": pool["layers_meta"]["layers"], "tau": pool["layers_meta"]["tau"],
-                  "num_layers": L, "groups": groups}
+                  "num_layers": L, "probe_grid": sets[k] if k is not None else None,
+                  "groups": groups}
     return out
 
 
@@ -414,6 +435,20 @@ def trajectory_table(study: Study) -> dict:
 def _mean(values) -> Optional[float]:
     values = [v for v in values if v is not None]
     return float(np.mean(values)) if values else None
+
+
+def pooled_acceptance(records, method: Method) -> dict[str, Any]:
+    """MH acceptance pooled over every step of every chain (accepted proposals / MH steps),
+    beside ``mean_acceptance`` (the mean over problems of each chain's mean over its
+    blocks, which weights a short chain's blocks more). A record's ``acceptance`` holds
+    each block's accepted fraction of its ``mh_steps`` steps."""
+    steps = getattr(method, "mh_steps", None)
+    blocks = [a for r in records for a in (r.get("acceptance") or [])]
+    if not steps or not blocks:
+        return {"acceptance_pooled": None, "mh_steps_total": None}
+    accepted = sum(round(a * steps) for a in blocks)
+    return {"acceptance_pooled": accepted / (steps * len(blocks)),
+            "mh_steps_total": steps * len(blocks)}
 
 
 def compute_table(study: Study) -> dict:
@@ -437,6 +472,7 @@ def compute_table(study: Study) -> dict:
             "probe_charge": _mean(r["probed_token_layers"] / L for r in recs),
             "forward_equivalents": _mean(r["forward_equivalents"] for r in recs),
             "mean_acceptance": _mean(r.get("mean_acceptance") for r in recs),
+            **pooled_acceptance(recs, data["decoder"]),
             "decode_s_per_problem": _mean(r["decode_s"] for r in recs),
             "grade_s_per_problem": _mean(r["grade_s"] for r in recs),
             "wall_clock_s_per_problem": _mean(r["wall_clock_s"] for r in recs),
@@ -464,7 +500,9 @@ def compute_table(study: Study) -> dict:
     return {"rows": rows, "probe_overhead": overhead,
             "note": "per problem means; a batch's decoding time is shared equally by its problems "
                     "and includes compiling each new batch shape; forward-equivalents charge "
-                    f"probing K/L of a forward per probed token (L = {L})"}
+                    f"probing K/L of a forward per probed token (L = {L}); acceptance: accepted "
+                    "proposals / MH steps pooled over every chain, in parentheses the mean of "
+                    "the per-problem acceptance rates"}
 
 
 # --------------------------------------------------------------------------- deviations
@@ -578,10 +616,18 @@ def _token_cap_rows(runs: Mapping) -> list[dict]:
         capped, effect if cut else None)]
 
 
+def _paper_best_of_n(pool: BestOfN) -> bool:
+    """Whether a Best-of-N pool samples as the paper's Table 1 Best-of-N may
+    (:data:`paper.BEST_OF_N_SAMPLING`)."""
+    low, high = paper.BEST_OF_N_TEMPERATURES
+    return (pool.n == paper.BEST_OF_N_N and low <= pool.temperature <= high
+            and pool.top_p in paper.BEST_OF_N_TOP_P)
+
+
 def _sampling_rows(runs: Mapping) -> list[dict]:
-    """Candidate sampling of the Best-of-N runs and of the predictive-validity pools, with
-    the mean candidate accuracy of both where a benchmark has both at different settings."""
-    target = _sampling(BestOfN(**paper.CANDIDATE_SAMPLING))
+    """Candidate sampling of the Best-of-N runs (against Table 1's Best-of-N) and of the
+    predictive-validity pools (against the paper's pool), with the mean candidate accuracy
+    of both where a benchmark has both at different settings."""
     sampling = {(kind, b): _sampling(data["decoder"])
                 for (kind, b, m), data in runs.items() if m == "best_of_n"}
     rows = []
@@ -605,11 +651,100 @@ def _sampling_rows(runs: Mapping) -> list[dict]:
                     f"{_mean_candidate_accuracy(records, common):.3f} at {sampling[('runs', b)]} "
                     f"vs {_mean_candidate_accuracy(pool, common):.3f} at {other} (the "
                     "predictive-validity pool)")
+        if kind == "runs":
+            target = paper.BEST_OF_N_SAMPLING
+            deviates = not all(_paper_best_of_n(data["decoder"]) for (k, b, m), data in runs.items()
+                               if k == "runs" and m == "best_of_n")
+        else:
+            target = _sampling(BestOfN(**paper.CANDIDATE_SAMPLING))
+            deviates = set(by_value) != {target}
         rows.append(_deviation(
             setting, target,
             "; ".join(f"{value}: {', '.join(sorted(bs))}" for value, bs in by_value.items()),
-            set(by_value) != {target}, "; ".join(effects) or None))
+            deviates, "; ".join(effects) or None))
     return rows
+
+
+def _sps_rows(runs: Mapping) -> list[dict]:
+    """The temperature of Scalable Power Sampling's candidate blocks (the paper's table
+    gives it as T = 0.25; the decoder's default draws them from p, T = 1)."""
+    used = {(data["decoder"].candidate_temperature, b) for (kind, b, m), data in runs.items()
+            if m == "scalable_power"}
+    if not used:
+        return []
+    by_value: dict[float, list] = {}
+    for t, b in used:
+        by_value.setdefault(t, []).append(b)
+    return [_deviation(
+        "Scalable Power Sampling candidate temperature", f"T = {paper.SPS_CANDIDATE_TEMPERATURE:g}",
+        "; ".join(f"T = {t:g}: {', '.join(sorted(bs))}" for t, bs in sorted(by_value.items())),
+        set(by_value) != {paper.SPS_CANDIDATE_TEMPERATURE})]
+
+
+def grading_rules(run: Mapping[str, Any]) -> list[int]:
+    """The grading-rule versions (:data:`degs_jax.eval.graders.RULES_VERSION`) behind a run's
+    stored verdicts: the last re-grading's, and those of invocations that started after
+    it (an invocation that records none graded by version 1)."""
+    regrades = run.get("regrades") or []
+    since = regrades[-1]["when"] if regrades else ""
+    versions = {regrades[-1]["rules_version"]} if regrades else set()
+    versions |= {inv.get("grading_rules", 1) for inv in run.get("invocations", [])
+                 if inv.get("started", "") > since}
+    return sorted(versions)
+
+
+def _grader_rows(study: Study, runs: Mapping) -> list[dict]:
+    """How DeepMind500 answers were graded (the paper: as MATH500's), with the verdicts a
+    re-grading changed."""
+    deepmind = {key: data for key, data in runs.items() if key[1] == "deepmind500"}
+    if not deepmind:
+        return []
+    versions = sorted({v for data in deepmind.values() for v in grading_rules(data["run"])})
+    used = ("math-verify with the DeepMind500 rules (yes/no for True/False golds, clock times, "
+            "digits in a base, ordered lists where the question asks to sort, multiple choice "
+            "by letter or option; degs_jax/eval/deepmind.py)")
+    if versions != [RULES_VERSION]:
+        used += (f"; stored verdicts by grading rules {', '.join(map(str, versions))} (the "
+                 f"current rules are version {RULES_VERSION}: `degs reproduce --regrade`)")
+    # a chosen completion of a run that keeps candidates is one of its candidates too
+    kept = {f"{kind}/{b}" + ("" if kind == "pool" else f"/{m}")
+            for (kind, b, m), data in deepmind.items()
+            if any("candidates" in r for r in data["records"])}
+    effects = []
+    for regrade in study.meta.get("regrades", []):
+        changed = [c for c in regrade["changed"] if c["problem_id"].startswith("deepmind500/")]
+        if changed:
+            distinct = sum(c["candidate"] is not None or c["directory"] not in kept
+                           for c in changed)
+            effects.append(
+                f"re-grading on {regrade['when'][:10]} (rules version {regrade['rules_version']}) "
+                f"changed {len(changed)} stored DeepMind500 verdicts, of {distinct} distinct "
+                "completions (a chosen Best-of-N completion is stored again as a candidate); "
+                "listed in study.json")
+    return [_deviation("DeepMind500 grader", paper.DEEPMIND_GRADER, used, True,
+                       "; ".join(effects) or None)]
+
+
+def _humaneval_end_rows(runs: Mapping) -> list[dict]:
+    """Where a HumanEval completion ends: at a stop sequence, or at EOS / the token cap, with
+    how many final completions ran to the cap."""
+    humaneval = {key: data for key, data in runs.items() if key[1] == "humaneval"}
+    if not humaneval:
+        return []
+    stops = sorted({json.dumps(data["run"]["config"]["hyperparameters"].get("stop"))
+                    for data in humaneval.values()})
+    if stops == ["null"]:
+        used = ("no stop sequences: a completion runs to EOS or the token cap; the function is "
+                "cut out of it before grading")
+    else:
+        used = "stop sequences " + "; ".join(stops)
+    capped = [np.mean([not r["ended"] for r in data["records"]])
+              for (kind, b, m), data in humaneval.items() if kind == "runs" and data["records"]]
+    effect = (f"final completions that ended without EOS or stop (at the cap): "
+              f"{_range(100 * min(capped), 100 * max(capped))}% over the HumanEval decoders"
+              if capped else None)
+    return [_deviation("HumanEval completion end", paper.HUMANEVAL_END, used, stops == ["null"],
+                       effect)]
 
 
 def _recorded_rows(study: Study, status: Mapping) -> list[dict]:
@@ -666,7 +801,8 @@ def deviations_table(study: Study, status: Mapping, verdict) -> list[dict]:
     runs = _all_runs(study)
     configs = {key: data["run"]["config"] for key, data in runs.items()}
     return (_model_rows(study, configs) + _token_cap_rows(runs)
-            + _sampling_rows(runs) + _recorded_rows(study, status)
+            + _sampling_rows(runs) + _sps_rows(runs) + _grader_rows(study, runs)
+            + _humaneval_end_rows(runs) + _recorded_rows(study, status)
             + _coverage_rows(study, status, verdict))
 
 
@@ -695,13 +831,18 @@ def status_table(study: Study) -> dict:
                    for r in rows)
     selection_deviations = {b: s["deviations"] for b, s in study.latest("selections").items()
                             if s.get("deviations")}
+    regrades = [{"when": r["when"], "rules_version": r["rules_version"],
+                 "changed": len(r["changed"]), "timeouts_kept": len(r["timeouts_kept"])}
+                for r in study.meta.get("regrades", [])]
     return {"model": study.meta["model"], "complete": complete, "jobs": rows,
-            "selection_deviations": selection_deviations, "invocations": invocations}
+            "selection_deviations": selection_deviations, "invocations": invocations,
+            "regrades": regrades}
 
 
-def beta_verdict(cells: Sequence[Mapping[str, Any]]) -> str:
+def beta_verdict(cells: Sequence[Mapping[str, Any]], family: int) -> str:
     """The beta = 5 vs beta = 0 claim over paired comparisons: a cell counts as positive or
-    negative by the sign of its difference; a zero difference (a tie) has no direction."""
+    negative by the sign of its difference; a zero difference (a tie) has no direction.
+    ``family``: the comparisons Holm's adjustment ran over (the whole paired table)."""
     pos = sum(c["difference"] > 0 for c in cells)
     neg = sum(c["difference"] < 0 for c in cells)
     zero = len(cells) - pos - neg
@@ -718,8 +859,8 @@ def beta_verdict(cells: Sequence[Mapping[str, Any]]) -> str:
     return (f"{head}: {pos} positive, {neg} negative, {zero} zero of {len(cells)} "
             f"cell{'s' if len(cells) != 1 else ''}; "
             f"one-sided sign test over the {pos + neg} non-zero cell{'s' if pos + neg != 1 else ''} p = "
-            f"{_f(sign['p_value'], 3, 'g')}; significant at 5% after Holm: "
-            f"{', '.join(sig) or 'none'}")
+            f"{_f(sign['p_value'], 3, 'g')}; significant at 5% after Holm over the {family} "
+            f"comparisons of the paired table: {', '.join(sig) or 'none'}")
 
 
 def claims_table(paired: Mapping, validity: Mapping, compute: Mapping) -> list[dict]:
@@ -735,7 +876,7 @@ def claims_table(paired: Mapping, validity: Mapping, compute: Mapping) -> list[d
                                   f"{c['ci_high']:+.3f}], n = {c['n']}, discordant "
                                   f"{c['only_a']} / {c['only_b']}, p = {c['p_value']:.3g} "
                                   f"(Holm {c['p_holm']:.3g})" for c in beta),
-            "verdict": beta_verdict(beta)})
+            "verdict": beta_verdict(beta, paired["holm_family"])})
     else:
         out.append({"claim": "beta = 5 improves on beta = 0", "paper": "12 of 12 cells positive",
                     "measured": "not run", "verdict": "not measured"})
@@ -760,14 +901,17 @@ def claims_table(paired: Mapping, validity: Mapping, compute: Mapping) -> list[d
     else:
         out.append({"claim": "D(x) predicts correctness", "paper": "AUC ≈ 0.6",
                     "measured": "not run", "verdict": "not measured"})
-    acc = [r for r in compute["rows"] if r["method"] == "degs_mcmc" and r["mean_acceptance"] is not None]
+    acc = [r for r in compute["rows"] if r["method"] == "degs_mcmc" and r["acceptance_pooled"] is not None]
     out.append({
         "claim": "MH acceptance rate 57-78% at alpha 4, beta 5",
         "paper": "57% (Qwen2.5-Math-7B / MATH500), 78% (DeepSeek-Math-7B / DeepMind500)",
-        "measured": "; ".join(f"{r['benchmark']}: {r['mean_acceptance']:.2f}" for r in acc) or "not run",
+        "measured": "; ".join(f"{r['benchmark']}: {r['acceptance_pooled']:.3f} pooled over "
+                              f"{r['mh_steps_total']:,} MH steps (mean of per-problem means "
+                              f"{r['mean_acceptance']:.3f})" for r in acc) or "not run",
         "verdict": ("not measured" if not acc else
-                    f"{sum(0.57 <= r['mean_acceptance'] <= 0.78 for r in acc)} of {len(acc)} "
-                    "benchmarks inside 0.57-0.78")})
+                    f"{sum(57 <= round(100 * r['acceptance_pooled']) <= 78 for r in acc)} of "
+                    f"{len(acc)} benchmarks inside 57-78% (pooled, at the paper's precision of "
+                    "whole percents)")})
     ov = [o for o in compute["probe_overhead"] if o["treatment"] == "degs_mcmc"]
     out.append({
         "claim": "probing adds ≈ 8.8% wall-clock to DEGS-MCMC over power sampling",
@@ -830,7 +974,7 @@ def plot_table1(t1: Mapping, path: Path, title: str) -> Optional[str]:
 
 
 def plot_paired(paired: Mapping, path: Path, title: str) -> Optional[str]:
-    comps = paired["comparisons"]
+    comps, family = paired["comparisons"], paired["holm_family"]
     if not comps:
         return None
     fig = _figure(7.0, 0.35 * len(comps) + 1.4)
@@ -844,7 +988,7 @@ def plot_paired(paired: Mapping, path: Path, title: str) -> Optional[str]:
     ax.set_yticks(ys, [f"{c['treatment']} − {c['baseline']} · {c['benchmark']} (n={c['n']})"
                        for c in comps], fontsize=7)
     ax.set_xlabel(f"accuracy difference, 95% Newcombe paired score interval\n(red: exact "
-                  f"McNemar p < 0.05 after Holm over the {len(comps)} comparisons)", fontsize=8)
+                  f"McNemar p < 0.05 after Holm over the {family} comparisons)", fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png")
@@ -906,6 +1050,18 @@ def write_report(study_dir, out_dir=None) -> dict[str, Any]:
     return {**tables, "figures": figures, "report": str(out / "report.md")}
 
 
+def _collapse_text(trajectory: Mapping, group: Mapping) -> str:
+    """A group's mean collapse layer, naming the grid it is on: D(x)'s probe grid (a token
+    collapses at a grid layer or at L), then all layers where the layer pass has them."""
+    grid = trajectory["probe_grid"]
+    text = (f"{_f(group['mean_collapse_layer'], 2)} of {trajectory['num_layers']} on the probe "
+            "grid {" + ",".join(map(str, grid)) + "}" if grid is not None
+            else f"n/a of {trajectory['num_layers']} (the pool's probe grid was not scored)")
+    if group.get("mean_collapse_layer_all_layers") is not None:
+        text += f", {_f(group['mean_collapse_layer_all_layers'], 2)} on all layers"
+    return text
+
+
 def _cell(c: Optional[Mapping]) -> str:
     if not c or not c["n"]:
         return "not run"
@@ -927,6 +1083,14 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
     md += [f"Model `{model}` ({st['model']['num_layers']} layers). "
            f"{len(st['invocations'])} invocation(s); the last on {last['device']}, started "
            f"{last['started']}, status: **{last['status']}**."]
+    for r in st["regrades"]:
+        changed = (f"{r['changed']} stored verdicts changed (chosen completions and kept "
+                   "candidates; study.json lists them)" if r["changed"]
+                   else "no stored verdict changed")
+        md += ["", f"Verdicts re-graded on {r['when']} with grading rules version "
+                   f"{r['rules_version']} (`degs reproduce --regrade`): {changed}"
+                   + (f"; {r['timeouts_kept']} timed out and were kept" if r["timeouts_kept"]
+                      else "") + "."]
     if not st["complete"]:
         md += ["", "**Partial results**: not every job reached its target (see *What ran*); "
                    "every number below is over the problems that finished, and paired "
@@ -1074,8 +1238,7 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
         for b, t in tr.items():
             md.append(f"**{b}** (tau = {t['tau']:g}): " + "; ".join(
                 f"{name}: {g['candidates']} candidates, {g['tokens']} tokens, mean collapse layer "
-                f"{_f(g['mean_collapse_layer'], 2)} of {t['num_layers']}"
-                for name, g in t["groups"].items()))
+                + _collapse_text(t, g) for name, g in t["groups"].items()))
             if f"trajectory_{b}" in figures:
                 md += ["", f"![trajectory {b}]({figures[f'trajectory_{b}']})", ""]
     else:
@@ -1087,13 +1250,16 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
         md.append(_md_table(
             ["benchmark", "method", "n", "completion tok", "EOS", "answer read", "generated tok",
              "forward tok",
-             "probe charge", "fwd-eq", "× greedy", "acceptance", "decode s", "grade s",
+             "probe charge", "fwd-eq", "× greedy", "acceptance pooled (per-problem mean)",
+             "decode s", "grade s",
              "s / 1k gen. tok"],
             [[r["benchmark"], r["method"], r["n"], _f(r["completion_tokens"], 1),
               _f(r["ended_with_eos"], 2), _f(r["answer_extracted"], 2),
               _f(r["generated_tokens"], 0), _f(r["forward_tokens"], 0),
               _f(r["probe_charge"], 0), _f(r["forward_equivalents"], 0),
-              _f(r["forward_equivalents_vs_greedy"], 1), _f(r["mean_acceptance"], 3),
+              _f(r["forward_equivalents_vs_greedy"], 1),
+              _f(r["acceptance_pooled"], 3) + ("" if r["mean_acceptance"] is None
+                                               else f" ({_f(r['mean_acceptance'], 3)})"),
               _f(r["decode_s_per_problem"], 2), _f(r["grade_s_per_problem"], 2),
               _f(r["decode_s_per_1k_generated_tokens"], 3)] for r in rows]))
     for o in tables["compute"]["probe_overhead"]:

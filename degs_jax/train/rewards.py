@@ -43,7 +43,8 @@ class MathReward:
 
     def __call__(self, tasks: Sequence[Task], completions: Sequence[Sequence[int]]) -> np.ndarray:
         texts = self.tokenizer.batch_decode([list(c) for c in completions], skip_special_tokens=True)
-        return np.array([float(self.grader.grade(text, t.target.answer, t.target.benchmark).correct)
+        return np.array([float(self.grader.grade(text, t.target.answer, t.target.benchmark,
+                                                 t.target.question).correct)
                          for t, text in zip(tasks, texts, strict=True)], np.float32)
 
     def __repr__(self) -> str:
