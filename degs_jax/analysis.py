@@ -47,9 +47,12 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from degs_jax.decisions import (decision_anatomy, decision_table, departures, format_anatomy,
+                                has_decision_records, plot_decisions)
 from degs_jax.hyperparameters import DegsRerank, method_from_record
 from degs_jax.lens import LensConfig
 from degs_jax.models import with_tuned_lens
+from degs_jax.plots import save_png
 from degs_jax.scoring import score_sequences
 
 from degs_jax.stats import (BOOTSTRAP_RESAMPLES, CONFIDENCE, auc, bucket_accuracy, cluster_bootstrap_auc,
@@ -166,6 +169,14 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     return read_run_file(run_file), read_records(results, fields=EVAL_RECORD_FIELDS)
 
 
+def _write_json(path: str | os.PathLike, obj: Any) -> None:
+    """The harness's atomic JSON writer (`degs_jax.eval.results.write_json`)."""
+    # the harness when a result is written, not when this module is imported (module docstring)
+    from degs_jax.eval.results import write_json as write
+
+    write(path, obj)
+
+
 def _fmt(x: Any, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
@@ -266,29 +277,32 @@ def plot_predictive_validity(pool: Pool, stats: Mapping[str, Any], path: str | o
     ])
     ax3.text(0.0, 1.0, text, va="top", ha="left", family="monospace", fontsize=9,
              transform=ax3.transAxes)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = os.fspath(path)
-    fig.savefig(path, format="png")
-    return path
+    return save_png(fig, path, title)
+
+
+def _run_title(cfg: Mapping[str, Any]) -> str:
+    """'model · benchmark · method' of a run's configuration."""
+    return f"{cfg.get('model', {}).get('name', '?')} · {cfg.get('benchmark', '?')} · {cfg.get('method', '?')}"
+
+
+def _output_dir(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None) -> Path:
+    """Where an analysis of `run_dir` writes (created): `out_dir`, default the run's."""
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                 n_buckets: int = 4, quiet: bool = False) -> dict[str, Any]:
     """Predictive validity of D(x) on a ``degs eval`` run: prints the report and writes
     ``analysis.json`` and ``analysis.png`` into ``out_dir`` (default ``run_dir``)."""
-    from degs_jax.eval.results import write_json  # the harness when called (module docstring)
 
     run, records = load_run(run_dir)
     pool = pool_from_records(records)
     stats = predictive_validity(pool, n_buckets=n_buckets)
     cfg = run.get("config", {})
-    title = (f"{cfg.get('model', {}).get('name', '?')} · {cfg.get('benchmark', '?')} · "
-             f"{cfg.get('method', '?')}")
-    out = Path(out_dir) if out_dir is not None else Path(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "analysis.json", {"run": cfg, "predictive_validity": stats})
+    title, out = _run_title(cfg), _output_dir(run_dir, out_dir)
+    _write_json(out / "analysis.json", {"run": cfg, "predictive_validity": stats})
     png = plot_predictive_validity(pool, stats, out / "analysis.png", title=title)
     if not quiet:
         print(format_report(stats, title=f"collapse depth as a predictor of correctness: {title}"))
@@ -300,22 +314,20 @@ def analyze_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = 
 
 
 def analyze_decisions(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                      quiet: bool = False) -> dict[str, Any]:
+                      quiet: bool = False) -> Optional[dict[str, Any]]:
     """The anatomy of an MCMC run's MH decisions (`degs_jax.decisions`): prints it and
-    writes ``decisions.json`` and ``decisions.png`` into ``out_dir`` (default ``run_dir``)."""
-    from degs_jax.decisions import decision_anatomy, decision_table, format_anatomy, plot_decisions
-    from degs_jax.eval.results import write_json  # the harness when called (module docstring)
+    writes ``decisions.json`` and ``decisions.png`` into ``out_dir`` (default ``run_dir``).
+    None (nothing written) when the run holds no decision records."""
 
     run, records = load_run(run_dir)
     cfg = run.get("config", {})
     beta = cfg.get("hyperparameters", {}).get("beta")
+    if not has_decision_records(records):
+        return None
     table = decision_table(records)
     anatomy = decision_anatomy(table, beta=beta or None)
-    title = (f"{cfg.get('model', {}).get('name', '?')} · {cfg.get('benchmark', '?')} · "
-             f"{cfg.get('method', '?')}")
-    out = Path(out_dir) if out_dir is not None else Path(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "decisions.json", {"run": cfg, "decisions": anatomy})
+    title, out = _run_title(cfg), _output_dir(run_dir, out_dir)
+    _write_json(out / "decisions.json", {"run": cfg, "decisions": anatomy})
     png = plot_decisions(table, anatomy, out / "decisions.png", title=title)
     if not quiet:
         print(f"MH decisions: {title}")
@@ -330,8 +342,6 @@ def analyze_departures(run_dir: str | os.PathLike, base_dir: str | os.PathLike,
     chains of `run_dir` (DEGS-MCMC at some beta) depart from the power chains exactly
     where the records of `base_dir` (the same problems and keys at a beta that decided
     nothing) say. Writes ``departures.json`` into ``out_dir`` (default ``run_dir``)."""
-    from degs_jax.decisions import decision_table, departures
-    from degs_jax.eval.results import write_json  # the harness when called (module docstring)
 
     run, records = load_run(run_dir)
     base_run, base_records = load_run(base_dir)
@@ -347,8 +357,8 @@ def analyze_departures(run_dir: str | os.PathLike, base_dir: str | os.PathLike,
     beta = run["config"]["hyperparameters"]["beta"]
     result = departures(decision_table(base_records), decision_table(records), beta)
     result["base_beta"] = base_run["config"]["hyperparameters"]["beta"]
-    out = Path(out_dir) if out_dir is not None else Path(run_dir)
-    write_json(out / "departures.json", result)
+    out = _output_dir(run_dir, out_dir)
+    _write_json(out / "departures.json", result)
     if not quiet:
         print(f"chains departing from the power chain at beta = {beta:g}: predicted by the records at "
               f"beta = {result['base_beta']:g}: {result['predicted_departing']} of {result['chains']}; "

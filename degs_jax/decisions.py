@@ -36,7 +36,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["DecisionTable", "decision_table", "flip_curve", "first_decided", "departures",
+from .plots import save_png
+
+__all__ = ["DecisionTable", "decision_table", "has_decision_records", "flip_curve", "first_decided", "departures",
            "decision_anatomy", "format_anatomy",
            "plot_decisions", "BETA_GRID", "NEAR_ZERO_NATS"]
 
@@ -81,6 +83,11 @@ def _chains(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     if kept:
         return kept
     return [record["mh_decisions"]] if record.get("mh_decisions") else []
+
+
+def has_decision_records(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any record (or a kept candidate of one) holds MH decision records."""
+    return any(_chains(record) for record in records)
 
 
 def decision_table(records: Sequence[Mapping[str, Any]]) -> DecisionTable:
@@ -269,12 +276,7 @@ def plot_decisions(table: DecisionTable, anatomy: Mapping[str, Any], path: str |
     else:
         ax2.axis("off")
         ax2.text(0.0, 0.5, "no ΔD recorded (power MCMC does not probe)", transform=ax2.transAxes)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = os.fspath(path)
-    fig.savefig(path, format="png")
-    return path
+    return save_png(fig, path, title)
 
 
 def _number(x: Optional[float]) -> str:

@@ -10,6 +10,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 
+def save_png(fig: Figure, path: str | os.PathLike, title: str = "") -> str:
+    """Give `fig` its suptitle (if any), lay it out and write it as a PNG; returns the path."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fig.savefig(path, format="png")
+    return path
+
+
 def plot_entropy_trajectories(
         curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
         path: str | os.PathLike, title: str = "", *,
@@ -54,10 +64,7 @@ def plot_entropy_trajectories(
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
-    fig.tight_layout()
-    path = os.fspath(path)
-    fig.savefig(path, format="png")
-    return path
+    return save_png(fig, path)
 
 
 TRAINING_PANELS = (("reward_mean", "mean reward"), ("kl", "KL(π ‖ π_ref) (k3)"), ("loss", "loss"),

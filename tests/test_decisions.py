@@ -90,7 +90,19 @@ def records(result) -> list[dict]:
         for i, out in enumerate(result.outputs)]))
 
 
-def test_records_predict_which_chains_a_larger_beta_changes(model):
+def write_run(directory, beta, records) -> str:
+    """A `degs eval`-like run directory holding `records` (as `degs analyze` reads it)."""
+    directory.mkdir()
+    config = {"method": "degs_mcmc", "benchmark": "math500", "seed": 7, "model": {"name": "tiny"},
+              "key_derivation": "fold_in(key(seed), problem_index)",
+              "hyperparameters": dict(HYPERPARAMETERS, beta=beta)}
+    (directory / "run.json").write_text(json.dumps({"config": config, "invocations": []}))
+    lines = [json.dumps({"id": f"p{r['index']}", "correct": False, **r}) for r in records]
+    (directory / "results.jsonl").write_text("\n".join(lines) + "\n")
+    return str(directory)
+
+
+def test_records_predict_which_chains_a_larger_beta_changes(model, tmp_path):
     cfg, params = model
     lm = TransformerLM(cfg)
     keys = jax.random.split(jax.random.key(7), len(PROMPTS))
@@ -131,3 +143,13 @@ def test_records_predict_which_chains_a_larger_beta_changes(model):
         assert not b_steps.depth_decided[:n].any() and b_steps.depth_decided[n], \
             f"chain {chain}: the large beta did not depart at the predicted decision {first}"
         assert a_steps.accepted[n] != b_steps.accepted[n]
+
+    # the same check from run directories, through `degs analyze --departures-from`
+    from degs_jax.cli import main
+    small_dir, large_dir = write_run(tmp_path / "small", small, base), write_run(tmp_path / "large", large, other)
+    assert main(["analyze", large_dir, "--departures-from", small_dir]) == 0
+    written = json.loads((tmp_path / "large" / "departures.json").read_text())
+    assert written["all_as_predicted"] and written["departed"] == predicted
+    assert (tmp_path / "large" / "decisions.png").stat().st_size > 0
+    anatomy = json.loads((tmp_path / "large" / "decisions.json").read_text())["decisions"]
+    assert anatomy["depth_decided"] == int(large_table.depth_decided.sum()) == anatomy["realized_flips_at_run_beta"]

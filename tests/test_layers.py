@@ -3,7 +3,7 @@
     tiling, model protocol, chat  <  models  <  examples  <  statistics
         <  lens / rows / generation / scoring / method  <  sampling / mcmc / smc / sps
         <  decoders (+ the method registry, hyperparameters)
-        <  text API  <  eval  <  analysis / probe  <  training  <  reproduction  <  CLI
+        <  text API  <  eval  <  analysis / decisions / probe  <  training  <  reproduction  <  CLI
 
 A module may import only from its own layer or lower ones. On top of that:
 
@@ -46,7 +46,7 @@ LAYERS = [
     ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
-    ("analysis", ("degs_jax.analysis", "degs_jax.probe", "degs_jax.plots")),
+    ("analysis", ("degs_jax.analysis", "degs_jax.decisions", "degs_jax.probe", "degs_jax.plots")),
     ("training", ("degs_jax.train",)),
     ("reproduction", ("degs_jax.reproduce",)),
     ("CLI", ("degs_jax.cli",)),

@@ -151,9 +151,7 @@ def cmd_analyze(args, load_model) -> int:
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir
     run, records = load_run(run_dir)
-    has_decisions = any(r.get("mh_decisions") for r in records)
-    if has_decisions:
-        analyze_decisions(run_dir, out)
+    has_decisions = analyze_decisions(run_dir, out) is not None
     if args.departures_from is not None:
         analyze_departures(run_dir, args.departures_from, out)
     if records and all(c.get("D") is not None for r in records
