@@ -722,16 +722,15 @@ def isolation(allow_unsandboxed: bool = False) -> str:
         f"model-written HumanEval programs cannot be isolated here: bubblewrap cannot create "
         f"namespaces ({reason}). Enable unprivileged user namespaces (sysctl "
         "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0; "
-        "a container must allow them), or accept process-level guards only, under which the "
-        "programs can read and write this user's files where the kernel lacks Landlock: "
-        f"{UNSAFE_FLAG} (degs) or allow_unsandboxed=True")
+        "a container must allow them), or accept process-level layers only (Landlock and "
+        f"seccomp; docs/sandbox.md): {UNSAFE_FLAG} (degs) or allow_unsandboxed=True")
 
 
 def unsandboxed_warning() -> str:
     """The line printed at the start and the end of a run that grades without namespaces."""
     return (f"degs: warning: {UNSAFE_FLAG}: HumanEval programs run without namespaces, under "
-            "process-level guards only (where the kernel lacks Landlock they can read and write "
-            "this user's files); results are labelled isolation=process")
+            "process-level layers only (Landlock, seccomp; docs/sandbox.md); results are "
+            "labelled isolation=process")
 
 
 def run_check(check: HumanEvalCheck, *, timeout: float = DEFAULT_TIMEOUT_S,
