@@ -94,17 +94,17 @@ and every layer above but the namespaces, and each result is labelled
 confines the candidate to what bubblewrap would show (granted path by path around the
 hidden package directories) and to writing in its scratch, and keeps it from ptrace
 access to the checker and the grader. Left open: the program can tell which pids exist
-(``getsid``; ``kill``, even with signal 0, is refused); it can fill the disk under scratch (``RLIMIT_FSIZE`` caps each file, not their
-number). Linux only. The threat model of each mode, with the test of each line:
-``docs/sandbox.md``.
+(``getsid``; ``kill``, even with signal 0, is refused); it can fill the disk under
+scratch (``RLIMIT_FSIZE`` caps each file, not their number). Linux only. The threat
+model of each mode, with the test of each line: ``docs/sandbox.md``.
 
 No secret reaches a program: its environment is the five variables of ``_sandbox_env``,
 and nothing of the grading process's (its environment, its files, its memory, its
-ancestors' ``/proc/<pid>/environ``) is visible to it in either mode. Everything a program's process
-writes that reaches a result (an exception message) is cut to :data:`DETAIL_CAP_CHARS`
-characters of printable ASCII; values of the grading process's environment
-(``_REDACT_MIN_CHARS`` characters or longer) are removed from it too, for what the trusted
-test itself prints.
+ancestors' ``/proc/<pid>/environ``) is visible to it in either mode. Everything a
+program's process writes that reaches a result (an exception message) is cut to
+:data:`DETAIL_CAP_CHARS` characters of printable ASCII; values of the grading process's
+environment (``_REDACT_MIN_CHARS`` characters or longer) are removed from it too, for
+what the trusted test itself prints.
 """
 
 from __future__ import annotations
