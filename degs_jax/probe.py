@@ -49,6 +49,13 @@ def read_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: 'completion' must be a non-empty string (leave it "
                                  "out to complete the prompt greedily), got "
                                  f"{json.dumps(completion)[:40]}")
+            for field in ("prompt", "completion"):
+                try:
+                    (row.get(field) or "").encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate, written as a JSON escape
+                    raise ValueError(f"{path}:{lineno}: '{field}' is not valid text (a lone "
+                                     f"surrogate \\u{ord(row[field][e.start]):04x} at "
+                                     f"character {e.start})") from None
             rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break

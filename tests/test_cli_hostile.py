@@ -92,6 +92,13 @@ def _files(tmp):
     (tmp / "no_final.jsonl").write_text(json.dumps({"question": "q", "answer": "4"}) + "\n")
     (tmp / "torn_rows.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 4"})
                                          + "\n{\"question\": \n" + "{}\n")
+    for name, text in (("study_torn", '{"model": '), ("study_no_model", '{"invocations": []}')):
+        (tmp / name).mkdir()
+        (tmp / name / "study.json").write_text(text)
+    (tmp / "lone_surrogate.jsonl").write_text('{"prompt": "ab\\ud800c"}\n')
+    _run_dir(tmp / "graded_in_process", config={"benchmark": "humaneval", "method": "greedy",
+                                                "hyperparameters": {}},
+             invocations=[{"humaneval_isolation": "process"}])
     study = tmp / "study_corrupt" / "runs" / "gsm8k" / "greedy"
     study.parent.mkdir(parents=True)
     _run_dir(study, records=[good])
@@ -163,12 +170,53 @@ CLI_TABLE = [
     (["reproduce", "--out", "{tmp}/a_file"], "--out {tmp}/a_file is a file; give a directory", False),
     (["reproduce", "--out", "{tmp}/s", "--seed", str(2**64)], "--seed must be an integer from 0 to",
      False),
+    (["reproduce", "--out", "{tmp}/study_torn"], "study_torn/study.json is not valid JSON", False),
+    (["reproduce", "--out", "{tmp}/study_torn", "--report-only"],
+     "study_torn/study.json is not valid JSON", False),
+    (["reproduce", "--out", "{tmp}/study_no_model"],
+     "study_no_model/study.json has no 'model' with a 'name' and 'num_layers'", False),
+    (["reproduce", "--out", "{tmp}/study_no_model", "--report-only"],
+     "study_no_model/study.json has no 'model'", False),
+    # inputs that gave tracebacks
+    (["sample", "--input", "{tmp}/lone_surrogate.jsonl"],
+     "lone_surrogate.jsonl:1: 'prompt' is not valid text (a lone surrogate \\ud800 at character 2)",
+     False),
+    (["train-grpo", "--out", "{tmp}/g", "--steps", "2", "--seed", str(10**30)],
+     "--seed must be an integer from 0 to", False),
+    (["train-lens", "--seed", "-1"], "--seed must be an integer from 0 to", False),
+    # a HumanEval run graded without namespaces is not resumed with them (nor the reverse)
+    (["eval", "--benchmark", "humaneval", "--out", "{tmp}/graded_in_process"],
+     "graded_in_process was graded under isolation process and this invocation would grade "
+     "under namespaces; refusing to mix them", False),
     # model-written code where no namespaces can be made
     ([NO_NAMESPACES, "eval", "--benchmark", "humaneval", "--out", "{tmp}/h"],
      "model-written HumanEval programs cannot be isolated here", False),
     ([NO_NAMESPACES, "reproduce", "--out", "{tmp}/s", "--benchmarks", "gsm8k,humaneval", "--methods",
       "greedy", "--pool-benchmarks", "none"], "--unsafe-unsandboxed-grading", False),
 ]
+
+
+# Non-finite numbers for real-valued options: argparse's usage, then one error line naming
+# the flag.
+NON_FINITE = [
+    ["sample", "x", "--alpha=inf"], ["sample", "x", "--beta=-inf"],
+    ["sample", "x", "--temperature=nan"], ["eval", "--benchmark", "gsm8k", "--out", "r", "--alpha=NaN"],
+    ["analyze", "r", "--beta=1e999"], ["probe", "--input", "x", "--tau=inf"],
+    ["train-grpo", "--out", "g", "--steps", "1", "--learning-rate=nan"],
+    ["train-lens", "--momentum=Infinity"],
+]
+
+
+@pytest.mark.parametrize("argv", NON_FINITE, ids=[" ".join(a) for a in NON_FINITE])
+def test_non_finite_numbers_are_refused(argv, capsys):
+    flag, value = argv[-1].split("=")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert errors == [f"degs {argv[0]}: error: argument {flag}: must be a finite number, "
+                      f"got {value!r}"] and err.endswith(errors[0] + "\n"), err
 
 
 @pytest.fixture
@@ -245,7 +293,9 @@ def test_runs_without_humaneval_do_not_need_namespaces(tmp_path, monkeypatch, ca
 
 def test_unsandboxed_grading_opt_in_labels_every_result(degs, tmp_path, monkeypatch):
     """With the opt-in where no namespaces can be made: the run happens, a warning is the
-    first and the last line, and the isolation is in run.json and in every record."""
+    first and the last line, and the isolation is in run.json, summary.json and every record;
+    resuming the run where namespaces work is refused."""
+    probe = sandbox._probe
     monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
     out = tmp_path / "run"
     rc, stdout, err, loads = degs("eval", "--benchmark", "humaneval", "--method", "greedy",
@@ -259,6 +309,17 @@ def test_unsandboxed_grading_opt_in_labels_every_result(degs, tmp_path, monkeypa
     assert all(r["grade_detail"].startswith("failed: ") for r in records)  # a random model
     run = json.loads((out / "run.json").read_text())
     assert run["invocations"][-1]["humaneval_isolation"] == "process"
+    assert json.loads((out / "summary.json").read_text())["isolation"] == ["process"]
+    # the same command where namespaces work: refused in one line, nothing changed
+    monkeypatch.setattr(sandbox, "_probe", probe)
+    assert sandbox.isolation() == sandbox.NAMESPACES
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rc, stdout, err, loads = degs("eval", "--benchmark", "humaneval", "--method", "greedy",
+                                  "--limit", "3", "--max-new-tokens", "4", "--batch-size", "2",
+                                  "--no-progress", "--out", out)
+    assert rc == 2 and loads == [] and err.count("\n") == 1, err
+    assert err.startswith(f"degs: error: {out} was graded under isolation process"), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.parametrize("argv, message", [

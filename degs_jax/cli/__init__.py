@@ -48,7 +48,8 @@ from ..text import sample
 from ..train.tuned_lens import read_lens_file
 from . import evaluation, reproduction, training
 from .options import (BATCH_SIZE_HELP, METHOD_HELP, _add_decoder_args, _add_lens_args, _add_model_args,
-                      _tuned_lens, check_output_dir, check_seed, method_value, prompt_text)
+                      _tuned_lens, check_output_dir, check_seed, finite_float, method_value,
+                      prompt_text)
 
 def _load(args):
     """The model `--model` names (default: the built-in default), on `--mesh`, with
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True,
                    help="JSONL with 'prompt' and optional 'completion' (else completed greedily)")
     p.add_argument("--out", required=True, help="output directory (probe.jsonl, entropy.png)")
-    p.add_argument("--tau", type=float, default=DEFAULT_TAU,
+    p.add_argument("--tau", type=finite_float, default=DEFAULT_TAU,
                    help=f"collapse threshold in nats ({DEFAULT_TAU})")
     p.add_argument("--lsub", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="probed layers for D(x) (default grid)")

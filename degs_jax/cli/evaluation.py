@@ -19,7 +19,8 @@ from ..models.loading import BUILTIN_MODELS
 from ..train.tuned_lens import resolve_lens
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
-                      check_output_dir, check_seed, code_isolation, method_value, parse_lsub_sweep)
+                      check_output_dir, check_seed, code_isolation, finite_float, method_value,
+                      parse_lsub_sweep)
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
@@ -95,9 +96,9 @@ def add_commands(sub, load_model) -> None:
                         "where BASE_RUN's decision records predict (departures.json)")
     a.add_argument("--lsub-sweep", default=None,
                    help='probe sets to re-score with, e.g. "4,8,12;16,20,24,28;all;default"')
-    a.add_argument("--alpha", type=float, default=None,
+    a.add_argument("--alpha", type=finite_float, default=None,
                    help="DEGS-rerank likelihood weight in the sweep (the run's, else 4)")
-    a.add_argument("--beta", type=float, default=None,
+    a.add_argument("--beta", type=finite_float, default=None,
                    help="DEGS-rerank depth weight in the sweep (the run's, else 5)")
     a.add_argument("--batch-size", type=int, default=8, help="sequences per scoring call (8)")
     a.add_argument("--data-dir", default=None, help="benchmark files (for the sweep's prompts)")
@@ -118,8 +119,9 @@ def cmd_eval(args, load_model) -> int:
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))
-    runner.check_run_directory(Path(args.out))  # what a resume would read
-    args.scope.enter_context(code_isolation([args.benchmark], args.unsafe_unsandboxed_grading))
+    level = args.scope.enter_context(code_isolation([args.benchmark],
+                                                    args.unsafe_unsandboxed_grading))
+    runner.check_run_directory(Path(args.out), level)  # what a resume would read
     options = distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
         join_job(options)    # waiting in jax.distributed.initialize

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -70,7 +71,7 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
         elif kind is tuple:
             g.add_argument(flag, type=int_list, metavar="L1,L2,...", help=help_text)
         else:
-            g.add_argument(flag, type=kind, help=help_text)
+            g.add_argument(flag, type=finite_float if kind is float else kind, help=help_text)
     _add_lens_args(g)
 
 
@@ -100,6 +101,18 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def finite_float(text: str) -> float:
+    """An option's real number (argparse type): ``inf`` and ``nan`` are refused (they
+    would reach a decoder, and run.json as ``Infinity``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]:
@@ -195,10 +208,10 @@ def add_unsafe_grading_flag(group) -> None:
     """The opt-in to grading HumanEval without namespaces (`degs eval`, `degs reproduce`)."""
     group.add_argument(sandbox.UNSAFE_FLAG, dest="unsafe_unsandboxed_grading", action="store_true",
                        help="HumanEval where bubblewrap cannot create namespaces: run the "
-                            "model-written programs under process-level guards only (where the "
-                            "kernel lacks Landlock they can read and write this user's files); "
-                            "results are labelled isolation=process. Without it such a run "
-                            "stops before loading the model")
+                            "model-written programs under process-level layers only (Landlock "
+                            "and seccomp, both required; docs/sandbox.md says what that leaves "
+                            "open); results are labelled isolation=process. Without it such a "
+                            "run stops before loading the model")
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
 from ..reproduce.regrade import regrade_study
-from ..reproduce.study import (DEFAULT_BATCH_SIZE, Budget, StudyRequest, available_methods, format_plan,
-                              plan_table, run_study)
+from ..reproduce.study import (DEFAULT_BATCH_SIZE, STUDY_FILE, Budget, StudyRequest, available_methods,
+                              format_plan, plan_table, read_study_file, run_study)
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
                       parse_lsub_sweep)
@@ -205,6 +205,8 @@ def cmd_reproduce(args, load_model) -> int:
     budget = Budget(args.time_budget)  # counted from here: loading and compiling included
     out = check_output_dir(Path(args.out))
     check_seed(args.seed)
+    if (out / STUDY_FILE).exists():
+        read_study_file(out / STUDY_FILE)  # before the model loads
     options = distributed_options(args)
     single = [flag for flag, on in (("--plan", args.plan), ("--report-only", args.report_only),
                                     ("--export", args.export), ("--regrade", args.regrade)) if on]

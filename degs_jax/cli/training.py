@@ -18,7 +18,7 @@ from ..train.grpo import GRPOConfig, train_grpo
 from ..train.rewards import MathReward
 from ..train.tuned_lens import (TunedLensConfig, check_lens_destination, check_lens_layers, default_lens_path,
                                 fit_tuned_lens, gsm8k_lens_corpus, params_fingerprint, save_tuned_lens)
-from .options import _add_model_args, check_output_dir, int_list
+from .options import _add_model_args, check_output_dir, check_seed, finite_float, int_list
 
 GRPO_DESCRIPTION = """GRPO with a verifiable math reward (math-verify on the last boxed answer) on the
 GSM8K train split, with the evaluation harness's prompt template.
@@ -84,7 +84,8 @@ def _add_dataclass_options(group, cls, help_text: dict, skip=()) -> None:
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(flag, type=type(default), default=None, help=text)
+            kind = finite_float if isinstance(default, float) else type(default)
+            group.add_argument(flag, type=kind, default=None, help=text)
 
 
 def _config_from(cls, args, **extra):
@@ -129,6 +130,8 @@ def add_commands(sub, load_model) -> None:
 
 def cmd_train_grpo(args, load_model) -> int:
     # Bad values and files fail before the model loads.
+    if args.seed is not None:
+        check_seed(args.seed)
     config = _config_from(GRPOConfig, args)
     for flag, value in (("--steps", args.steps), ("--checkpoint-every", args.checkpoint_every),
                         ("--keep-checkpoints", args.keep_checkpoints), ("--limit", args.limit)):
@@ -158,6 +161,8 @@ def cmd_train_grpo(args, load_model) -> int:
 
 
 def cmd_train_lens(args, load_model) -> int:
+    if args.seed is not None:
+        check_seed(args.seed)
     config = _config_from(TunedLensConfig, args)  # --layers included; bad values fail here
     if args.out is not None:
         check_lens_destination(args.out)  # before the fit, not after

@@ -18,7 +18,9 @@ in :mod:`degs_jax.eval.results`).
 HumanEval: the completions are model-written programs, graded in the sandbox
 (:mod:`degs_jax.eval.sandbox`); where it cannot create namespaces the run is refused
 before anything runs unless ``allow_unsandboxed``, and the isolation is recorded in the
-invocation (``humaneval_isolation``) and in every record (``isolation``).
+invocation (``humaneval_isolation``), in every record (``isolation``) and in the summary
+(``isolation``: the levels its records were graded under); a resume under another
+isolation than the run's is refused.
 
 Several processes (a ``jax.distributed`` job, ``jax.process_count() > 1``; the run
 directory on a filesystem all of them see): process 0 checks that every process was
@@ -186,13 +188,16 @@ def _config_differences(old: Mapping, new: Mapping, prefix: str = "",
     return diffs
 
 
-def check_run_directory(out: Path) -> None:
+def check_run_directory(out: Path, humaneval_isolation: Optional[str] = None) -> None:
     """Read what a resume into ``out`` would use (``run.json``, the results and any shards
     of an interrupted multi-process run), e.g. before loading a model: ValueError naming
     the file and line that it could not use (the store's rules:
-    :mod:`degs_jax.eval.results`). Nothing is written."""
+    :mod:`degs_jax.eval.results`), or saying that the run was graded under another
+    isolation than ``humaneval_isolation``. Nothing is written."""
     if (out / RUN_FILE).exists():
-        _stored_config(out / RUN_FILE, read_run_file(out / RUN_FILE))
+        run = read_run_file(out / RUN_FILE)
+        _stored_config(out / RUN_FILE, run)
+        _check_isolation(out, run, {"humaneval_isolation": humaneval_isolation})
     for path in [out / RESULTS_FILE, *_shards(out)]:
         if path.is_file():
             read_records(path, fields=EVAL_RECORD_FIELDS)
@@ -218,6 +223,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                 f"{out} holds a run with a different configuration; refusing to resume into it "
                 f"({'; '.join(diffs)}). Use another --out directory, or repeat the original "
                 "command to resume.")
+        _check_isolation(out, run, invocation)
         old_versions = (run.get("invocations") or [{}])[0].get("versions")
         if old_versions and old_versions != invocation["versions"]:
             changed = sorted(k for k in set(old_versions) | set(invocation["versions"])
@@ -232,6 +238,19 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     write_json(run_file, run)
     return run
+
+
+def _check_isolation(out: Path, run: Mapping[str, Any], invocation: Mapping[str, Any]) -> None:
+    """A HumanEval run's records share one isolation: ValueError (one line) for a resume
+    under another one than the stored invocations graded under."""
+    level = invocation.get("humaneval_isolation")
+    stored = sorted({i["humaneval_isolation"] for i in run.get("invocations", [])
+                     if i.get("humaneval_isolation")})
+    if level and stored and stored != [level]:
+        raise ValueError(
+            f"{out} was graded under isolation {', '.join(stored)} and this invocation would "
+            f"grade under {level}; refusing to mix them in one run (resume where the same "
+            "isolation is available, or use another --out directory)")
 
 
 def _mean_or_none(values: Optional[Sequence[float]]) -> Optional[float]:
@@ -564,6 +583,9 @@ def run_summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) ->
                         versions=run["invocations"][-1]["versions"], config=cfg,
                         n_problems=len(records))
     summary["means"].pop("index", None)
+    levels = sorted({r["isolation"] for r in records if r.get("isolation")})
+    if levels:  # HumanEval: what the programs were graded under
+        summary["isolation"] = levels
     if records and all("candidates" in r for r in records):
         n = [len(r["candidates"]) for r in records]
         c = [sum(x["correct"] for x in r["candidates"]) for r in records]

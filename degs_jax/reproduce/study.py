@@ -370,12 +370,28 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def read_study_file(path: Path) -> dict:
+    """``study.json``: ValueError naming the file if it is not one `degs reproduce` wrote
+    (not JSON, no ``model`` with its ``name`` and ``num_layers``, no ``invocations`` list)."""
+    study = results.read_json(path)
+    model = study.get("model")
+    if not (isinstance(model, dict) and isinstance(model.get("name"), str)
+            and type(model.get("num_layers")) is int):
+        raise ValueError(f"{path} has no 'model' with a 'name' and 'num_layers'; repair or "
+                         "delete it")
+    if not (isinstance(study.get("invocations"), list)
+            and all(isinstance(i, dict) for i in study["invocations"])):
+        raise ValueError(f"{path}: 'invocations' must be a list of JSON objects; repair or "
+                         "delete it")
+    return study
+
+
 def open_study(out: Path, model_name: str, num_layers: int, request: StudyRequest,
                argv: Optional[Sequence[str]]) -> dict:
     """Create or extend ``study.json``; refuse a study of another model."""
     path = out / STUDY_FILE
     if path.exists():
-        study = json.loads(path.read_text())
+        study = read_study_file(path)
         if study["model"]["name"] != model_name:
             raise ValueError(f"{out} holds a study of model {study['model']['name']!r}, not "
                              f"{model_name!r}; use another --out directory")
