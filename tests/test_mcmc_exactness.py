@@ -85,9 +85,9 @@ def completion_index(tokens, lengths):
     return np.where(known[order][at] == codes, order[at], len(seqs))
 
 
-def exact_stats(cfg, params, tau):
-    """log p(x), D(x) for every completion in `support()`, from uncached forwards."""
-    seqs = support()
+def exact_stats(cfg, params, tau, seqs=None):
+    """log p(x), D(x) for every completion in `seqs` (default `support()`), from uncached forwards."""
+    seqs = support() if seqs is None else seqs
     logp, depth_score, entropies = [], [], []
     for comp in seqs:
         toks = np.array([PROMPT + list(comp)], np.int32)
