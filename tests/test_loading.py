@@ -126,7 +126,8 @@ def test_dtype_choice_and_bf16_checkpoint(tmp_path):
     cfg, params = tiny()
     write_hf_dir(tmp_path / "m", cfg, params, dtype=jnp.bfloat16)  # bf16 on disk: numpy can't read it
     as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    for dtype, want in [(None, jnp.bfloat16), ("bfloat16", jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
+    for dtype, want in [(None, jnp.float32), ("auto", jnp.float32),  # auto: float32 on CPU
+                        ("bfloat16", jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
                         ("float32", jnp.float32), (jnp.float32, jnp.float32)]:
         got = load(tmp_path / "m", progress=False) if dtype is None else load(tmp_path / "m", dtype, progress=False)
         assert {x.dtype for x in jax.tree.leaves(got.params)} == {jnp.dtype(want)}

@@ -19,7 +19,8 @@ from ..models.loading import BUILTIN_MODELS
 from ..train.tuned_lens import resolve_lens
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
-                      check_output_dir, check_seed, code_isolation, method_value, parse_lsub_sweep)
+                      check_output_dir, check_seed, code_isolation, keep_recorded_dtype, method_value,
+                      parse_lsub_sweep)
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
@@ -109,6 +110,7 @@ def cmd_eval(args, load_model) -> int:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))
     runner.check_run_directory(Path(args.out))  # what a resume would read
+    keep_recorded_dtype(args, runner.recorded_dtype(Path(args.out)), args.out)
     args.scope.enter_context(code_isolation([args.benchmark], args.unsafe_unsandboxed_grading))
     options = distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others

@@ -15,9 +15,10 @@ from ..eval.benchmarks import canonical_name, load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
 from ..reproduce.study import (DEFAULT_BATCH_SIZE, Budget, StudyRequest, available_methods, format_plan,
                               plan_table, run_study)
+from ..reproduce.study import recorded_dtype as study_dtype
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
-                      parse_lsub_sweep)
+                      keep_recorded_dtype, parse_lsub_sweep)
 
 DESCRIPTION = """Run the paper's study for one model into one directory, resumably, and report it.
 
@@ -214,6 +215,7 @@ def cmd_reproduce(args, load_model) -> int:
     if args.plan:
         print(format_plan(plan_table(out, request, data_dir=args.data_dir)))
         return 0
+    keep_recorded_dtype(args, study_dtype(out), args.out)
     benchmarks = {**request.benchmarks, **request.pool_benchmarks}
     args.scope.enter_context(code_isolation(benchmarks, args.unsafe_unsandboxed_grading))
     if options is not None:  # before any JAX computation (the model load)
