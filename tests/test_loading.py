@@ -612,3 +612,27 @@ def test_unknown_architecture(tmp_path):
     with pytest.raises(ConfigError, match="phi3") as err:
         load(path, cache_dir=tmp_path / "cache", progress=False)
     assert "phi.gguf" in str(err.value)
+
+
+_WITHOUT_TORCH = """
+import importlib.util, os
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split('.')[0] == 'torch' else real(name, *a)
+"""
+
+
+def test_a_torch_free_install_loads_tokenizers_without_the_pytorch_notice():
+    """transformers says "PyTorch was not found ..." on stderr when imported without torch
+    (simulated: torch's spec hidden); degs_jax's import of it (models/hf_import.py) does
+    not, and leaves the advisory switch of the environment as it found it."""
+    def run(code):
+        return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH + code], capture_output=True, text=True,
+                              env={k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"})
+
+    plain = run("import transformers")
+    assert plain.returncode == 0 and "PyTorch was not found" in plain.stderr  # the simulation holds
+    quiet = run("from degs_jax.models.hf_import import transformers\n"
+                "transformers().PreTrainedTokenizerFast\n"
+                "assert 'TRANSFORMERS_NO_ADVISORY_WARNINGS' not in os.environ")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "PyTorch was not found" not in quiet.stderr
