@@ -30,7 +30,7 @@ METHOD_HELP = (f"decoders: {', '.join(METHODS)} (docs/design.md §4). Hyperparam
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="built-in name (smollm2-135m [default], qwen2.5-coder-0.5b, "
+                   help="built-in name (qwen2.5-coder-0.5b [default], smollm2-135m, "
                         "qwen2.5-coder-1.5b), a local HF directory, a .gguf file, or a hub id "
                         "(needs network)")
     p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES,
