@@ -110,13 +110,14 @@ def cmd_eval(args, load_model) -> int:
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))
     runner.check_run_directory(Path(args.out))  # what a resume would read
-    keep_recorded_dtype(args, runner.recorded_dtype(Path(args.out)), args.out)
     args.scope.enter_context(code_isolation([args.benchmark], args.unsafe_unsandboxed_grading))
     options = distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
         join_job(options)    # waiting in jax.distributed.initialize
     try:
         load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
+        # after joining: auto's choice asks JAX for its platform, which starts its backend
+        keep_recorded_dtype(args, runner.recorded_dtype(Path(args.out)), args.out)
         model = load_model(args)
         tuned_lens = resolve_lens(args.lens, model, args.tuned_lens)
     except BaseException as e:  # e.g. data or a model path missing on one host: stop the others

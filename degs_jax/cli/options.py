@@ -54,7 +54,8 @@ def keep_recorded_dtype(args, recorded: str | None, what: str) -> None:
     load the model in `recorded`, as the run was made (its configuration, hence its
     records, depend on it), with one line on stderr where auto would choose otherwise
     here (e.g. a run begun in bfloat16 before auto chose float32 on CPU). An explicit
-    --dtype is left as given (a resume then refuses a different one)."""
+    --dtype is left as given (a resume then refuses a different one). Asks JAX for its
+    platform, which starts JAX's backend: call it after joining a `jax.distributed` job."""
     if args.dtype != AUTO_DTYPE or recorded is None:
         return
     args.dtype = recorded

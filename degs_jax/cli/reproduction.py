@@ -215,7 +215,6 @@ def cmd_reproduce(args, load_model) -> int:
     if args.plan:
         print(format_plan(plan_table(out, request, data_dir=args.data_dir)))
         return 0
-    keep_recorded_dtype(args, study_dtype(out), args.out)
     benchmarks = {**request.benchmarks, **request.pool_benchmarks}
     args.scope.enter_context(code_isolation(benchmarks, args.unsafe_unsandboxed_grading))
     if options is not None:  # before any JAX computation (the model load)
@@ -223,6 +222,7 @@ def cmd_reproduce(args, load_model) -> int:
     try:
         for benchmark in benchmarks:
             load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
+        keep_recorded_dtype(args, study_dtype(out), args.out)  # after joining (see cmd_eval)
         model = load_model(args)  # turns the --compilation-cache on (cli._persistent_cache)
         if args.lsub_sets != "paper":
             request = dataclasses.replace(
