@@ -1,6 +1,6 @@
 """The `degs` command line.
 
-  degs generate "prompt"                      greedy continuation (embedded default model)
+  degs generate "prompt"                      greedy continuation (the default model)
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (cli/evaluation.py)
