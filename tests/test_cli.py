@@ -1,4 +1,4 @@
-"""The `degs` command line on the embedded default model (SmolLM2-135M, CPU), with tiny
+"""The `degs` command line on the built-in SmolLM2-135M (the tests' default, conftest; CPU), with tiny
 budgets: generate, sample (every statistic printed), probe; and the error table: every
 failure a user can cause ends in one `degs: error: ...` line and exit status 2, never a
 traceback; Ctrl-C ends a run within seconds with one line."""
@@ -186,6 +186,7 @@ def test_ctrl_c_stops_within_seconds_with_one_line(tmp_path, command):
     argv = {"generate": ["generate", "Count from one to a thousand.", "--max-new-tokens", "2000"],
             "eval": ["eval", "--benchmark", "gsm8k", "--method", "greedy", "--limit", "2",
                      "--max-new-tokens", "2000", "--no-progress", "--out", str(tmp_path / "run")]}[command]
+    argv += ["--model", "smollm2-135m"]  # a process of its own: conftest's default does not reach it
     proc = subprocess.Popen([sys.executable, "-m", "degs_jax.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1"))

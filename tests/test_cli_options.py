@@ -90,3 +90,33 @@ def test_the_persistent_compilation_cache_is_the_programs_choice(monkeypatch, tm
         assert "stopped at the load call" in capsys.readouterr().err
         assert enabled == expected, (argv, persistent)
         enabled.clear()
+
+
+def test_degs_sample_budgets_512_new_tokens_unless_told_and_eval_keeps_the_papers():
+    """`degs sample`'s rule (cli.SAMPLE_MAX_NEW_TOKENS): 512 new tokens where the command
+    line leaves the budget to the default (MCMC chains: ceil(512 / block_len) blocks);
+    a given --max-new-tokens or --num-blocks is kept; `degs eval` keeps the paper's 3,072."""
+    from degs_jax.cli import SAMPLE_MAX_NEW_TOKENS, sample_budget
+    from degs_jax.cli.options import method_value
+
+    assert SAMPLE_MAX_NEW_TOKENS == 512
+    parser = build_parser()
+
+    def budget(*flags):
+        args = parser.parse_args(["sample", "x", *flags])
+        return sample_budget(method_value(args), _hyperparameters(args))
+
+    for method in METHOD_HYPERPARAMETERS:
+        chosen = budget("--method", method)
+        if method in ("power_mcmc", "degs_mcmc"):
+            assert (chosen.block_len, chosen.num_blocks) == (192, 3)  # 576 >= 512 > 384
+        else:
+            assert chosen.max_new_tokens == 512, method
+    assert budget("--method", "degs_mcmc", "--block-len", "32").num_blocks == 16
+    assert budget("--method", "degs_mcmc", "--block-len", "32", "--num-blocks", "4").max_new_tokens == 128
+    assert budget("--method", "degs_mcmc", "--num-blocks", "20").max_new_tokens == 20 * 192
+    assert budget("--method", "greedy", "--max-new-tokens", "4000").max_new_tokens == 4000
+    assert budget("--method", "scalable_power", "--max-new-tokens", "64").max_new_tokens == 64
+    assert "at most 512 new tokens" in " ".join(_sample_parser().description.split())
+    eval_args = parser.parse_args(["eval", "--benchmark", "gsm8k", "--out", "o", "--method", "greedy"])
+    assert method_value(eval_args).max_new_tokens == 3072

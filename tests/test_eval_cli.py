@@ -1,4 +1,4 @@
-"""`degs eval` / `degs analyze` end to end on the embedded default model (CPU).
+"""`degs eval` / `degs analyze` end to end on the built-in SmolLM2-135M (CPU).
 
 The model is loaded once per session and the CLI runs in-process with that model
 (`degs_jax.cli._load` patched), except the SIGKILL resumability test, which needs real
@@ -212,7 +212,7 @@ def _eval_cmd(out):
     # after the first result line lands mid-run.
     return [sys.executable, "-m", "degs_jax.cli", "eval", "--benchmark", "deepmind500", "--limit", "2",
             "--method", "temperature", "--temperature", "1.0", "--seed", "7", "--out", str(out),
-            "--batch-size", "1", *TINY]  # one problem per batch: the kill lands between them
+            "--batch-size", "1", "--model", "smollm2-135m", *TINY]  # one problem per batch: the kill lands between them
 
 
 def _count_lines(path):

@@ -360,7 +360,7 @@ def test_checkpoint_loads_through_load_and_generates(resumed_runs, byte_model):
                  max_new_tokens=8, probe=False)
     assert got.outputs[0].chosen.tokens == want.outputs[0].chosen.tokens
     assert len(got.outputs[0].chosen.tokens) > 0
-    bf16 = load(ckpt, progress=False)  # the default dtype
+    bf16 = load(ckpt, "bfloat16", progress=False)
     assert bf16.params.embed.dtype == jnp.bfloat16
     decode(TransformerLM(bf16.cfg), bf16.params, [prompt], "greedy", jax.random.key(0), eos_ids=eos,
            max_new_tokens=8, probe=False)

@@ -1,5 +1,5 @@
 """Every notebook in notebooks/ executes end to end (python3 kernel of this interpreter,
-embedded default model on CPU) and is stored without outputs."""
+built-in SmolLM2-135M on CPU) and is stored without outputs."""
 
 import os
 import sys

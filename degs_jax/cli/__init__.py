@@ -1,6 +1,6 @@
 """The `degs` command line.
 
-  degs generate "prompt"                      greedy continuation (embedded default model)
+  degs generate "prompt"                      greedy continuation (the default model)
   degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (cli/evaluation.py)
@@ -48,8 +48,8 @@ from ..text import sample
 from ..train.tuned_lens import read_lens_file
 from . import evaluation, reproduction, training
 from .options import (BATCH_SIZE_HELP, METHOD_HELP, _add_decoder_args, _add_lens_args, _add_model_args,
-                      _tuned_lens, check_output_dir, check_seed, finite_float, method_value,
-                      prompt_text)
+                      _hyperparameters, _tuned_lens, check_output_dir, check_seed, finite_float,
+                      method_value, prompt_text)
 
 def _load(args):
     """The model `--model` names (default: the built-in default), on `--mesh`, with
@@ -85,11 +85,38 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# `degs sample`'s default budget of new tokens. The paper's 3,072 (`degs eval`, `degs
+# reproduce`, the library's defaults) sizes the KV cache and the attention of every decode
+# step, on a CPU the larger part of each step's cost, for answers that mostly end within a
+# few hundred tokens.
+SAMPLE_MAX_NEW_TOKENS = 512
+
+SAMPLE_DESCRIPTION = (METHOD_HELP + f" Budget: unless --max-new-tokens (or, for the MCMC chains, "
+                      f"--num-blocks) is given, `degs sample` decodes at most {SAMPLE_MAX_NEW_TOKENS} "
+                      f"new tokens (the MCMC chains: ceil({SAMPLE_MAX_NEW_TOKENS} / block_len) blocks), "
+                      "not the paper's 3,072 that `degs eval` and `degs reproduce` keep; a completion "
+                      "that reaches it says so.")
+
+
+def sample_budget(method: Method, given) -> Method:
+    """`method` with `degs sample`'s budget, SAMPLE_MAX_NEW_TOKENS new tokens, where the
+    command line (`given`: the hyperparameters it names) leaves the budget to the default:
+    `max_new_tokens` for the methods that take it, `num_blocks` = ceil(budget / block_len)
+    for the MCMC chains (whose budget is block_len · num_blocks)."""
+    fields = {f.name for f in dataclasses.fields(method)}
+    if "max_new_tokens" in fields and "max_new_tokens" not in given:
+        return dataclasses.replace(method, max_new_tokens=SAMPLE_MAX_NEW_TOKENS)
+    if "num_blocks" in fields and "num_blocks" not in given:
+        return dataclasses.replace(method, num_blocks=-(-SAMPLE_MAX_NEW_TOKENS // method.block_len))
+    return method
+
+
 def cmd_sample(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE (one of them)")
     seed = check_seed(args.seed)
     method = method_value(args)  # bad names and values before loading the model
+    method = sample_budget(method, _hyperparameters(args))
     if args.input is not None:
         return _sample_many(args, seed, method)
     prompt = prompt_text(args.prompt)
@@ -107,7 +134,8 @@ def cmd_sample(args) -> int:
     print(c.text)
     print("---", file=sys.stderr)
     depth = "n/a (not probed)" if c.depth is None else f"{c.depth:.4f}"
-    print(f"method {result.method}  tokens {len(c.tokens)}{'' if c.ended else ' (budget reached, no EOS)'}"
+    budget = "" if c.ended else f" (budget of {method.max_new_tokens} reached, no EOS)"
+    print(f"method {result.method}  tokens {len(c.tokens)}{budget}"
           f"  log p {c.log_p:.3f}  D(x) {depth}  final-layer entropy {c.final_entropy:.3f}",
           file=sys.stderr)
     if c.acceptance is not None:
@@ -195,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("sample", help="decode a prompt with any decoder and print its statistics",
-                       description=METHOD_HELP)
+                       description=SAMPLE_DESCRIPTION)
     s.add_argument("prompt", nargs="?", default=None, help="the prompt (or --input)")
     _add_model_args(s)
     _add_decoder_args(s, "degs_mcmc")

@@ -19,7 +19,8 @@ from ..models.loading import BUILTIN_MODELS
 from ..train.tuned_lens import resolve_lens
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
-                      check_output_dir, check_seed, code_isolation, finite_float, method_value,
+                      check_output_dir, check_seed, code_isolation, finite_float, keep_recorded_dtype,
+                      method_value,
                       parse_lsub_sweep)
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
@@ -127,6 +128,8 @@ def cmd_eval(args, load_model) -> int:
         join_job(options)    # waiting in jax.distributed.initialize
     try:
         load_benchmark(args.benchmark, data_dir=args.data_dir)  # data files present and verified
+        # after joining: auto's choice asks JAX for its platform, which starts its backend
+        keep_recorded_dtype(args, runner.recorded_dtype(Path(args.out)), args.out)
         model = load_model(args)
         tuned_lens = resolve_lens(args.lens, model, args.tuned_lens)
     except BaseException as e:  # e.g. data or a model path missing on one host: stop the others

@@ -21,6 +21,7 @@ from ..eval.benchmarks import canonical_name
 from ..hyperparameters import METHOD_HYPERPARAMETERS, METHODS, field_types, hyperparameters_for
 from ..lens import default_lsub, validate_lsub
 from ..method import Method
+from ..models.loading import AUTO_DTYPE, DTYPE_CHOICES, resolve_dtype
 from ..models.sharding import parse_mesh
 from ..train.tuned_lens import resolve_lens
 
@@ -30,11 +31,13 @@ METHOD_HELP = (f"decoders: {', '.join(METHODS)} (docs/design.md §4). Hyperparam
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="built-in name (smollm2-135m [default], qwen2.5-coder-0.5b, "
+                   help="built-in name (qwen2.5-coder-0.5b [default], smollm2-135m, "
                         "qwen2.5-coder-1.5b), a local HF directory, a .gguf file, or a hub id "
                         "(needs network)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="parameter dtype (default bfloat16)")
+    p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES,
+                   help="parameter dtype: auto (default) is float32 on CPU, where XLA emulates "
+                        "bfloat16 several times slower, and bfloat16 on a GPU or TPU; a resumed "
+                        "run keeps the dtype it was made with")
     p.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as raw text even if the tokenizer has a chat template")
     p.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxMODEL",
@@ -45,6 +48,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="make each prompt's results bitwise independent of the batch it shares and "
                         "of --batch-size (fixed matmul row tiles and attention chunks; slower, see "
                         "the README's Reproducibility section)")
+
+
+def keep_recorded_dtype(args, recorded: str | None, what: str) -> None:
+    """`--dtype auto` resuming `what` (a run or study directory) made in dtype `recorded`:
+    load the model in `recorded`, as the run was made (its configuration, hence its
+    records, depend on it), with one line on stderr where auto would choose otherwise
+    here (e.g. a run begun in bfloat16 before auto chose float32 on CPU). An explicit
+    --dtype is left as given (a resume then refuses a different one). Asks JAX for its
+    platform, which starts JAX's backend: call it after joining a `jax.distributed` job."""
+    if args.dtype != AUTO_DTYPE or recorded is None:
+        return
+    args.dtype = recorded
+    chosen = resolve_dtype(AUTO_DTYPE)
+    if recorded != chosen:
+        print(f"degs: resuming {what} in {recorded}, the dtype it was made with (--dtype auto "
+              f"would choose {chosen} here)", file=sys.stderr)
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:

@@ -16,9 +16,10 @@ from ..eval.processes import PeerProcessError, publish_failure
 from ..reproduce.regrade import regrade_study
 from ..reproduce.study import (DEFAULT_BATCH_SIZE, STUDY_FILE, Budget, StudyRequest, available_methods,
                               format_plan, plan_table, read_study_file, run_study)
+from ..reproduce.study import recorded_dtype as study_dtype
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
-                      parse_lsub_sweep)
+                      keep_recorded_dtype, parse_lsub_sweep)
 
 DESCRIPTION = """Run the paper's study for one model into one directory, resumably, and report it.
 
@@ -239,6 +240,7 @@ def cmd_reproduce(args, load_model) -> int:
     try:
         for benchmark in benchmarks:
             load_benchmark(benchmark, data_dir=args.data_dir)  # present and verified, before the model
+        keep_recorded_dtype(args, study_dtype(out), args.out)  # after joining (see cmd_eval)
         model = load_model(args)  # turns the --compilation-cache on (cli._persistent_cache)
         if args.lsub_sets != "paper":
             request = dataclasses.replace(

@@ -109,7 +109,7 @@ GPQA = "gpqa_diamond"
 SHARD_PATTERN = "results.process-*-of-*.jsonl"
 
 __all__ = ["run_eval", "run_config", "problem_key", "run_summary", "format_summary", "shard_file",
-           "check_run_directory",
+           "check_run_directory", "recorded_dtype",
            "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
 
 
@@ -201,6 +201,17 @@ def check_run_directory(out: Path, humaneval_isolation: Optional[str] = None) ->
     for path in [out / RESULTS_FILE, *_shards(out)]:
         if path.is_file():
             read_records(path, fields=EVAL_RECORD_FIELDS)
+
+
+def recorded_dtype(out: Path) -> Optional[str]:
+    """The parameter dtype the run in ``out`` was made with (``run.json``'s
+    ``config.model.dtype``), or None where there is no run yet. A resumed run keeps it
+    (``degs eval --dtype auto``): its configuration, hence its records, depend on it."""
+    if not (out / RUN_FILE).is_file():
+        return None
+    model = read_run_file(out / RUN_FILE)["config"].get("model")
+    dtype = model.get("dtype") if isinstance(model, Mapping) else None
+    return dtype if isinstance(dtype, str) else None
 
 
 def _stored_config(path: Path, run: Mapping[str, Any]) -> dict[str, Any]:

@@ -409,6 +409,17 @@ def open_study(out: Path, model_name: str, num_layers: int, request: StudyReques
     return study
 
 
+def recorded_dtype(out: Path) -> Optional[str]:
+    """The parameter dtype of the study's runs so far (their ``run.json``), or None before
+    its first run; ValueError if its runs were made in different dtypes."""
+    found = {dtype for run_dir in [*sorted(out.glob("runs/*/*")), *sorted(out.glob("pool/*"))]
+             if (dtype := runner.recorded_dtype(run_dir)) is not None}
+    if len(found) > 1:
+        raise ValueError(f"{out} holds runs made in different dtypes ({', '.join(sorted(found))}); "
+                         "give --dtype")
+    return next(iter(found), None)
+
+
 def _save_study(out: Path, study: dict) -> None:
     write_json(out / STUDY_FILE, study)
 
