@@ -20,8 +20,7 @@ from ..train.tuned_lens import resolve_lens
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
                       check_output_dir, check_seed, code_isolation, finite_float, keep_recorded_dtype,
-                      method_value,
-                      parse_lsub_sweep)
+                      method_value, parse_lsub_sweep)
 
 BENCHMARK_CHOICES = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa", "gpqa_diamond")
 
