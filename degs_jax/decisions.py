@@ -269,6 +269,7 @@ def plot_decisions(table: DecisionTable, anatomy: Mapping[str, Any], path: str |
         ax2.axhline(table.n_chains, color="gray", linestyle=":", linewidth=1, label=f"{table.n_chains} chains")
         ax2.set_xscale("log")
         ax2.set_yscale("symlog", linthresh=1.0)
+        ax2.set_ylim(bottom=0.0)
         ax2.set_xlabel("β")
         ax2.set_ylabel("count")
         ax2.set_title("(b) decisions the depth term would flip")
