@@ -38,7 +38,8 @@ Decision records: every MH decision is also recorded whole (`MHDecisions`, per r
 and step): the log ratio without the depth term (log r_0: the first four terms of log r
 above, cut-index ratio included), the depth difference D(x') - D(x) (so beta·ΔD at the
 run's beta, or any other), log u, whether the proposal equals the current state (a null
-move: same suffix, always accepted since log r_0 = 0 and ΔD = 0), the cut m and both
+move: same suffix, accepted since ΔD = 0 and log r_0 is 0 up to the rounding of its
+re-stored per-token values), the cut m and both
 suffix lengths. They are the same stored per-token sums the decision used (no model
 work), so the anatomy of a run's decisions, and the decisions another beta would flip at
 the states this chain visited, are read off its records (`degs_jax.decisions`).
