@@ -78,8 +78,8 @@ def test_layouts_hold_the_same_weights_and_give_the_same_forward(name):
 
 
 # The models package, lowest layer first: a module may import only modules before it.
-LAYERS = ["config", "params", "sharding", "decode_kernel", "attention", "lens_head", "transformer", "causal_lm",
-          "checkpoint", "gguf_io", "loading", "compilation", "__init__"]
+LAYERS = ["hf_import", "config", "params", "sharding", "decode_kernel", "attention", "lens_head", "transformer",
+          "causal_lm", "checkpoint", "gguf_io", "loading", "compilation", "__init__"]
 # What models/ may import from the rest of degs_jax: the protocol its adapter implements
 # (causal_lm.py) and the neutral row tiles it shares with the samplers; nothing of sampling.
 OUTSIDE = {"model_api", "tiling"}
