@@ -530,16 +530,20 @@ def test_train_grpo_command_trains_resumes_and_refuses_bad_settings(tmp_path, ca
 
     model_dir = write_byte_model(tmp_path / "model")
     out = tmp_path / "run"
-    argv = ["train-grpo", "--model", str(model_dir), "--dtype", "float32", "--out", str(out),
+    argv = ["train-grpo", "--model", str(model_dir), "--out", str(out),
             "--limit", "40", "--max-prompt-len", "320", "--prompts-per-step", "2", "--group-size", "2",
             "--max-new-tokens", "4", "--updates-per-step", "1", "--micro-batch", "4",
             "--checkpoint-every", "1", "--no-progress"]
-    assert main(argv + ["--steps", "1"]) == 0
+    assert main(argv + ["--steps", "1", "--dtype", "bfloat16"]) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert first["steps_done"] == 1 and first["resumed_from"] == 0
+    # resumed with the default --dtype auto (float32 on CPU): the run keeps its bfloat16
     assert main(argv + ["--steps", "2"]) == 0
-    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    second = json.loads(captured.out.strip().splitlines()[-1])
     assert second["resumed_from"] == 1 and second["steps_done"] == 2
+    assert (f"degs: resuming {out} in bfloat16, the dtype it was made with (--dtype auto would "
+            "choose float32 here)") in captured.err
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 1]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in log)
@@ -558,6 +562,8 @@ def test_train_grpo_command_trains_resumes_and_refuses_bad_settings(tmp_path, ca
     assert evaluated["invocations"][0]["model_source"] == str(checkpoint)
     assert main(argv + ["--steps", "3", "--learning-rate", "0.5"]) == 2
     assert "different configuration" in capsys.readouterr().err
+    assert main(argv + ["--steps", "3", "--dtype", "float32"]) == 2  # an explicit other dtype
+    assert "different configuration (model differ)" in capsys.readouterr().err
     assert main(["train-grpo", "--model", str(model_dir), "--out", str(tmp_path / "x"), "--steps", "1",
                  "--group-size", "1"]) == 2
     assert "group_size must be >= 2" in capsys.readouterr().err

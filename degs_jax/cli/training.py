@@ -12,13 +12,14 @@ import json
 import sys
 from pathlib import Path
 
+from ..eval.runner import recorded_dtype
 from ..models.sharding import make_mesh
 from ..train.data import gsm8k_train_tasks, read_gsm8k_rows
 from ..train.grpo import GRPOConfig, train_grpo
 from ..train.rewards import MathReward
 from ..train.tuned_lens import (TunedLensConfig, check_lens_destination, check_lens_layers, default_lens_path,
                                 fit_tuned_lens, gsm8k_lens_corpus, params_fingerprint, save_tuned_lens)
-from .options import _add_model_args, check_output_dir, check_seed, finite_float, int_list
+from .options import _add_model_args, check_output_dir, check_seed, finite_float, int_list, keep_recorded_dtype
 
 GRPO_DESCRIPTION = """GRPO with a verifiable math reward (math-verify on the last boxed answer) on the
 GSM8K train split, with the evaluation harness's prompt template.
@@ -144,6 +145,8 @@ def cmd_train_grpo(args, load_model) -> int:
     check_output_dir(Path(args.out))
     if args.data is not None:
         read_gsm8k_rows(args.data)
+    # A resumed run keeps the dtype it was made with (its run.json records it as an eval's does).
+    keep_recorded_dtype(args, recorded_dtype(Path(args.out)), args.out)
     model = load_model(args)
     tasks = gsm8k_train_tasks(model.tokenizer, args.data, chat=not args.no_chat,
                               max_prompt_len=config.max_prompt_len, limit=args.limit,

@@ -205,8 +205,9 @@ def check_run_directory(out: Path, humaneval_isolation: Optional[str] = None) ->
 
 def recorded_dtype(out: Path) -> Optional[str]:
     """The parameter dtype the run in ``out`` was made with (``run.json``'s
-    ``config.model.dtype``), or None where there is no run yet. A resumed run keeps it
-    (``degs eval --dtype auto``): its configuration, hence its records, depend on it."""
+    ``config.model.dtype``, as `degs eval` and `degs train-grpo` write it), or None where
+    there is no run yet. A resumed run keeps it (``--dtype auto``): its configuration,
+    hence its records, depend on it."""
     if not (out / RUN_FILE).is_file():
         return None
     model = read_run_file(out / RUN_FILE)["config"].get("model")
