@@ -195,3 +195,115 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
             checked += 1
     print(f"\nd_t checked at {checked} tokens ({near} within 1e-3 nats of tau)")
     assert checked >= 60 and near <= checked // 20
+
+
+def test_decision_records_equal_a_direct_recomputation(loads):
+    """The MH decision records of DEGS-MCMC on SmolLM2 (one step of 16 chains over two
+    prompts at beta = 500, where the depth term decides some decisions) against a direct
+    recomputation that shares nothing with the kernel's bookkeeping: the proposal redrawn
+    by hand from the module docstring's streams, then both states scored by a full,
+    uncached float64 forward (log p and the proposal's log q = log softmax(alpha·logits)
+    per token, the collapse depth of every token from the probed residuals), and log r_0
+    formed as docs/design.md §4 writes it. Tolerances: log r_0 within 1e-2 nats (fp32
+    cached decode against a float64 uncached forward: about 1e-4 per token, as the logits'
+    parity above, over at most 2 × 24 tokens, the target's terms times alpha = 4); ΔD to
+    1e-6 (a mean of integers: exact up to fp32 rounding), except on rows with a token whose float64
+    entropy lies within 1e-3 nats of tau (fp32 may decide those either way; must be rare)."""
+    _, model, _ = loads
+    if model.name != "smollm2-135m":
+        pytest.skip("checked on SmolLM2 (the float64 vocabulary products of the 0.5B model are large)")
+    import dataclasses
+    from degs_jax.text import encode_prompt
+    from degs_jax.generation import completions, generate, prefill
+    from degs_jax.lens import LensConfig
+    from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, FIRST_MH_STREAM, REGENERATE_STREAM, MCMCConfig,
+                               mh_steps)
+    from degs_jax.models import TransformerLM
+    from degs_jax.rows import fold_in_rows
+
+    cfg, params = model.cfg, model.params
+    lm = TransformerLM(cfg)
+    lens = LensConfig.default(cfg.num_layers)
+    alpha, B = 4.0, 16
+    chain = MCMCConfig(alpha=alpha, beta=500.0, block_len=24, num_blocks=1, mh_steps=1, lens=lens,
+                       eos_ids=model.eos_ids)
+    ids = [encode_prompt(model.tokenizer, p) for p in ["What is 12 * 13?", "Name a colour of the rainbow."]]
+    ids = [ids[r % 2] for r in range(B)]
+    P = max(len(i) for i in ids)
+    tokens = np.zeros((B, P), np.int32)
+    for r, i in enumerate(ids):
+        tokens[r, :len(i)] = i
+    state = prefill(lm, params, jnp.asarray(tokens), jnp.asarray([len(i) for i in ids], jnp.int32),
+                    P + chain.block_len, jnp.float32)
+    limit = state.prompt_len + chain.block_len
+    keys = jax.random.split(jax.random.key(11), B)
+    state = generate(lm, params, state, limit, keys, chain.proposal)
+    _, decisions = mh_steps(lm, params, state, keys, jnp.int32(0), limit, jnp.ones((B,), bool), chain)
+    record = jax.device_get(jax.tree.map(lambda field: field[:, 0], decisions))
+
+    step_keys = fold_in_rows(keys, 0, FIRST_MH_STREAM)  # block 0, step 0: the hand's proposal
+    n_x = state.length - state.prompt_len
+    cut = state.prompt_len + jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(
+        fold_in_rows(step_keys, CUT_STREAM), n_x)
+    restart = dataclasses.replace(state, length=cut, ended=jnp.zeros_like(state.ended))
+    proposal = generate(lm, params, restart, limit, fold_in_rows(step_keys, REGENERATE_STREAM), chain.proposal,
+                        fresh_from=cut)
+    log_u = np.asarray(jnp.log(jax.vmap(jax.random.uniform)(fold_in_rows(step_keys, ACCEPT_STREAM))))
+
+    w_u = np.asarray(params.unembedding(), np.float64)
+    norm = np.asarray(params.final_norm, np.float64)
+    eos = set(model.eos_ids)
+    # x and x' of every row in one uncached forward (one compilation): right padding does
+    # not change earlier positions under causal attention.
+    both = np.concatenate([np.asarray(state.tokens), np.asarray(proposal.tokens)])
+    residuals = forward(params, cfg, jnp.asarray(both), jnp.broadcast_to(jnp.arange(both.shape[1]), both.shape),
+                        capture=(*lens.lsub, cfg.num_layers)).residuals  # [K + 1, 2B, S, D]
+
+    def scored(row: int, length: int, prompt_len: int):
+        """Per completion token t of `both[row]`: log p and log q (float64), d_t (None for
+        a final EOS, which is not scored) and whether an entropy lies within 1e-3 of tau."""
+        res = np.asarray(residuals[:, row, prompt_len - 1:length], np.float64)  # positions m-1 .. end-1
+        h = res / np.sqrt((res * res).mean(-1, keepdims=True) + cfg.rms_norm_eps) * norm
+        z = h @ w_u.T
+        z -= z.max(-1, keepdims=True)
+        logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))  # [K + 1, N + 1, V]
+        entropy = -(np.exp(logp_all[:-1]) * logp_all[:-1]).sum(-1)  # [K, N + 1] at the probed layers
+        sharp = alpha * z[-1]  # the proposal: temperature 1 / alpha, no truncation
+        sharp -= sharp.max(-1, keepdims=True)
+        logq_all = sharp - np.log(np.exp(sharp).sum(-1, keepdims=True))
+        rows = []
+        for i, t in enumerate(range(prompt_len, length)):
+            tok = both[row, t]
+            final_eos = t == length - 1 and int(tok) in eos
+            ent = entropy[:, i + 1]  # d_t: the residuals at position t (a final EOS is never consumed)
+            depth = None if final_eos else int(np.where(ent <= lens.tau, np.asarray(lens.lsub), cfg.num_layers).min())
+            rows.append((logp_all[-1, i, tok], logq_all[i, tok], depth, bool((np.abs(ent - lens.tau) < 1e-3).any())))
+        return rows
+
+    lengths, cuts = np.asarray(state.length), np.asarray(cut)
+    prompt_len = np.asarray(state.prompt_len)
+    xs = completions(state)
+    checked_depth = near = 0
+    worst = 0.0
+    for r in range(B):
+        full_y = np.asarray(proposal.tokens[r, :int(proposal.length[r])])
+        sx, sy = scored(r, lengths[r], prompt_len[r]), scored(B + r, len(full_y), prompt_len[r])
+        m = cuts[r] - prompt_len[r]
+        log_r0 = (alpha * (sum(v[0] for v in sy[m:]) - sum(v[0] for v in sx[m:]))
+                  + sum(v[1] for v in sx[m:]) - sum(v[1] for v in sy[m:]) + np.log(len(sx)) - np.log(len(sy)))
+        worst = max(worst, abs(record.log_ratio_power[r] - log_r0))
+        assert abs(record.log_ratio_power[r] - log_r0) < 1e-2, (r, record.log_ratio_power[r], log_r0)
+        assert record.cut[r] == m and record.current_suffix[r] == len(sx) - m
+        assert record.proposal_suffix[r] == len(sy) - m
+        assert record.null_move[r] == (list(xs[r]) == list(full_y[prompt_len[r]:]))
+        assert record.log_u[r] == log_u[r]
+        if any(v[3] for v in sx + sy):
+            near += 1
+            continue
+        depth_of = lambda s: np.mean([v[2] for v in s if v[2] is not None]) / cfg.num_layers
+        np.testing.assert_allclose(record.depth_delta[r], depth_of(sy) - depth_of(sx), rtol=0, atol=1e-6)
+        checked_depth += 1
+    print(f"\ndecisions recomputed: 16 log r_0 (largest difference {worst:.2e} nats), {checked_depth} ΔD ({near} rows near tau); "
+          f"{int(record.depth_decided.sum())} decided by beta·ΔD, {int(record.null_move.sum())} null moves")
+    assert checked_depth >= 12
+    assert not record.null_move.all() and record.depth_delta.any()
