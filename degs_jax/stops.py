@@ -90,6 +90,18 @@ class TokenBytes:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+class _NotByteLevel(Exception):
+    pass
+
+
+class _ByteLevelChars(dict):
+    """str.translate's table from byte-level characters to the Latin-1 character of their
+    byte; a character outside the alphabet stops the translation (`_NotByteLevel`)."""
+
+    def __missing__(self, char: int):
+        raise _NotByteLevel(char)
+
+
 def _decoder_types(decoder: Optional[dict]) -> set[str]:
     if not decoder:
         return set()
@@ -129,11 +141,15 @@ def _read_token_bytes(tokenizer: Any) -> TokenBytes:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError("stop strings need a Hugging Face fast tokenizer (its per-token bytes)")
-    types = _decoder_types(json.loads(backend.to_str()).get("decoder"))
+    types = _decoder_types(json.loads(backend.decoder.__getstate__()) if backend.decoder else None)
     if "ByteLevel" in types:
-        unicode_to_byte = {ch: b for b, ch in byte_level_alphabet().items()}
-        piece = lambda token: bytes(unicode_to_byte[ch] for ch in token) \
-            if all(ch in unicode_to_byte for ch in token) else token.encode("utf-8")
+        to_latin1 = _ByteLevelChars({ord(ch): chr(b) for b, ch in byte_level_alphabet().items()})
+
+        def piece(token: str) -> bytes:
+            try:
+                return token.translate(to_latin1).encode("latin-1")
+            except _NotByteLevel:  # an added token's own text
+                return token.encode("utf-8")
     elif types & {"Metaspace", "ByteFallback", "Replace"}:
         def piece(token: str) -> bytes:
             byte = _BYTE_FALLBACK.fullmatch(token)
@@ -143,7 +159,10 @@ def _read_token_bytes(tokenizer: Any) -> TokenBytes:
                          "byte-level BPE and SentencePiece are supported")
     special = set(tokenizer.all_special_ids) | {i for i, added in tokenizer.added_tokens_decoder.items()
                                                if added.special}
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    tokens: list[Optional[str]] = [None] * len(tokenizer)
+    for token, i in tokenizer.get_vocab().items():
+        if i < len(tokens):
+            tokens[i] = token
     return TokenBytes([b"" if i in special or token is None else piece(token)
                        for i, token in enumerate(tokens)])
 
@@ -214,7 +233,8 @@ def _aho_corasick(patterns: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
 def stop_automaton(strings: tuple[str, ...], vocabulary: TokenBytes, vocab_size: int) -> StopAutomaton:
     """The stop strings' token-level automaton over a vocabulary of `vocab_size` ids (the
     model's logits; ids past the tokenizer's are empty tokens). Vectorised over tokens:
-    every state advances over byte position j of every token at once."""
+    every state advances over byte position j of every token longer than j at once
+    (tokens sorted by length, so those are a suffix)."""
     strings = validate_stop(strings)
     if not strings:
         raise ValueError("no stop strings to compile")
@@ -224,19 +244,23 @@ def stop_automaton(strings: tuple[str, ...], vocabulary: TokenBytes, vocab_size:
     goto, accepting = _aho_corasick([s.encode("utf-8") for s in strings])
     lengths = np.zeros(vocab_size, np.int64)
     lengths[:len(vocabulary)] = [len(p) for p in vocabulary.pieces]
-    width = int(lengths.max(initial=0))
-    padded = np.zeros((vocab_size, max(width, 1)), np.uint8)
-    for i, p in enumerate(vocabulary.pieces):
-        padded[i, :len(p)] = np.frombuffer(p, np.uint8)
-    states = np.repeat(np.arange(goto.shape[0])[:, None], vocab_size, axis=1)  # [states, V]
+    order = np.argsort(lengths, kind="stable")
+    sorted_lengths = lengths[order]
+    width = int(sorted_lengths[-1])
+    padded = np.zeros((vocab_size, max(width, 1)), np.uint8)  # token bytes, in `order`
+    for row, i in enumerate(order):
+        if lengths[i]:  # (ids past the tokenizer's are empty)
+            padded[row, :lengths[i]] = np.frombuffer(vocabulary.pieces[i], np.uint8)
+    states = np.repeat(np.arange(goto.shape[0])[:, None], vocab_size, axis=1)  # [states, V in order]
     stopped = np.zeros(states.shape, bool)
     for j in range(width):
-        reading = j < lengths  # [V]
-        moved = goto[states, padded[None, :, j]]
-        states = np.where(reading[None], moved, states)
-        stopped |= reading[None] & accepting[moved]
+        longer = int(np.searchsorted(sorted_lengths, j, side="right"))  # tokens [longer:] have byte j
+        moved = goto[states[:, longer:], padded[None, longer:, j]]
+        states[:, longer:] = moved
+        stopped[:, longer:] |= accepting[moved]
     dtype = np.int16 if goto.shape[0] < np.iinfo(np.int16).max else np.int32
-    table = np.where(stopped, STOPPED, states).astype(dtype)
+    table = np.empty(states.shape, dtype)
+    table[:, order] = np.where(stopped, STOPPED, states)
     table.setflags(write=False)
     digest = hashlib.sha256(table.tobytes() + str(table.shape).encode()).hexdigest()
     return StopAutomaton(strings=strings, table=table, digest=digest)
