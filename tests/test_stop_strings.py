@@ -344,3 +344,14 @@ def test_other_benchmarks_record_no_stop(degs, tmp_path):  # noqa: F811
                          "--max-new-tokens", "4", "--batch-size", "1", "--no-progress", "--out", out)
     assert rc == 0, err
     assert json.loads((out / "run.json").read_text())["config"]["hyperparameters"]["stop"] is None
+
+
+@pytest.mark.parametrize("stop, deviates", [(list(HUMANEVAL_DECODING_STOPS), False), (None, True), ([], True)])
+def test_the_report_reads_the_recorded_stops(stop, deviates):
+    from degs_jax.reproduce.report import _humaneval_end_rows
+
+    run = {"run": {"config": {"hyperparameters": {"stop": stop}}}, "records": [{"ended": True}, {"ended": False}]}
+    (row,) = _humaneval_end_rows({("runs", "humaneval", "greedy"): run})
+    assert row["deviates"] == deviates
+    assert row["used"].startswith("no stop sequences" if deviates else 'stop sequences ["\\nclass", "\\ndef"')
+    assert row["effect"].startswith("final completions that ended without EOS or stop (at the cap): 50")
