@@ -10,7 +10,8 @@ What one prompt row costs (an estimate, computed before anything is compiled):
     come from `jax.eval_shape(model.init_cache(1, max_len, dtype))`, so any `CausalLM`
     is sized by its own cache pytree, without allocating it;
   * GenState's per-slot records: token and depth (int32), log p, log q and final
-    entropy (fp32), `STATE_BYTES_PER_SLOT` = 20 bytes a slot;
+    entropy (fp32), `STATE_BYTES_PER_SLOT` = 20 bytes a slot, and with stop strings the
+    automaton's state (int32), `STOP_STATE_BYTES_PER_SLOT` = 4 more;
 - the step's working set over the vocabulary: `WORKING_VOCAB_COPIES` fp32 vectors of V
   per sequence (logits, log-softmax, probabilities, noise, the lens's streamed logits).
 
@@ -43,6 +44,7 @@ from .generation import PROMPT_BUCKET
 DEFAULT_MEMORY_FRACTION = 0.7
 MAX_AUTO_BATCH = 256
 STATE_BYTES_PER_SLOT = 20
+STOP_STATE_BYTES_PER_SLOT = 4
 WORKING_VOCAB_COPIES = 8
 AUTO = "auto"
 
@@ -95,7 +97,7 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
     cache_bytes = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                       for leaf in jax.tree.leaves(shapes))
     return RowCost(max_len=max_len, sequences=config.sequences_per_prompt, cache_bytes=cache_bytes,
-                   state_bytes=STATE_BYTES_PER_SLOT * max_len,
+                   state_bytes=(STATE_BYTES_PER_SLOT + STOP_STATE_BYTES_PER_SLOT * bool(config.stop)) * max_len,
                    working_bytes=WORKING_VOCAB_COPIES * model.vocab_size * 4)
 
 

@@ -46,6 +46,7 @@ from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .method import Method
 from .model_api import CausalLM, params_dtype
 from .rows import repeat_rows, work_totals
+from .stops import TokenBytes
 
 Array = jax.Array
 
@@ -62,7 +63,7 @@ class Candidate:
     log_p: float
     depth: Optional[float]
     final_entropy: float
-    ended: bool  # False: stopped by the token budget without EOS
+    ended: bool  # True: ended at EOS or a stop string; False: stopped by the token budget
     acceptance: Optional[list[float]] = None  # MCMC: per-block acceptance rate
     # MCMC: per block, the MH decisions that the depth term beta·ΔD decided (accepting
     # with and without it differ for the same u; 0 for power-MCMC). While 0, the chain is
@@ -158,26 +159,29 @@ def run_kernel(model: CausalLM, params: Any, state: GenState, keys: Array, metho
                               method.init(model, params, state, keys, settings))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "config", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("model", "config", "eos_ids", "token_bytes"))
 def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Array, keys: Array,
-                  config: Method, eos_ids: tuple[int, ...] = ()) -> Decoded:
+                  config: Method, eos_ids: tuple[int, ...] = (),
+                  token_bytes: Optional[TokenBytes] = None) -> Decoded:
     """The decoder `config.method` as one pure jitted program over token ids and keys.
 
     prompts: [B, P] int32 right-padded, prompt_len: [B] int32 (>= 1; prompt + budget
     within the model's context); keys: [B] PRNG keys, one per prompt (as `decode`'s
     `keys`: same tokens); config: the method's hyperparameters (static, e.g.
-    `DegsMCMC(mh_steps=4)`); eos_ids: static. The buffer holds P + the method's budget
+    `DegsMCMC(mh_steps=4)`); eos_ids: static; token_bytes: the vocabulary's bytes
+    (`stops.token_bytes(tokenizer)`, static), needed when `config.stop` has stop strings.
+    The buffer holds P + the method's budget
     slots. Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode
     steps, MCMC blocks, SMC ESS intervals or SPS blocks, until `done`) and the answer's
     choice run inside; wrap it in your own `jax.jit` or `jax.vmap` (e.g. over a leading
     axis of prompts and keys; under vmap the loop runs until every instance is done,
     finished ones unchanged).
     """
-    settings = config.plan(model, eos_ids)
+    settings = config.plan(model, eos_ids, token_bytes)
     n = config.pool_size
     cache_dtype = config.cache_dtype or params_dtype(params)
     max_len = prompts.shape[1] + config.max_new_tokens
-    state = prefill(model, params, prompts, prompt_len, max_len, cache_dtype)
+    state = prefill(model, params, prompts, prompt_len, max_len, cache_dtype, bool(config.stop))
     state = repeat_rows(state, n)
     keys = row_keys(keys, n)
     answer = config.answer(model, params, run_kernel(model, params, state, keys, config, settings), keys, settings)
@@ -249,7 +253,7 @@ def advance_on_host(model: CausalLM, params: Any, carry: Any, keys: Array, metho
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
            method: str | Method, key: Optional[Array] = None, *,
            keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
-           **hyperparameters) -> DecodeResult:
+           token_bytes: Optional[TokenBytes] = None, **hyperparameters) -> DecodeResult:
     """Run a decoder on token-id prompts, returning to the host between chunks of the
     method's work (`advance_on_host`: progress bars, Ctrl-C, early stop).
 
@@ -262,9 +266,12 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     per prompt), prompt i's rows use `split(keys[i], n)`, so each prompt's samples do not
     depend on which prompts share its batch (a single prompt decodes identically either
     way), and `decode_tokens` gives the same tokens.
+    token_bytes: the vocabulary's bytes (`stops.token_bytes(tokenizer)`), needed when the
+      method has stop strings (`stop`; a candidate's tokens then end with the token that
+      completes one; `degs_jax.text.sample` also cuts its text there).
     """
     config = as_method(method, hyperparameters)
-    settings = config.plan(model, eos_ids)
+    settings = config.plan(model, eos_ids, token_bytes)
     n, max_new = config.pool_size, config.max_new_tokens
     tokens, lengths = pad_prompts(prompts)
     longest = int(lengths.max())
@@ -279,7 +286,7 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
 
     t0 = time.perf_counter()
     state = prefill(model, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                    tokens.shape[1] + max_new, cache_dtype)
+                    tokens.shape[1] + max_new, cache_dtype, bool(config.stop))
     if n > 1:  # one chain per prompt: no copy. A copied cache leaves a hole of its size: at
         # the 7B shape, 128 rows, the MCMC block's 24.6 GiB temporary fit in neither that
         # hole nor the rest of an 80 GB H100 (docs/benchmarks.md, runs 37-39)

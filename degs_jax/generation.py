@@ -14,10 +14,11 @@ state records, at the token's own slot:
 One loop step, for an active row of length n: consume x_{n-1} (write its KV at slot
 n-1, read the logits of x_n and the lens statistics of position n-1), then sample
 x_n unless the row has reached its limit. A row stops after sampling EOS (EOS is
-not consumed) or after consuming the token at `limit - 1`. Statistics of positions
-below `fresh_from` are never overwritten: a continuation from a cached prefix keeps
-the prefix's stored values, bit for bit, and only re-reads the last prefix token's
-logits (one step).
+not consumed), after sampling a token that completes a stop string (`SamplerSpec.stop`,
+`degs_jax.stops`: the same end, for every decoder) or after consuming the token at
+`limit - 1`. Statistics of positions below `fresh_from` are never overwritten: a
+continuation from a cached prefix keeps the prefix's stored values, bit for bit, and
+only re-reads the last prefix token's logits (one step).
 
 Randomness: token x_t of row b is drawn with `fold_in(keys[b], t)`, so a row's
 samples depend only on its key and positions, not on the batch it runs in.
@@ -40,6 +41,7 @@ import numpy as np
 from .lens import LensConfig, collapse_depth, sum_rows
 from .model_api import CausalLM
 from .rows import fold_in_rows, rows_at, work_counter
+from .stops import START, STOPPED, StopAutomaton
 from .tiling import row_tiled
 
 Array = jax.Array
@@ -60,12 +62,16 @@ class GenState:
     final_entropy: Array  # [B, S] fp32
     length: Array  # [B] int32: prompt + completion tokens in the buffer
     prompt_len: Array  # [B] int32
-    ended: Array  # [B] bool: the last token is EOS
+    ended: Array  # [B] bool: the last token is EOS or completes a stop string
     cache: Any = rows_at("cache_row_axis")  # the model's cache pytree (model_api contract)
     # Work counters, [B] int32 each (summed per run under the names given):
     n_generated: Array = work_counter("generated_tokens")  # tokens sampled
     n_forward: Array = work_counter("forward_tokens")  # token positions run (prefill included)
     n_probed: Array = work_counter("probed_token_layers")  # probed token-layers (K per lensed position)
+    # [B, S] int32: the stop-string automaton's state after each completion token
+    # (`degs_jax.stops`; STOPPED at a token that completes a stop string), or None when the
+    # decoder has no stop strings (`prefill(stop_states=True)` makes it).
+    stop_state: Optional[Array] = None
     # Static (part of the treedef): the batch-row axis of every cache leaf.
     cache_row_axis: int = dataclasses.field(default=0, metadata=dict(static=True))
 
@@ -94,6 +100,8 @@ class SamplerSpec:
     temperature: q = softmax(logits / temperature); 0 means greedy (argmax, log q = 0).
     top_k / top_p: optional truncation of q; log q is then the truncated density.
     lens: LensConfig to record collapse depth per token, or None (no probing).
+    stop: the compiled stop strings (`stops.stop_automaton`; a row ends at the token that
+      completes one, as at EOS), or None. Needs a state with `stop_state`.
     """
 
     temperature: float
@@ -101,6 +109,7 @@ class SamplerSpec:
     top_p: float = NO_TOP_P
     eos_ids: tuple[int, ...] = ()
     lens: Optional[LensConfig] = None
+    stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -167,6 +176,35 @@ def _is_eos(tokens: Array, eos_ids: tuple[int, ...]) -> Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
 
 
+def ends_at(state: GenState, n: Array, tok: Array, write: Array,
+            sampler: SamplerSpec) -> tuple[Array, Optional[Array]]:
+    """Rows that append token `tok` at slot `n` (where `write`): ([B] bool: the token ends
+    the completion, EOS or a stop string; the new `stop_state`). Without stop strings this
+    is the EOS test alone (the program of a decoder without them is unchanged)."""
+    hit_end = write & _is_eos(tok, sampler.eos_ids)
+    if sampler.stop is None:
+        return hit_end, state.stop_state
+    stop_state, hit_stop = advance_stop(state, n, tok, write, sampler.stop)
+    return hit_end | hit_stop, stop_state
+
+
+def advance_stop(state: GenState, n: Array, tok: Array, write: Array,
+                 stop: StopAutomaton) -> tuple[Array, Array]:
+    """Rows that append token `tok` at slot `n` (where `write`): (the new `stop_state`, [B]
+    bool: the token completes a stop string). The automaton state before slot n is the
+    one stored after slot n - 1, or START at the first completion token: only the
+    completion is matched (`degs_jax.stops`), and a continuation from a cut reads the
+    state its prefix left."""
+    if state.stop_state is None:
+        raise ValueError("this sampler has stop strings but the state has no stop_state: "
+                         "prefill with stop_states=True")
+    rows = jnp.arange(tok.shape[0])
+    before = jnp.where(n > state.prompt_len,
+                       state.stop_state[rows, jnp.clip(n - 1, 0, state.max_len - 1)], START)
+    after = jnp.asarray(stop.table)[before, tok].astype(jnp.int32)
+    return _set(state.stop_state, n, after, write), write & (after == STOPPED)
+
+
 def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
     """buf[b, idx[b]] = value[b] for rows where `where[b]`; buf: [B, S]."""
     rows = jnp.arange(buf.shape[0])
@@ -222,7 +260,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
             tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
             logq_tok = logq_all[rows, tok]
     logp_tok = logp_all[rows, tok]
-    hit_eos = sample & _is_eos(tok, sampler.eos_ids)
+    hit_end, stop_state = ends_at(state, n, tok, sample, sampler)
     new = dataclasses.replace(
         state,
         tokens=_set(state.tokens, n, tok, sample),
@@ -230,12 +268,12 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
         logq=_set(state.logq, n, logq_tok, sample),
         depth=depth, final_entropy=final_entropy,
         length=n + sample.astype(jnp.int32),
-        ended=state.ended | hit_eos, cache=out.cache,
+        ended=state.ended | hit_end, cache=out.cache, stop_state=stop_state,
         n_generated=state.n_generated + sample,
         n_forward=state.n_forward + active,
         n_probed=state.n_probed + active * len(lens_layers),
     )
-    return new, sample & ~hit_eos
+    return new, sample & ~hit_end
 
 
 @jax.tree_util.register_dataclass
@@ -284,14 +322,15 @@ def loop_step(model: CausalLM, params: Any, loop: GenerationLoop, limit: Array, 
     return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "cache_dtype", "stop_states"))
 def prefill(model: CausalLM, params: Any, prompts: Array, prompt_len: Array,
-            max_len: int, cache_dtype=jnp.bfloat16) -> GenState:
+            max_len: int, cache_dtype=jnp.bfloat16, stop_states: bool = False) -> GenState:
     """Run the prompts through the model and build a fresh GenState with S = max_len slots.
 
     prompts: [B, P] int32, right-padded; prompt_len: [B] int32 (>= 1). The prompt's
     logits are not kept (the first `generate` step re-reads the last prompt token), so
-    XLA drops the unembedding of this call.
+    XLA drops the unembedding of this call. stop_states: keep the stop-string automaton's
+    per-token states (`GenState.stop_state`), which samplers with stop strings need.
     """
     B, P = prompts.shape
     cache = model.init_cache(B, max_len, cache_dtype)
@@ -307,7 +346,9 @@ def prefill(model: CausalLM, params: Any, prompts: Array, prompt_len: Array,
         length=prompt_len.astype(jnp.int32), prompt_len=prompt_len.astype(jnp.int32),
         ended=jnp.zeros((B,), bool), cache=out.cache,
         n_generated=jnp.zeros((B,), jnp.int32), n_forward=prompt_len.astype(jnp.int32),
-        n_probed=jnp.zeros((B,), jnp.int32), cache_row_axis=model.cache_row_axis,
+        n_probed=jnp.zeros((B,), jnp.int32),
+        stop_state=jnp.full((B, max_len), START, jnp.int32) if stop_states else None,
+        cache_row_axis=model.cache_row_axis,
     )
 
 
@@ -329,6 +370,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]],
 
 
 def completions(state: GenState) -> list[list[int]]:
-    """Completion token ids per row (EOS included when generated)."""
+    """Completion token ids per row (a final EOS or stop-completing token included)."""
     tokens, start, end = jax.device_get((state.tokens, state.prompt_len, state.length))
     return [tokens[b, start[b]:end[b]].tolist() for b in range(tokens.shape[0])]

@@ -4,7 +4,8 @@ Target pi(x) ∝ p(x)^alpha · exp(beta · D(x)) over completions, built block b
 For block k a chain first extends its completion with the proposal
 q = softmax(alpha · log p) (optionally truncated) to EOS or the block boundary, then
 runs `mh_steps` Metropolis-Hastings steps: cut m ~ Uniform{0..n_x-1}, keep x_<m,
-regenerate from m to EOS or the boundary, accept with probability min(1, r),
+regenerate from m to EOS or the boundary, accept with probability min(1, r) (EOS here
+and below: or the first stop string, `degs_jax.stops`, an end of the same kind),
 
   log r = alpha·[log p(x'_{m:}) - log p(x_{m:})] + [log q(x_{m:}) - log q(x'_{m:})]
         + beta·[D(x') - D(x)] + log n_x - log n_x',
@@ -61,6 +62,7 @@ from .method import (DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, RunDetails, me
                      require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import fold_in_rows, settle_rows, work_counters
+from .stops import StopAutomaton
 
 Array = jax.Array
 
@@ -89,6 +91,7 @@ class MCMCConfig:
     mh_steps: MH steps per block.
     lens: layers and tau for D(x) (required when beta > 0).
     eos_ids: token ids that end a completion.
+    stop: compiled stop strings that end a completion like EOS (`stops.stop_automaton`), or None.
     top_k / top_p: optional proposal truncation (log q is then the truncated density;
       0 / 1.0 = off).
     reference_quirks: reproduce the public reference implementation (top-k 50,
@@ -106,6 +109,7 @@ class MCMCConfig:
     top_k: int = NO_TOP_K
     top_p: float = NO_TOP_P
     reference_quirks: bool = False
+    stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
         check_chain_hyperparameters(self)
@@ -122,7 +126,7 @@ class MCMCConfig:
             temperature=1.0 / self.alpha,
             top_k=QUIRKS_TOP_K if self.reference_quirks and not self.top_k else self.top_k,
             top_p=self.top_p, eos_ids=self.eos_ids,
-            lens=self.lens if self.beta > 0 else None)
+            lens=self.lens if self.beta > 0 else None, stop=self.stop)
 
 
 def check_chain_hyperparameters(chain: Any) -> None:
@@ -176,13 +180,14 @@ class MCMCMethod(Method):
     def max_new_tokens(self) -> int:
         return self.block_len * self.num_blocks
 
-    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> MCMCConfig:
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
+                      stop: Optional[StopAutomaton] = None) -> MCMCConfig:
         """The chain kernel's settings for a model with `num_layers` blocks."""
         return MCMCConfig(alpha=float(self.alpha), beta=float(self.beta), block_len=self.block_len,
                           num_blocks=self.num_blocks, mh_steps=self.mh_steps,
                           lens=self.lens_config(num_layers) if self.beta > 0 else None,
                           eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p,
-                          reference_quirks=bool(self.reference_quirks))
+                          reference_quirks=bool(self.reference_quirks), stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         b, l, t = self.num_blocks, self.block_len, self.mh_steps
@@ -278,11 +283,14 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mcmc
 
     Why the stored values give the exact ratio of the target to the proposal kernel:
     1. The stored suffix log q of x is the reverse proposal's density. A regeneration
-       stops exactly at EOS or at the block boundary, and the chain's state always ends
-       at one of the two (it was extended there, and only such proposals are accepted),
-       so producing x_{m:} from x'_{<m} = x_{<m} has probability prod_t q(x_t | x_<t),
-       with no extra stopping factor; every stored log q was computed under this same
-       proposal (temperature, truncation) from the same prefix.
+       stops exactly at EOS, at the first stop string or at the block boundary, and the
+       chain's state always ends at one of these (it was extended there, and only such
+       proposals are accepted), so producing x_{m:} from x'_{<m} = x_{<m} has probability
+       prod_t q(x_t | x_<t), with no extra stopping factor; every stored log q was
+       computed under this same proposal (temperature, truncation) from the same prefix.
+       A stop string is matched from the completion's start, and a regeneration resumes
+       the automaton from the state stored after x_{m-1} (`generation.advance_stop`), so
+       whether a token ends the sequence depends on its prefix alone, as for EOS.
     2. log n_x - log n_x' is the ratio of the cut-index probabilities: m is uniform
        over the n_x completion positions of x for the forward move and over the n_x'
        positions of x' for the reverse one.

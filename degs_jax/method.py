@@ -17,8 +17,9 @@ file (or one class in its family's file) plus a registry line.
 
 What a method answers (the drivers never switch on a method's class or name):
 
-- `plan(model, eos_ids)`: its kernel's settings against a model of `model.num_layers`
-  blocks (L_sub defaulted and checked against the depth once, here, even where unused);
+- `plan(model, eos_ids, token_bytes)`: its kernel's settings against a model of
+  `model.num_layers` blocks (L_sub defaulted and checked against the depth once, here,
+  even where unused; stop strings compiled against the vocabulary's bytes);
 - `pool_size`: rows per prompt (candidates, chains or particles; prompt i's row j is
   row i·n + j); `max_new_tokens`: its token budget; `probed`: whether it records d_t;
 - `sequences_per_prompt`: KV-cache sequences one prompt holds at once (the batch
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 
 from .generation import NO_TOP_K, NO_TOP_P
 from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
+from .stops import StopAutomaton, TokenBytes, stop_automaton, validate_stop
 
 Array = jax.Array
 
@@ -115,11 +117,16 @@ class Method:
                                 "distribution (1.0 = off)")
     cache_dtype: Optional[Any] = method_field(None, "KV cache dtype (None: the parameters' dtype)",
                                               cli=False)
+    stop: Optional[tuple[str, ...]] = method_field(
+        None, "stop strings: a completion ends at the first one, as at EOS, for the target, the "
+        "proposal and the weights alike (degs_jax.stops); None: none, except HumanEval in the "
+        "completion format under degs eval / reproduce, which uses the Codex stop sequences")
 
     def __post_init__(self):
         validate_tau(self.tau)
         if self.lsub is not None:
             object.__setattr__(self, "lsub", validate_lsub(self.lsub))
+        object.__setattr__(self, "stop", validate_stop(self.stop))
 
     def lens_config(self, num_layers: int) -> LensConfig:
         """The LensConfig of a model with `num_layers` blocks (L_sub defaulted, checked)."""
@@ -146,15 +153,25 @@ class Method:
         """KV-cache sequences one prompt holds at once (the batch size's memory estimate)."""
         return self.pool_size
 
-    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> Any:
-        """The kernel's static settings for a model with `num_layers` blocks."""
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
+                      stop: Optional[StopAutomaton] = None) -> Any:
+        """The kernel's static settings for a model with `num_layers` blocks; `stop`: the
+        compiled stop strings (`stops.stop_automaton`) or None."""
         raise NotImplementedError
 
-    def plan(self, model: Any, eos_ids: Sequence[int]) -> Any:
+    def plan(self, model: Any, eos_ids: Sequence[int], token_bytes: Optional[TokenBytes] = None) -> Any:
         """The kernel's settings against `model` (a `CausalLM`): L_sub is defaulted and
-        checked against its depth here, also for methods that do not probe."""
+        checked against its depth here, also for methods that do not probe; the stop
+        strings are compiled against the vocabulary's `token_bytes` (`stops.token_bytes`
+        of the tokenizer; needed only when the method has stop strings)."""
         self.lens_config(model.num_layers)
-        return self.kernel_config(model.num_layers, tuple(int(e) for e in eos_ids))
+        stop = None
+        if self.stop:
+            if token_bytes is None:
+                raise ValueError("stop strings need the vocabulary's bytes: pass token_bytes "
+                                 "(degs_jax.stops.token_bytes(tokenizer))")
+            stop = stop_automaton(self.stop, token_bytes, model.vocab_size)
+        return self.kernel_config(model.num_layers, tuple(int(e) for e in eos_ids), stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         """(generated tokens per prompt, sequential decode steps per batch) when nothing

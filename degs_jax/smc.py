@@ -12,9 +12,10 @@ Particles. Each prompt runs N particles in lock-step: one loop step is one decod
 of every live particle (`generation.decode_step`), which consumes the particle's last
 token (writing its d_t, docs/design.md §3) and samples the next one from the proposal
 q = softmax(alpha · log p) (optionally top-k/top-p truncated; log q is then the
-truncated density). A particle is *complete* once it has sampled EOS, or once it has
-consumed its T-th token (the extra step that makes d_T known); a complete particle is
-never moved again. All live particles of a prompt therefore hold the same number of
+truncated density). A particle is *complete* once it has sampled EOS (or a token that
+completes a stop string, `degs_jax.stops`: everything said of EOS here holds for it), or
+once it has consumed its T-th token (the extra step that makes d_T known); a complete
+particle is never moved again. All live particles of a prompt therefore hold the same number of
 tokens t at loop step t.
 
 Intermediate targets. Let r_t = min(t, R) / R be the ramp fraction (R = `ramp_tokens`,
@@ -110,6 +111,7 @@ from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer
                      positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import copy_rows, fold_in_rows
+from .stops import StopAutomaton
 from .tiling import row_tiled
 
 Array = jax.Array
@@ -145,6 +147,8 @@ class SMCConfig:
       `block_size` in its MATH500 script and README example (config default 128).
     lens: LensConfig for D(x) (required when beta > 0).
     eos_ids: tokens that end a completion.
+    stop: compiled stop strings that end a completion like EOS (`stops.stop_automaton`), or
+      None: the step that completes one is a complete particle's last step, as an EOS's.
     top_k / top_p: optional truncation of q (log q is then the truncated density, so the
       weights stay exact for p^alpha restricted to q's support). Default off; the
       Power-SMC code truncates at top_p = 0.9 by default, its MATH500 script too.
@@ -165,6 +169,7 @@ class SMCConfig:
     eos_ids: tuple[int, ...] = ()
     top_k: int = NO_TOP_K
     top_p: float = NO_TOP_P
+    stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
         check_smc_hyperparameters(self)
@@ -173,7 +178,8 @@ class SMCConfig:
     @property
     def proposal(self) -> SamplerSpec:
         return SamplerSpec(temperature=1.0 / self.alpha, top_k=self.top_k, top_p=self.top_p,
-                           eos_ids=self.eos_ids, lens=self.lens if self.beta > 0 else None)
+                           eos_ids=self.eos_ids, lens=self.lens if self.beta > 0 else None,
+                           stop=self.stop)
 
     @property
     def num_checks(self) -> int:
@@ -226,13 +232,14 @@ class SMCMethod(Method):
     def pool_size(self) -> int:
         return self.n_particles
 
-    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SMCConfig:
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
+                      stop: Optional[StopAutomaton] = None) -> SMCConfig:
         """The particle kernel's settings for a model with `num_layers` blocks."""
         return SMCConfig(alpha=float(self.alpha), beta=float(self.beta), n_particles=self.n_particles,
                          max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
                          ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
                          lens=self.lens_config(num_layers) if self.beta > 0 else None,
-                         eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p)
+                         eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p, stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         return int(self.n_particles * self.max_new_tokens), int(self.max_new_tokens)

@@ -7,9 +7,10 @@ factor (the paper's Theorem 3.1): for a prefix x_{<t} and a next block b,
     zeta(b) = Σ_f p(f | x_{<t}, b)^alpha = E_{f ~ p(· | x_{<t}, b)} [ p(f | x_{<t}, b)^(alpha-1) ],
 
 the sum running over every completion f of the prefix x_{<t} b (zeta = 1 when b ends in
-EOS or exhausts the budget). SPS samples a completion block by block from this
-factorisation with two approximations: the next block is chosen among a small candidate
-set C, and zeta is a Monte Carlo average over M rollouts of at most H tokens from p,
+EOS or a stop string, `degs_jax.stops`, or exhausts the budget). SPS samples a
+completion block by block from this factorisation with two approximations: the next
+block is chosen among a small candidate set C, and zeta is a Monte Carlo average over M
+rollouts of at most H tokens from p,
 
     zeta_hat(b) = (1/M) · Σ_m p(f_m)^(alpha-1),    f_m ~ p(· | x_{<t}, b) cut at H tokens,
 
@@ -62,17 +63,18 @@ uses fold_in(fold_in(k, b), CHOICE_STREAM): a prompt's result does not depend on
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
 
-from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, _is_eos, _set, decode_step, generate
+from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, _set, decode_step, ends_at, generate
 from .lens import span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field, positive_int,
                      validate_alpha)
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
+from .stops import StopAutomaton
 
 Array = jax.Array
 
@@ -106,6 +108,7 @@ class SPSConfig:
       from p, as docs/design.md §4 specifies; both public ports draw them at 1/alpha,
       which was measured farther from the target per forward (docs/design.md §4).
     eos_ids: tokens that end a completion.
+    stop: compiled stop strings that end a completion like EOS (`stops.stop_automaton`), or None.
 
     The method checks its values when it is built; this, the kernel's own API (tests and
     benchmarks build it directly), runs the same checks (`check_sps_hyperparameters`).
@@ -121,6 +124,7 @@ class SPSConfig:
     jackknife: bool
     candidate_temperature: float
     eos_ids: tuple[int, ...] = ()
+    stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
         check_sps_hyperparameters(self)
@@ -131,11 +135,11 @@ class SPSConfig:
 
     @property
     def candidate_spec(self) -> SamplerSpec:
-        return SamplerSpec(temperature=self.candidate_temperature, eos_ids=self.eos_ids)
+        return SamplerSpec(temperature=self.candidate_temperature, eos_ids=self.eos_ids, stop=self.stop)
 
     @property
     def rollout_spec(self) -> SamplerSpec:
-        return SamplerSpec(temperature=1.0, eos_ids=self.eos_ids)
+        return SamplerSpec(temperature=1.0, eos_ids=self.eos_ids, stop=self.stop)
 
 
 def check_sps_hyperparameters(sampler: Any) -> None:
@@ -225,13 +229,15 @@ class ScalablePower(Method):
         return RunDetails(diagnostics=[dict(rollouts=int(r)) for r in rollouts],
                           counters=dict(rollouts=int(rollouts.sum())))
 
-    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...]) -> SPSConfig:
+    def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
+                      stop: Optional[StopAutomaton] = None) -> SPSConfig:
         """The block sampler's settings (it probes nothing: `num_layers` is unused)."""
         return SPSConfig(alpha=float(self.alpha), max_new_tokens=self.max_new_tokens,
                          block_len=self.block_len, candidate_pool=self.candidate_pool,
                          candidates_kept=self.candidates_kept, rollouts=self.rollouts,
                          rollout_horizon=self.rollout_horizon, jackknife=bool(self.jackknife),
-                         candidate_temperature=float(self.candidate_temperature), eos_ids=tuple(eos_ids))
+                         candidate_temperature=float(self.candidate_temperature), eos_ids=tuple(eos_ids),
+                         stop=stop)
 
 
 @jax.tree_util.register_dataclass
@@ -255,7 +261,7 @@ def _sub_keys(keys: Array, n: int) -> Array:
 
 
 def complete(state: GenState, sps: SPSConfig) -> Array:
-    """[rows] bool: the completion ended in EOS or used the whole budget."""
+    """[rows] bool: the completion ended (EOS or a stop string) or used the whole budget."""
     return state.ended | (state.length >= state.prompt_len + sps.max_new_tokens)
 
 
@@ -304,10 +310,11 @@ def _top_token_candidates(model: CausalLM, params: Any, main: GenState, sps: SPS
     store = repeat_rows(dataclasses.replace(main, cache=out.cache, final_entropy=final_entropy), K)
     act, m = jnp.repeat(active, K), jnp.repeat(n, K)
     tok, logp_tok = top.reshape(-1).astype(jnp.int32), logp_top.reshape(-1)
-    store = dataclasses.replace(
-        store, tokens=_set(store.tokens, m, tok, act), logp=_set(store.logp, m, logp_tok, act),
-        logq=_set(store.logq, m, jnp.zeros_like(logp_tok), act), length=m + act,
-        ended=store.ended | (act & _is_eos(tok, sps.eos_ids)))
+    tokens, logp = _set(store.tokens, m, tok, act), _set(store.logp, m, logp_tok, act)
+    logq, length = _set(store.logq, m, jnp.zeros_like(logp_tok), act), m + act
+    hit_end, stop_state = ends_at(store, m, tok, act, sps.rollout_spec)
+    store = dataclasses.replace(store, tokens=tokens, logp=logp, logq=logq, length=length,
+                                ended=store.ended | hit_end, stop_state=stop_state)
     # A complete prompt keeps its one (unchanged) candidate.
     valid = active[:, None] | (jnp.arange(K)[None] == 0)
     score = jnp.where(active[:, None], logp_top, 0.0)

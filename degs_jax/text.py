@@ -10,8 +10,10 @@ import jax
 
 from .chat import encode_prompt
 from .decoders import DecodeResult, decode
+from .hyperparameters import as_method
 from .method import Method
 from .models import with_tuned_lens
+from .stops import cut_at_stop, token_bytes
 
 
 def sample(model, prompts: str | Sequence[str], method: str | Method = "degs_mcmc",
@@ -26,6 +28,9 @@ def sample(model, prompts: str | Sequence[str], method: str | Method = "degs_mcm
     tuned_lens: a `train.tuned_lens.TunedLens`: collapse depths (and everything built on
     them: D(x), DEGS reranking and acceptance) read the residuals through its
     translators (`models.with_tuned_lens`) instead of the logit lens.
+    Stop strings (`stop=(...)`, a hyperparameter of every method) end a completion at
+    the token that completes the first one (`degs_jax.stops`); the candidates' `text` is
+    cut where it begins.
     Returns a DecodeResult whose candidates carry decoded `text`.
     """
     if isinstance(prompts, str):
@@ -33,9 +38,10 @@ def sample(model, prompts: str | Sequence[str], method: str | Method = "degs_mcm
     key = jax.random.key(seed) if key is None and keys is None else key
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
-    result = decode(lm, params, ids, method, key, keys=keys, eos_ids=model.eos_ids,
-                    progress=progress, **hyperparameters)
+    config = as_method(method, hyperparameters)
+    result = decode(lm, params, ids, config, key, keys=keys, eos_ids=model.eos_ids, progress=progress,
+                    token_bytes=token_bytes(model.tokenizer) if config.stop else None)
     for out in result.outputs:
         for cand in out.candidates:
-            cand.text = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)
+            cand.text = cut_at_stop(model.tokenizer.decode(cand.tokens, skip_special_tokens=True), config.stop)
     return result

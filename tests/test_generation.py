@@ -457,7 +457,7 @@ def test_ended_rows_untouched_by_later_generate(model, eos_run):
     # Larger limit: ended rows 0 and 1 stay bit for bit (cache rows too); row 2 continues.
     more = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW + 4, keys_for(9), spec)
     for f in dataclasses.fields(GenState):
-        if f.name == "cache_row_axis":  # static metadata, not a per-row array
+        if f.name == "cache_row_axis" or getattr(state, f.name) is None:  # static; no stop strings
             continue
         if f.name == "cache":
             for a, b in ((more.cache.k, state.cache.k), (more.cache.v, state.cache.v)):

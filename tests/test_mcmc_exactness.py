@@ -60,13 +60,24 @@ def model():
     return enumerable_model()
 
 
-def support():
-    """Every completion of at most BLOCK tokens: EOS only last, or BLOCK tokens without EOS."""
+def ends_at_eos(completion) -> bool:
+    """Whether the completion's last token ends it (EOS): the default end rule."""
+    return completion[-1] == EOS
+
+
+def first_end(completion, ends=ends_at_eos):
+    """Index of the first token that ends `completion` under the end rule `ends` (a
+    predicate on the completion up to that token), or None."""
+    return next((i for i in range(len(completion)) if ends(completion[:i + 1])), None)
+
+
+def support(ends=ends_at_eos):
+    """Every completion of at most BLOCK tokens: ended (`ends`: EOS by default) at its last
+    token only, or BLOCK tokens without an end. By length, then lexicographic."""
     out = []
     for n in range(1, BLOCK + 1):
-        for body in itertools.product(range(EOS), repeat=n - 1):
-            out.append(tuple(body) + (EOS,))
-    out.extend(itertools.product(range(EOS), repeat=BLOCK))
+        out += [x for x in itertools.product(range(EOS + 1), repeat=n) if first_end(x, ends) == n - 1]
+    out += [x for x in itertools.product(range(EOS + 1), repeat=BLOCK) if first_end(x, ends) is None]
     return out
 
 
@@ -85,8 +96,10 @@ def completion_index(tokens, lengths):
     return np.where(known[order][at] == codes, order[at], len(seqs))
 
 
-def exact_stats(cfg, params, tau, seqs=None):
-    """log p(x), D(x) for every completion in `seqs` (default `support()`), from uncached forwards."""
+def exact_stats(cfg, params, tau, seqs=None, ends=ends_at_eos):
+    """log p(x), D(x) for every completion in `seqs` (default `support()`), from uncached
+    forwards; a last token that ends the completion (`ends`) is not scored (it is never
+    consumed: no d_t)."""
     seqs = support() if seqs is None else seqs
     logp, depth_score, entropies = [], [], []
     for comp in seqs:
@@ -97,7 +110,7 @@ def exact_stats(cfg, params, tau, seqs=None):
         P = len(PROMPT)
         logp.append(sum(float(lp[P - 1 + i, t]) for i, t in enumerate(comp)))
         ent = np.asarray(out.lens.entropy[:, 0])  # [K, T]
-        scored = [P + i for i, t in enumerate(comp) if t != EOS]
+        scored = [P + i for i in range(len(comp) - ends(comp))]
         entropies.append(ent[:, scored].ravel())
         if tau is None:
             depth_score.append(0.0)
@@ -133,10 +146,11 @@ def _completions(state):
     return [tuple(tokens[b, P:length[b]].tolist()) for b in range(tokens.shape[0])]
 
 
-def states_at(cfg, params, completions, mc):
+def states_at(cfg, params, completions, mc, ends=ends_at_eos):
     """GenState of chains sitting at the given completions, with their per-token log p,
     log q (proposal at temperature 1/alpha) and d_t from one teacher-forced forward, and
-    a KV cache holding every token."""
+    a KV cache holding every token; `ended` by the end rule `ends`, and with stop strings
+    (`mc.stop`) the automaton's state after every completion token."""
     P, S = len(PROMPT), len(PROMPT) + BLOCK
     toks = np.zeros((len(completions), S), np.int32)
     lengths = np.array([P + len(c) for c in completions], np.int32)
@@ -152,16 +166,24 @@ def states_at(cfg, params, completions, mc):
     logp = shift(jnp.take_along_axis(lp_all[:, :-1], nxt, -1)[..., 0])
     logq = shift(jnp.take_along_axis(lq_all[:, :-1], nxt, -1)[..., 0])
     depth = collapse_depth(out.lens.entropy, LSUB, cfg.num_layers, mc.lens.tau)
-    ended = jnp.asarray([c[-1] == EOS for c in completions])
+    ended = jnp.asarray([ends(c) for c in completions])
+    stop_state = None
+    if mc.stop is not None:
+        stop_state = np.zeros((len(completions), S), np.int32)
+        for b, c in enumerate(completions):
+            for i in range(len(c)):
+                stop_state[b, P + i] = mc.stop.run(c[:i + 1])
+        stop_state = jnp.asarray(stop_state)
     return dataclasses.replace(state, prompt_len=jnp.full_like(state.prompt_len, P), logp=logp,
-                               logq=logq, depth=depth, ended=ended)
+                               logq=logq, depth=depth, ended=ended, stop_state=stop_state)
 
 
-def run_from_target(cfg, params, mc, seqs, pi, seed=0):
-    """Warm start: chains at i.i.d. draws from pi, then mc.mh_steps MH steps."""
+def run_from_target(cfg, params, mc, seqs, pi, seed=0, ends=ends_at_eos):
+    """Warm start: chains at i.i.d. draws from pi, then mc.mh_steps MH steps (a
+    completion ends where `ends` says; EOS by default)."""
     rng = np.random.default_rng(seed)
     start = [seqs[i] for i in rng.choice(len(seqs), size=N_CHAINS, p=pi)]
-    state = states_at(cfg, params, start, mc)
+    state = states_at(cfg, params, start, mc, ends)
     keys = jax.random.split(jax.random.key(seed + 1), N_CHAINS)
     limit = jnp.full((N_CHAINS,), len(PROMPT) + BLOCK, jnp.int32)
     active = jnp.ones((N_CHAINS,), bool)
@@ -202,9 +224,9 @@ CASES = {
 }
 
 
-def _mc(tau, beta, steps, quirks=False):
+def _mc(tau, beta, steps, quirks=False, stop=None):
     return MCMCConfig(alpha=4.0, beta=beta, block_len=BLOCK, num_blocks=1, mh_steps=steps,
-                      lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,), reference_quirks=quirks)
+                      lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,), reference_quirks=quirks, stop=stop)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

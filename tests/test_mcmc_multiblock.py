@@ -42,8 +42,8 @@ from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
 from degs_jax.mcmc import DegsMCMC, PowerMCMC
 from degs_jax.models import TransformerLM, forward
-from test_mcmc_exactness import (EOS, LSUB, PROMPT, depth_setup, exact_stats, model,  # noqa: F401
-                                 support, tv_and_threshold)
+from test_mcmc_exactness import (EOS, LSUB, PROMPT, depth_setup, ends_at_eos, exact_stats,  # noqa: F401
+                                 first_end, model, support, tv_and_threshold)
 
 ALPHA = 4.0
 NUM_BLOCKS = 3  # block_len 1: the horizons are 1, 2 and 3 = BLOCK tokens
@@ -66,23 +66,24 @@ def next_token_logp(cfg, params):
     return out
 
 
-def chain_states(logp_next):
-    """Every completion the chain can hold: `support()` (the answers), then the unfinished
-    completions of the earlier horizons (the prefixes without EOS)."""
-    return support() + [prefix for prefix in logp_next if prefix]
+def chain_states(logp_next, ends=ends_at_eos):
+    """Every completion the chain can hold under the end rule `ends`: `support(ends)` (the
+    answers), then the unfinished completions of the earlier horizons (the prefixes
+    without an end)."""
+    return support(ends) + [prefix for prefix in logp_next if prefix and first_end(prefix, ends) is None]
 
 
-def exact_answer_law(logp_next, depth, alpha, beta):
-    """The law over `support()` of the answer after NUM_BLOCKS blocks of block_len 1,
-    MH_STEPS MH steps each, from the prompt (module docstring). depth: D(x) of every
-    completion in `chain_states`."""
-    everything = chain_states(logp_next)
+def exact_answer_law(logp_next, depth, alpha, beta, ends=ends_at_eos):
+    """The law over `support(ends)` of the answer after NUM_BLOCKS blocks of block_len 1,
+    MH_STEPS MH steps each, from the prompt (module docstring; a completion ends where
+    `ends` says, EOS by default). depth: D(x) of every completion in `chain_states`."""
+    everything = chain_states(logp_next, ends)
     index = {x: i for i, x in enumerate(everything)}
     logq_next = {prefix: lp * alpha - np.logaddexp.reduce(lp * alpha) for prefix, lp in logp_next.items()}
     suffix_logq = lambda x, m: sum(logq_next[x[:t]][x[t]] for t in range(m, len(x)))
     log_pi = np.array([alpha * sum(logp_next[x[:t]][x[t]] for t in range(len(x))) + beta * d
                        for x, d in zip(everything, depth)])
-    ended = np.array([x[-1] == EOS for x in everything])
+    ended = np.array([ends(x) for x in everything])
     frozen, running = np.zeros(len(everything)), {(): 1.0}
     for block in range(NUM_BLOCKS):
         horizon = block + 1
@@ -107,8 +108,8 @@ def exact_answer_law(logp_next, depth, alpha, beta):
         frozen += law * ended
         running = {everything[i]: law[i] for i in np.flatnonzero(~ended & (law > 0))}
     law = frozen + np.array([running.get(x, 0.0) for x in everything])
-    answers = len(support())
-    assert law[answers:].sum() < 1e-12, "every answer has NUM_BLOCKS tokens or ends at EOS"
+    answers = len(support(ends))
+    assert law[answers:].sum() < 1e-12, "every answer has NUM_BLOCKS tokens or has ended"
     return law[:answers]
 
 
@@ -128,14 +129,17 @@ def method_for(case, tau):
     return DegsMCMC(beta=CASES[case], tau=tau, lsub=LSUB, **sizes)
 
 
-def answers(driver, cfg, params, method, keys):
-    """The answer of each of len(keys) one-chain runs of PROMPT (the chain's completion)."""
+def answers(driver, cfg, params, method, keys, token_bytes=None):
+    """The answer of each of len(keys) one-chain runs of PROMPT (the chain's completion);
+    token_bytes: the vocabulary's bytes, for a method with stop strings."""
     lm = TransformerLM(cfg)
     if driver == "decode":
-        result = decode(lm, params, [PROMPT] * len(keys), method, keys=keys, eos_ids=(EOS,))
+        result = decode(lm, params, [PROMPT] * len(keys), method, keys=keys, eos_ids=(EOS,),
+                        token_bytes=token_bytes)
         return [tuple(output.chosen.tokens) for output in result.outputs]
     tokens, lengths = pad_prompts([PROMPT] * len(keys))
-    decoded = decode_tokens(lm, params, jnp.asarray(tokens), jnp.asarray(lengths), keys, method, (EOS,))
+    decoded = decode_tokens(lm, params, jnp.asarray(tokens), jnp.asarray(lengths), keys, method, (EOS,),
+                            token_bytes)
     tokens, start, end = jax.device_get((decoded.state.tokens, decoded.state.prompt_len, decoded.state.length))
     assert np.all(np.asarray(decoded.chosen) == 0), "one chain per prompt: the answer is the chain"
     return [tuple(tokens[r, start[r]:end[r]].tolist()) for r in range(len(keys))]

@@ -134,7 +134,7 @@ def cmd_sample(args) -> int:
     print(c.text)
     print("---", file=sys.stderr)
     depth = "n/a (not probed)" if c.depth is None else f"{c.depth:.4f}"
-    budget = "" if c.ended else f" (budget of {method.max_new_tokens} reached, no EOS)"
+    budget = "" if c.ended else f" (budget of {method.max_new_tokens} reached, no EOS or stop string)"
     print(f"method {result.method}  tokens {len(c.tokens)}{budget}"
           f"  log p {c.log_p:.3f}  D(x) {depth}  final-layer entropy {c.final_entropy:.3f}",
           file=sys.stderr)

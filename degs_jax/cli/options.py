@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -89,6 +90,12 @@ def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind is tuple:
             g.add_argument(flag, type=int_list, metavar="L1,L2,...", help=help_text)
+        elif kind is list:  # strings: the option repeated, --no-x for none
+            g.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_const", const=[],
+                           help=f"no {name} strings at all (overrides a benchmark's default)")
+            g.add_argument(flag, action="append", type=escaped_text, metavar="TEXT",
+                           help=help_text + r"; repeat the option for several (\n, \t and \\ are "
+                           "read as a newline, a tab and a backslash)")
         else:
             g.add_argument(flag, type=finite_float if kind is float else kind, help=help_text)
     _add_lens_args(g)
@@ -122,6 +129,15 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def escaped_text(text: str) -> str:
+    """An option's text with \\n, \\t and \\\\ read as a newline, a tab and a backslash
+    (argparse type; other backslashes are kept as typed)."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
+
+
 def finite_float(text: str) -> float:
     """An option's real number (argparse type): ``inf`` and ``nan`` are refused (they
     would reach a decoder, and run.json as ``Infinity``)."""
@@ -146,6 +162,8 @@ def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]
             kind = types[f.name]
             if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
                 kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            if typing.get_origin(kind) is tuple and typing.get_args(kind)[0] is str:
+                kind = list  # tuple[str, ...] -> a repeated option
             kind = typing.get_origin(kind) or kind  # tuple[int, ...] -> tuple
             entry = fields.setdefault(f.name, (kind, {}))
             entry[1].setdefault((f.metadata["help"], f.default), []).append(method)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 import textwrap
-from typing import Any
+from typing import Any, Optional
 
 from degs_jax.chat import encode_prompt, uses_chat_template
 from degs_jax.eval.benchmarks import LETTERS, MATH_BENCHMARKS, Problem, canonical_name
@@ -45,8 +45,22 @@ HUMANEVAL_RAW_TEMPLATE = "{question}"
 # Base-model HumanEval completions are cut at the first line that starts a new
 # top-level statement (the stop sequences of the Codex paper).
 HUMANEVAL_STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\nassert ")
+# The stop strings HumanEval decodes with in the completion format unless a run gives its
+# own (`benchmark_stop`): the Codex paper's, as openai/human-eval's reference code uses
+# them. The decoders end a completion there; the grader still cuts at the list above.
+HUMANEVAL_DECODING_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def benchmark_stop(benchmark: str, chat: bool, stop: Optional[tuple[str, ...]]) -> Optional[tuple[str, ...]]:
+    """The stop strings a run of `benchmark` decodes with (None: none): `stop` when given
+    (() is none: `--no-stop`), else HUMANEVAL_DECODING_STOPS for HumanEval in the
+    completion format (not `chat`), else none. None for none, so that a run without stop
+    strings records what runs recorded before stop strings existed (and resumes them)."""
+    if stop is None and canonical_name(benchmark) == "humaneval" and not chat:
+        return HUMANEVAL_DECODING_STOPS
+    return stop or None
 
 
 def templates(benchmark: str) -> tuple[str, ...]:

@@ -81,7 +81,7 @@ from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
 from degs_jax.eval.graders import RULES_VERSION, Grader, pass_at_k
 from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
                                      raise_if_peer_failed, share, shared)
-from degs_jax.eval.prompts import problem_prompt_ids, template_hash, uses_chat_template
+from degs_jax.eval.prompts import benchmark_stop, problem_prompt_ids, template_hash, uses_chat_template
 from degs_jax.eval.results import (
     EVAL_RECORD_FIELDS,
     ResultStore,
@@ -99,6 +99,7 @@ from degs_jax.hyperparameters import as_method, method_from_record, method_recor
 from degs_jax.method import Method
 from degs_jax.model_api import params_dtype
 from degs_jax.models import with_tuned_lens
+from degs_jax.stops import cut_at_stop, token_bytes
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -313,8 +314,9 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
     # Before anything runs: refused where programs cannot be isolated (and not allowed).
     code_isolation = sandbox.isolation(allow_unsandboxed) if bench == "humaneval" else None
     method = as_method(method, hyperparameters or {})
+    chat = bool(chat and uses_chat_template(model.tokenizer))
+    method = dataclasses.replace(method, stop=benchmark_stop(bench, chat, method.stop))
     config = run_config(model, bench, method, seed, chat, keep_candidates, tuned_lens)
-    chat = config["chat"]
     all_problems = load_benchmark(bench, data_dir=data_dir)
     if indices is not None:
         bad = [i for i in indices if not 0 <= i < len(all_problems)]
@@ -382,7 +384,8 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
     lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
-    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos)
+    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos,
+                    token_bytes=token_bytes(model.tokenizer) if method.stop else None)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
         yield _record(model, problem, index, output, result, len(batch), decode_s,
@@ -530,23 +533,28 @@ def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> d
     return rec
 
 
+def _completion_text(tokenizer, tokens: Sequence[int], stop: Optional[Sequence[str]]) -> str:
+    """What a completion says: its tokens decoded, cut where its first stop string begins."""
+    return cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
+
+
 def _record(model, problem: Problem, index: int, output, result, batch_len: int,
             decode_s: float, num_layers: int, grader: Grader, chat: bool,
             keep_candidates: bool) -> dict[str, Any]:
-    tok = model.tokenizer
+    tok, stop = model.tokenizer, result.config.stop
     chosen = output.chosen
     t0 = time.perf_counter()
     candidates = []
     verdict = None
     if keep_candidates:
         for cand in output.candidates:
-            text = tok.decode(cand.tokens, skip_special_tokens=True)
+            text = _completion_text(tok, cand.tokens, stop)
             v = grader.grade(problem, text, chat=chat)
             if cand is chosen:
                 verdict, chosen_text = v, text
             candidates.append(_candidate_record(model, problem, cand, v, cand is chosen))
     if verdict is None:
-        chosen_text = tok.decode(chosen.tokens, skip_special_tokens=True)
+        chosen_text = _completion_text(tok, chosen.tokens, stop)
         verdict = grader.grade(problem, chosen_text, chat=chat)
     grade_s = time.perf_counter() - t0
 

@@ -732,7 +732,7 @@ def _humaneval_end_rows(runs: Mapping) -> list[dict]:
     humaneval = {key: data for key, data in runs.items() if key[1] == "humaneval"}
     if not humaneval:
         return []
-    stops = sorted({json.dumps(data["run"]["config"]["hyperparameters"].get("stop"))
+    stops = sorted({json.dumps(data["run"]["config"]["hyperparameters"].get("stop") or None)
                     for data in humaneval.values()})
     if stops == ["null"]:
         used = ("no stop sequences: a completion runs to EOS or the token cap; the function is "
