@@ -189,6 +189,12 @@ class MCMCMethod(Method):
         steps = int(b * l + t * l * b * (b + 1) / 4)
         return self.n_chains * steps, steps
 
+    def sequential_steps(self, n_tokens: int) -> float:
+        """Blocks k = 1..ceil(n / l) of l tokens, each extended and then regenerated T times
+        from a cut uniform over its k·l tokens: sum_k (l + T·k·l/2)."""
+        blocks = max(1, -(-n_tokens // self.block_len))
+        return sum(self.block_len + self.mh_steps * k * self.block_len / 2 for k in range(1, blocks + 1))
+
     # Kernel: the carry is `ChainRun`, `advance` one block (`mcmc_block`) of every chain.
 
     def init(self, model, params, state: GenState, keys: Array, settings: MCMCConfig) -> "ChainRun":

@@ -164,6 +164,14 @@ class Method:
         ends early (no EOS): the cost ceiling; None where no formula is known."""
         return None
 
+    def sequential_steps(self, n_tokens: int) -> float:
+        """Sequential decode steps of a prompt whose answer has `n_tokens` completion tokens:
+        the time its rows hold a slot, up to a constant (`degs reproduce --plan`'s estimate of
+        the refill's schedule from stored records). Default: a step per token and the last
+        token's consumption (the rows of a prompt decode side by side; the answer's length
+        stands for its pool's)."""
+        return n_tokens + 1
+
     def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
         """[prompts] int32: each prompt's answer among its n = pool_size rows (rows
         i·n .. i·n + n - 1), first on ties; 0 for methods without a pool choice."""

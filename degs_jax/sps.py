@@ -191,6 +191,10 @@ class ScalablePower(Method):
         rollouts (one compiled block; counted together, an upper bound)."""
         return 1 + self.candidate_pool + self.candidates_kept * (1 + self.rollouts)
 
+    def sequential_steps(self, n_tokens: int) -> float:
+        """Per block of B tokens, the candidates' B steps and the rollouts' H."""
+        return max(1, -(-n_tokens // self.block_len)) * (self.block_len + self.rollout_horizon)
+
     # Kernel: the carry is `SPSRun`, `advance` one block of every prompt (`sps_block`).
 
     def init(self, model, params, state: GenState, keys: Array, settings: "SPSConfig") -> "SPSRun":

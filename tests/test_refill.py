@@ -101,3 +101,18 @@ def test_refill_needs_one_key_per_prompt():
     with pytest.raises(ValueError, match="slots must be a positive integer"):
         decode(model, params, PROMPTS, "greedy", keys=KEYS, eos_ids=DECODER_EOS, slots=0)
 
+
+def test_plan_prices_fixed_batches_by_their_useful_row_steps():
+    """`degs reproduce --plan`'s refill estimate: a fixed batch of two MCMC chains whose
+    answers have 4 and 12 tokens (1 and 3 blocks of 4, 2 MH steps: 8 and 36 sequential
+    steps, sum_k (l + T·k·l/2)) used 44 of its 2 · 36 row-steps; a refilled record (no
+    batch_share) and a batch of one count nothing."""
+    from degs_jax.hyperparameters import PowerMCMC
+    from degs_jax.reproduce.study import fixed_batch_utilisation
+
+    method = PowerMCMC(block_len=4, num_blocks=4, mh_steps=2)
+    assert [method.sequential_steps(n) for n in (4, 12)] == [8, 36]
+    records = [{"index": 1, "n_tokens": 12, "batch_share": 2}, {"index": 0, "n_tokens": 4, "batch_share": 2},
+               {"index": 2, "n_tokens": 16}]
+    assert fixed_batch_utilisation(records, method) == 44 / 72
+    assert fixed_batch_utilisation(records[2:], method) is None
