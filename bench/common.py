@@ -201,3 +201,59 @@ def forced_eos_model(cfg: ModelConfig, targets, prompt_lens, eos: int) -> Forced
     """The model of `cfg` ending row b's completion with `eos` at exactly targets[b] tokens."""
     return ForcedEOSLM(cfg=cfg, targets=tuple(int(t) for t in targets),
                        prompt_lens=tuple(int(n) for n in prompt_lens), eos=int(eos))
+
+
+# Row-steps seen by `PromptCodedEOSLM(count_row_steps=True)`: decode steps x batch rows, and
+# the rows among them that were active (not parked at slot S: `generation.decode_step`).
+ROW_STEPS = {"rows": 0, "active": 0}
+
+
+def _count_row_steps(active, rows) -> None:
+    ROW_STEPS["active"] += int(active)
+    ROW_STEPS["rows"] += int(rows)
+
+
+def encode_target(prompt: list[int], target: int, base: int) -> list[int]:
+    """`prompt` with its first four tokens replaced by (target, prompt length) in base
+    `base` (tokens below `base`), as `PromptCodedEOSLM` reads them."""
+    n = len(prompt)
+    if n < 4 or target >= base * base or n >= base * base:
+        raise ValueError(f"cannot encode target {target} and length {n} in base {base} (4 tokens)")
+    return [target // base, target % base, n // base, n % base] + list(prompt[4:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptCodedEOSLM(TransformerLM):
+    """`TransformerLM` whose decode steps sample EOS exactly when a row's completion reaches
+    the target its prompt encodes (`encode_target`: the first four prompt tokens hold the
+    target and the prompt length in base vocab - 1), and never before. Unlike `ForcedEOSLM`
+    (targets baked per batch row), a row's end travels with its prompt: the prefill writes
+    the row's end position into an extra cache leaf ([1, B], rows at the cache's row axis,
+    so row copies, repeats and the refill's slot writes carry it), and so it serves any
+    schedule, the refill's included. count_row_steps: every decode step adds its rows and
+    its active rows to `ROW_STEPS` (a host callback per decode step)."""
+
+    eos: int = 0
+    count_row_steps: bool = False
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return super().init_cache(batch, max_len, dtype), jnp.zeros((1, batch), jnp.int32)
+
+    def step(self, params, tokens, positions, cache, lens_layers=()) -> StepOutput:
+        kv, end = cache
+        out = super().step(params, tokens, positions, kv, lens_layers)
+        base = self.cfg.vocab_size - 1
+        if tokens.shape[1] != 1:  # the prefill: read each row's target and prompt length
+            target = tokens[:, 0] * base + tokens[:, 1]
+            prompt_len = tokens[:, 2] * base + tokens[:, 3]
+            return dataclasses.replace(out, cache=(out.cache, (prompt_len + target)[None].astype(jnp.int32)))
+        slots = jax.tree.leaves(kv)[0].shape[-2]
+        if self.count_row_steps:
+            jax.debug.callback(_count_row_steps, jnp.sum(positions[:, 0] < slots), tokens.shape[0])
+        logits = out.logits[:, 0]
+        # The step at position p samples the token at p + 1: the completion then holds p + 2 - prompt tokens.
+        ends = positions[:, 0] + 2 >= end[0]
+        eos_logit = jnp.where(ends, jnp.max(logits, axis=-1) + 30.0, -1e9)
+        return dataclasses.replace(out, logits=logits.at[:, self.eos].set(eos_logit)[:, None],
+                                   cache=(out.cache, end))
+

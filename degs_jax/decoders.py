@@ -22,7 +22,14 @@ Two drivers, same tokens for the same per-prompt keys:
 - `decode`: the method's kernel (`Method.init`, `advance` until `done`, `answer`) driven
   from the host in jitted chunks of `advance` calls, the carry donated between them
   (`advance_on_host`: progress bars, Ctrl-C within about a second, early stop); builds
-  `Candidate` records, with what the method reports (`Method.run_details`);
+  `Candidate` records, with what the method reports (`Method.run_details`). With
+  `slots`, or as `decode_stream`, it batches continuously: a fixed number of prompt slots,
+  and when a slot's prompt is done (`Method.prompt_done`) its answer is read from the
+  slot's rows alone and the next waiting prompt, prefilled and `init`-ed on its own, is
+  written over them (`rows.take_slot` / `put_slot`, the carry donated: no other row's
+  cache is copied, nothing is recompiled). Each prompt keeps its own keys and every
+  counter of its phase is per row, so with a batch-invariant model a prompt's answer is
+  bitwise the one it gets alone, whatever the schedule (tests/test_refill.py);
 - `decode_tokens`: prefill, the kernel (`run_kernel`: `advance` in one `lax.while_loop`
   until `done`, then `answer`) and the choice of the answer in one jitted program, for
   `jit` / `vmap` in user code (e.g. inside an RL rollout step).
@@ -34,24 +41,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from .generation import GenState, completions, pad_prompts, prefill
 from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, as_method
 from .lens import masked_sum, mean_final_entropy, sequence_depth
-from .method import Method
+from .method import Method, positive_int
 from .model_api import CausalLM, params_dtype
-from .rows import repeat_rows, work_totals
+from .rows import put_slot, repeat_rows, take_slot, work_totals
 from .stops import TokenBytes
 
 Array = jax.Array
 
 __all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "SMC_METHODS", "Candidate", "Output", "DecodeResult",
-           "Decoded", "decode", "decode_tokens", "candidate_scores", "choose", "row_keys",
+           "Decoded", "decode", "decode_stream", "decode_tokens", "candidate_scores", "choose", "row_keys",
            "run_kernel", "advance_chunk", "advance_on_host"]
 
 
@@ -85,6 +93,9 @@ class Output:
     # SMC: log_evidence (log Z-hat), ess (per check), resamples, copied_rows;
     # scalable_power: rollouts.
     diagnostics: Optional[dict[str, Any]] = None
+    # `decode_stream` (refill): this prompt's work counters (its rows' work totals and the
+    # method's counters); None from a fixed batch (`DecodeResult.counters` are the batch's)
+    counters: Optional[dict[str, int]] = None
 
 
 @dataclasses.dataclass
@@ -210,50 +221,63 @@ MAX_CHUNK_ADVANCES = 1024
 
 @functools.partial(jax.jit, static_argnames=("model", "method", "settings"), donate_argnames=("carry",))
 def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_advances: Array,
-                  method: Method, settings: Any) -> tuple[Any, Array, Array]:
+                  method: Method, settings: Any, watch: Optional[Array] = None) -> tuple[Any, Array, Array]:
     """At most `max_advances` (int32 scalar, traced: any chunk size runs the same compiled
     program) calls of `method.advance`, stopping early at `method.done`, in one
     `lax.while_loop`: chained calls run `decode_tokens`' loop, advance for advance.
-    `carry` is donated (do not use it afterwards, nor pass arrays that belong to it as
-    other arguments). Returns (carry, done: bool scalar, progress: `method.progress`)."""
+    watch: optional [prompts] bool: also stop as soon as a watched prompt is done (the
+    refill's slots that hold an unfinished prompt). `carry` is donated (do not use it
+    afterwards, nor pass arrays that belong to it as other arguments). Returns (carry,
+    prompt_done: [prompts] bool `method.prompt_done`, progress: `method.progress`)."""
     def more(loop):
         carry, count = loop
-        return (count < max_advances) & ~method.done(carry, settings)
+        prompt_done = method.prompt_done(carry, settings)
+        stop = jnp.all(prompt_done) if watch is None else jnp.all(prompt_done) | jnp.any(prompt_done & watch)
+        return (count < max_advances) & ~stop
 
     def body(loop):
         carry, count = loop
         return method.advance(model, params, carry, keys, settings), count + 1
 
     carry, _ = jax.lax.while_loop(more, body, (carry, jnp.int32(0)))
-    return carry, method.done(carry, settings), method.progress(carry)
+    return carry, method.prompt_done(carry, settings), method.progress(carry)
+
+
+def next_chunk(advances: int, elapsed: float) -> int:
+    """The next chunk's advances after one of `advances` took `elapsed` seconds: doubled
+    while calls are fast, halved when slow (aiming at CHUNK_SECONDS)."""
+    if elapsed < CHUNK_SECONDS / 2:
+        return min(2 * advances, MAX_CHUNK_ADVANCES)
+    if elapsed > 2 * CHUNK_SECONDS:
+        return max(advances // 2, 1)
+    return advances
 
 
 def advance_on_host(model: CausalLM, params: Any, carry: Any, keys: Array, method: Method, settings: Any,
                     on_progress: Optional[Callable[[int], Any]] = None) -> Any:
     """`method.advance` until `method.done`, from the host in `advance_chunk` calls (the
     tokens of `decode_tokens`' loop, bit for bit), each sized to take about
-    CHUNK_SECONDS. Per call the host reads two scalars (done, progress) in one transfer.
+    CHUNK_SECONDS. Per call the host reads [prompts] done flags and the progress in one
+    transfer.
     `carry` is donated. on_progress(units done): called after each call."""
     advances = FIRST_CHUNK_ADVANCES
     while True:
         started = time.perf_counter()
-        carry, done, progress = advance_chunk(model, params, carry, keys, jnp.int32(advances), method, settings)
-        done, progress = jax.device_get((done, progress))
+        carry, prompt_done, progress = advance_chunk(model, params, carry, keys, jnp.int32(advances), method,
+                                                     settings)
+        prompt_done, progress = jax.device_get((prompt_done, progress))
         if on_progress is not None:
             on_progress(int(progress))
-        if done:
+        if prompt_done.all():
             return carry
-        elapsed = time.perf_counter() - started
-        if elapsed < CHUNK_SECONDS / 2:
-            advances = min(2 * advances, MAX_CHUNK_ADVANCES)
-        elif elapsed > 2 * CHUNK_SECONDS:
-            advances = max(advances // 2, 1)
+        advances = next_chunk(advances, time.perf_counter() - started)
 
 
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
            method: str | Method, key: Optional[Array] = None, *,
            keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
-           token_bytes: Optional[TokenBytes] = None, **hyperparameters) -> DecodeResult:
+           token_bytes: Optional[TokenBytes] = None, slots: Optional[int] = None,
+           **hyperparameters) -> DecodeResult:
     """Run a decoder on token-id prompts, returning to the host between chunks of the
     method's work (`advance_on_host`: progress bars, Ctrl-C, early stop).
 
@@ -269,19 +293,20 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     token_bytes: the vocabulary's bytes (`stops.token_bytes(tokenizer)`), needed when the
       method has stop strings (`stop`; a candidate's tokens then end with the token that
       completes one; `degs_jax.text.sample` also cuts its text there).
+    slots: decode through this many prompt slots, refilling each with the next waiting
+      prompt as soon as its prompt is done (`decode_stream`; needs `keys`); outputs in
+      prompt order, each with its own `counters`. None: one fixed batch of every prompt.
     """
     config = as_method(method, hyperparameters)
+    if slots is not None:
+        if keys is None:
+            raise ValueError("decoding with slots (refill) needs keys, one per prompt (a prompt's draws must "
+                             "not depend on its slot)")
+        return _collect(decode_stream(model, params, prompts, config, keys=keys, eos_ids=eos_ids, slots=slots,
+                                      progress=progress, token_bytes=token_bytes), config)
     settings = config.plan(model, eos_ids, token_bytes)
     n, max_new = config.pool_size, config.max_new_tokens
-    tokens, lengths = pad_prompts(prompts)
-    longest = int(lengths.max())
-    if longest + max_new > model.max_context:
-        raise ValueError(f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's "
-                         f"context of {model.max_context} tokens")
-    if (key is None) == (keys is None):
-        raise ValueError("pass exactly one of key (one PRNG key) or keys (one per prompt)")
-    if keys is not None and keys.shape != (len(prompts),):
-        raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
+    tokens, lengths = _checked_prompts(model, config, prompts, key, keys)
     cache_dtype = config.cache_dtype or params_dtype(params)
 
     t0 = time.perf_counter()
@@ -307,7 +332,31 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     state = answer.state
     jax.block_until_ready(state.length)
     t2 = time.perf_counter()
+    outputs = _outputs(model, config, state, answer, details)
+    return DecodeResult(method=config.method, config=config, outputs=outputs,
+                        counters={**work_totals(state), **details.counters},
+                        seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))
 
+
+def _checked_prompts(model: CausalLM, config: Method, prompts: Sequence[Sequence[int]], key: Optional[Array],
+                     keys: Optional[Array]):
+    """The prompts right-padded (`pad_prompts`), after the checks of `decode`'s arguments."""
+    tokens, lengths = pad_prompts(prompts)
+    longest, max_new = int(lengths.max()), config.max_new_tokens
+    if longest + max_new > model.max_context:
+        raise ValueError(f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's "
+                         f"context of {model.max_context} tokens")
+    if (key is None) == (keys is None):
+        raise ValueError("pass exactly one of key (one PRNG key) or keys (one per prompt)")
+    if keys is not None and keys.shape != (len(prompts),):
+        raise ValueError(f"keys must hold one key per prompt ({len(prompts)}), got shape {keys.shape}")
+    return tokens, lengths
+
+
+def _outputs(model: CausalLM, config: Method, state: GenState, answer: Any, details: Any) -> list[Output]:
+    """Every prompt's `Output` from the final rows of its run (`answer`: the method's
+    `Answer`, `details`: its `RunDetails`), prompt i's rows i·n .. i·n + n - 1."""
+    n = config.pool_size
     log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
     chosen = choose(config, log_p, depth, final_entropy) if answer.chosen is None else answer.chosen
     ended, log_p, depth, final_entropy, chosen = jax.device_get(
@@ -317,9 +366,105 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
                       final_entropy=float(final_entropy[r]), ended=bool(ended[r]),
                       **({} if details.candidate_fields is None else details.candidate_fields[r]))
             for r, tokens in enumerate(completions(state))]
-    outputs = [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n],
-                      diagnostics=None if details.diagnostics is None else details.diagnostics[i])
-               for i in range(len(prompts))]
-    return DecodeResult(method=config.method, config=config, outputs=outputs,
-                        counters={**work_totals(state), **details.counters},
-                        seconds=dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0))
+    return [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n],
+                   diagnostics=None if details.diagnostics is None else details.diagnostics[i])
+            for i in range(len(chosen))]
+
+
+def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, prompts: Sequence[Sequence[int]],
+                 keys: Array, max_len: int) -> tuple[Any, Array]:
+    """(carry, row keys) of prompts freshly prefilled into buffers of `max_len` slots and
+    `init`-ed: the refill's first batch, and each prompt it refills a slot with."""
+    tokens, lengths = pad_prompts(prompts)
+    cache_dtype = config.cache_dtype or params_dtype(params)
+    state = prefill(model, params, jnp.asarray(tokens), jnp.asarray(lengths), max_len, cache_dtype,
+                    bool(config.stop))
+    if config.pool_size > 1:
+        state = repeat_rows(state, config.pool_size)
+    row_key = row_keys(keys, config.pool_size)
+    return config.init(model, params, state, row_key, settings), row_key
+
+
+def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], method: str | Method, *,
+                  keys: Array, eos_ids: Sequence[int], slots: int, progress: bool = False,
+                  token_bytes: Optional[TokenBytes] = None, **hyperparameters) -> Iterator[tuple[int, Output]]:
+    """Continuous batching: decode `prompts` through `slots` prompt slots (each of the
+    method's `pool_size` rows), yielding (prompt index, Output) as each prompt finishes,
+    in the order they finish; the generator's return value is the seconds spent
+    (prefill: the first batch's; decode: the rest, refills' prefills included; total).
+
+    The first `slots` prompts are prefilled together; then the method's `advance` runs in
+    chunks (`advance_chunk`) that stop as soon as a slot's prompt is done
+    (`Method.prompt_done`). That slot's rows are read out alone (`rows.take_slot`: its
+    answer, `Method.run_details` and scores come from its rows only), and the next
+    waiting prompt, prefilled and `init`-ed on its own, overwrites them in place
+    (`rows.put_slot`, the carry donated; one compiled program for every slot). Buffers
+    hold the longest prompt of the whole run (padded as `pad_prompts` does) plus the
+    method's budget, so every prompt fits every slot. keys: [len(prompts)] PRNG keys, one
+    per prompt (a prompt's rows use `split(keys[i], n)` whatever its slot: with a
+    batch-invariant model its Output is bitwise the one `decode` gives it alone). Each
+    Output carries its own `counters`. progress: a bar of finished prompts. token_bytes: as
+    `decode`'s (stop strings).
+    """
+    config = as_method(method, hyperparameters)
+    positive_int("slots", slots)
+    settings = config.plan(model, eos_ids, token_bytes)
+    n = config.pool_size
+    tokens, _ = _checked_prompts(model, config, prompts, None, keys)
+    max_len = tokens.shape[1] + config.max_new_tokens
+    slots = min(slots, len(prompts))
+
+    t0 = time.perf_counter()
+    carry, row_key = _fresh_carry(model, params, config, settings, prompts[:slots], keys[:slots], max_len)
+    jax.block_until_ready(row_key)
+    t1 = time.perf_counter()
+    holding: list[Optional[int]] = list(range(slots))  # the prompt each slot decodes (None: none left)
+    waiting = slots  # the next prompt to admit
+    bar = tqdm(total=len(prompts), desc=config.method, unit="prompt", disable=not progress)
+    advances = FIRST_CHUNK_ADVANCES
+    while any(h is not None for h in holding):
+        watch = np.array([h is not None for h in holding])
+        started = time.perf_counter()
+        carry, prompt_done, _ = advance_chunk(model, params, carry, row_key, jnp.int32(advances), config, settings,
+                                              jnp.asarray(watch))
+        prompt_done = np.asarray(jax.device_get(prompt_done))
+        advances = next_chunk(advances, time.perf_counter() - started)
+        for slot in np.flatnonzero(prompt_done & watch):
+            index, rows = holding[slot], slice(slot * n, (slot + 1) * n)
+            sub_keys = row_key[rows]
+            sub = take_slot(carry, jnp.int32(slot), n)
+            details = config.run_details(model, sub, sub_keys, settings)
+            answer = config.answer(model, params, sub, sub_keys, settings)
+            (output,) = _outputs(model, config, answer.state, answer, details)
+            output.counters = {**work_totals(answer.state), **details.counters}
+            if waiting < len(prompts):
+                fresh, fresh_keys = _fresh_carry(model, params, config, settings, prompts[waiting:waiting + 1],
+                                                 keys[waiting:waiting + 1], max_len)
+                carry = put_slot(carry, jnp.int32(slot), fresh, n)
+                row_key = row_key.at[rows].set(fresh_keys)
+                holding[slot], waiting = waiting, waiting + 1
+            else:
+                holding[slot] = None
+            bar.update(1)
+            yield index, output
+    bar.close()
+    t2 = time.perf_counter()
+    return dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0)
+
+
+def _collect(stream: Iterator[tuple[int, Output]], config: Method) -> DecodeResult:
+    """`decode`'s result from `decode_stream`: outputs in prompt order, counters summed."""
+    outputs: dict[int, Output] = {}
+    while True:
+        try:
+            index, output = next(stream)
+        except StopIteration as finished:
+            seconds = finished.value
+            break
+        outputs[index] = output
+    counters: dict[str, int] = {}
+    for output in outputs.values():
+        for name, value in output.counters.items():
+            counters[name] = counters.get(name, 0) + value
+    return DecodeResult(method=config.method, config=config, outputs=[outputs[i] for i in sorted(outputs)],
+                        counters=counters, seconds=seconds)

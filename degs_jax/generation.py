@@ -283,7 +283,7 @@ class GenerationLoop:
 
     state: GenState
     active: Array  # [B] bool: rows with work left (decode_step's second output)
-    steps: Array  # int32 scalar: loop iterations run in this call
+    steps: Array  # [B] int32: loop iterations run since the row's prompt started
 
 
 def initial_active(state: GenState, limit: Array) -> Array:
@@ -306,7 +306,7 @@ def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: 
     Rows that are already ended or at their limit are left untouched.
     """
     fresh_from = state.length if fresh_from is None else fresh_from
-    start = GenerationLoop(state, initial_active(state, limit), jnp.int32(0))
+    start = GenerationLoop(state, initial_active(state, limit), jnp.zeros(state.length.shape, jnp.int32))
     return jax.lax.while_loop(
         lambda loop: jnp.any(loop.active),
         lambda loop: loop_step(model, params, loop, limit, keys, fresh_from, sampler), start).state

@@ -194,6 +194,12 @@ class MCMCMethod(Method):
         steps = int(b * l + t * l * b * (b + 1) / 4)
         return self.n_chains * steps, steps
 
+    def sequential_steps(self, n_tokens: int) -> float:
+        """Blocks k = 1..ceil(n / l) of l tokens, each extended and then regenerated T times
+        from a cut uniform over its k·l tokens: sum_k (l + T·k·l/2)."""
+        blocks = max(1, -(-n_tokens // self.block_len))
+        return sum(self.block_len + self.mh_steps * k * self.block_len / 2 for k in range(1, blocks + 1))
+
     # Kernel: the carry is `ChainRun`, `advance` one block (`mcmc_block`) of every chain.
 
     def init(self, model, params, state: GenState, keys: Array, settings: MCMCConfig) -> "ChainRun":
@@ -202,8 +208,8 @@ class MCMCMethod(Method):
     def advance(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> "ChainRun":
         return chains_block(model, params, carry, keys, settings)
 
-    def done(self, carry: "ChainRun", settings: MCMCConfig) -> Array:
-        return ~chains_continue(carry, settings)
+    def prompt_done(self, carry: "ChainRun", settings: MCMCConfig) -> Array:
+        return jnp.all(~chain_running(carry, settings).reshape(-1, self.pool_size), axis=1)
 
     def answer(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> Answer:
         return Answer(state=carry.state, accepted=carry.decisions.accepted_steps(),
@@ -216,7 +222,7 @@ class MCMCMethod(Method):
         return self.num_blocks
 
     def progress(self, carry: "ChainRun") -> Array:
-        return carry.block
+        return jnp.max(carry.block)
 
     def run_details(self, model, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> RunDetails:
         """Per row, over every block it ran: the acceptance rate, the depth-decided decisions
@@ -472,10 +478,12 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
 
     state: GenState of B chains (not donated: the caller may keep using it; see
     `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
-    key, the block and the step). Returns (state, decisions [B, mh_steps] (`mh_steps`),
-    active [B] bool: rows that ran this block, i.e. had not ended before it).
+    key, the block and the step); block: int32, a scalar or one per row (rows of refilled
+    prompts are at different blocks; a row at num_blocks does not move). Returns (state,
+    decisions [B, mh_steps] (`mh_steps`), active [B] bool: rows that ran this block, i.e.
+    had not ended before it).
     """
-    active = ~state.ended
+    active = ~state.ended & (block < mcmc.num_blocks)
     boundary = jnp.minimum(state.prompt_len + (block + 1) * mcmc.block_len, state.max_len)
     limit = jnp.where(active, boundary, state.length)
     with jax.named_scope("extend"):
@@ -499,7 +507,7 @@ class ChainRun:
     """The carry of `run_chains`' loop over blocks, and its result."""
 
     state: GenState
-    block: Array  # int32 scalar: blocks run so far
+    block: Array  # [B] int32: blocks the row has run (its phase: the blocks' keys and boundaries)
     decisions: MHDecisions  # [B, num_blocks, mh_steps]: every MH decision (`mh_steps`)
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
 
@@ -518,21 +526,28 @@ def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
 def start_chains(state: GenState, mcmc: MCMCConfig) -> ChainRun:
     """`run_chains`' carry before its first block."""
     B = state.length.shape[0]
-    return ChainRun(state=state, block=jnp.int32(0),
+    return ChainRun(state=state, block=jnp.zeros((B,), jnp.int32),
                     decisions=MHDecisions.zeros((B, mcmc.num_blocks, mcmc.mh_steps)),
                     ran=jnp.zeros((B, mcmc.num_blocks), bool))
 
 
+def chain_running(run: ChainRun, mcmc: MCMCConfig) -> Array:
+    """[B] bool: the row has a block left and has not ended."""
+    return (run.block < mcmc.num_blocks) & ~run.state.ended
+
+
 def chains_continue(run: ChainRun, mcmc: MCMCConfig) -> Array:
-    """bool scalar: a block is left and some row has not ended."""
-    return (run.block < mcmc.num_blocks) & jnp.any(~run.state.ended)
+    """bool scalar: some row has a block left and has not ended."""
+    return jnp.any(chain_running(run, mcmc))
 
 
 def chains_block(model: CausalLM, params: Any, run: ChainRun, keys: Array, mcmc: MCMCConfig) -> ChainRun:
-    """The next block of every chain (`mcmc_block`), recorded in the carry."""
+    """The next block of every chain (`mcmc_block`, each row at its own block), recorded
+    in the carry (a row past its last block records nothing)."""
     with jax.named_scope("block"):
         state, decisions, active = mcmc_block(model, params, run.state, keys, run.block, mcmc)
-    return ChainRun(state=state, block=run.block + 1,
-                    decisions=jax.tree.map(lambda every, block: every.at[:, run.block].set(block),
+    rows = jnp.arange(run.block.shape[0])
+    return ChainRun(state=state, block=jnp.minimum(run.block + 1, mcmc.num_blocks),
+                    decisions=jax.tree.map(lambda every, block: every.at[rows, run.block].set(block, mode="drop"),
                                            run.decisions, decisions),
-                    ran=run.ran.at[:, run.block].set(active))
+                    ran=run.ran.at[rows, run.block].set(active, mode="drop"))

@@ -31,8 +31,11 @@ What a method answers (the drivers never switch on a method's class or name):
   carry of the drivers' loop): `init(model, params, state, keys, settings)` from the
   prefilled rows (`pool_size` consecutive rows per prompt) and their row keys,
   `advance(...)` one unit of work (a decode step of every row, an MCMC block, an SMC
-  ESS interval, an SPS block), `done(carry, settings)` and `answer(...)`: the final rows
-  and what the method chose (`Answer`). `settings` is what `plan` returned.
+  ESS interval, an SPS block), `prompt_done(carry, settings)` ([prompts] bool; `done` is
+  all of it) and `answer(...)`: the final rows and what the method chose (`Answer`).
+  `settings` is what `plan` returned. Every leaf of the carry has a row axis (or, marked
+  `rows.per_prompt`, a prompt axis), so the host driver can read one prompt's slot out
+  and overwrite it with a freshly `init`-ed prompt (`rows.take_slot` / `put_slot`).
   `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`;
 - for the host driver (`decoders.decode`, which calls `advance` in jitted chunks):
   `progress(carry)` (traced: units done), `progress_total(settings)` and `progress_unit`
@@ -178,6 +181,14 @@ class Method:
         ends early (no EOS): the cost ceiling; None where no formula is known."""
         return None
 
+    def sequential_steps(self, n_tokens: int) -> float:
+        """Sequential decode steps of a prompt whose answer has `n_tokens` completion tokens:
+        the time its rows hold a slot, up to a constant (`degs reproduce --plan`'s estimate of
+        the refill's schedule from stored records). Default: a step per token and the last
+        token's consumption (the rows of a prompt decode side by side; the answer's length
+        stands for its pool's)."""
+        return n_tokens + 1
+
     def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
         """[prompts] int32: each prompt's answer among its n = pool_size rows (rows
         i·n .. i·n + n - 1), first on ties; 0 for methods without a pool choice."""
@@ -193,9 +204,15 @@ class Method:
         """One unit of the method's work on every row that has some left."""
         raise NotImplementedError
 
-    def done(self, carry: Any, settings: Any) -> Array:
-        """bool scalar: nothing is left to do."""
+    def prompt_done(self, carry: Any, settings: Any) -> Array:
+        """[prompts] bool: nothing is left to do for the prompt (its `pool_size` rows).
+        Every counter of a row's phase (MCMC block, SMC step, SPS block) is per row, so the
+        prompts of one carry may be at different phases (the host driver's refill)."""
         raise NotImplementedError
+
+    def done(self, carry: Any, settings: Any) -> Array:
+        """bool scalar: nothing is left to do for any prompt."""
+        return jnp.all(self.prompt_done(carry, settings))
 
     def answer(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any) -> "Answer":
         """The final rows and what the method decided (`Answer`). Called outside `jit` by
@@ -211,7 +228,8 @@ class Method:
         raise NotImplementedError
 
     def progress(self, carry: Any) -> Array:
-        """int32 scalar: units of work done (traced; the host reads it once per call)."""
+        """int32 scalar: units of work done by the furthest row (traced; the host reads it
+        once per call)."""
         raise NotImplementedError
 
     def run_details(self, model: Any, carry: Any, keys: Array, settings: Any) -> "RunDetails":

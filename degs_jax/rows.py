@@ -10,10 +10,17 @@ operations need no list of field names:
 - `work_counter()`: a [B] count of work done by the row (token forwards, samples, probed
   token-layers). Work is charged to the row slot that did it, so copying another row's
   contents into a slot (SMC resampling, an MCMC decision) leaves the slot's counters;
+- `per_prompt()`: a field of a pool method's carry whose leaves have one entry per prompt
+  (rows i·n .. i·n + n - 1 share entry i) on axis 0 (SMC's evidence, ESS and counts);
 - `metadata=dict(static=True)`: not pytree data, no rows. This is the convention of
   `jax.tree_util.register_dataclass`, which reads it when given no field lists: every
   state and output dataclass of the package is registered that way, so which fields are
   data and which are static is declared on the fields themselves.
+
+A method's carry (the drivers' loop state) is a dataclass of such fields, some of them
+states themselves: `take_slot` and `put_slot` read and overwrite the n rows (and one
+per-prompt entry) of one prompt slot of a whole carry, recursing into nested states
+(the host driver's refill, `decoders.decode_stream`).
 
 Every operation is row-wise data movement (gathers, selects, scatters): no arithmetic, so
 a row's values are bitwise those of the row it came from.
@@ -38,6 +45,7 @@ Array = jax.Array
 STATIC = "static"
 ROWS_AT = "rows_at"
 WORK_COUNTER = "work_counter"
+PER_PROMPT = "per_prompt"
 
 # Rows moved per gather/scatter by `copy_rows` and `settle_rows`.
 ROWS_PER_COPY = 8
@@ -52,6 +60,12 @@ def work_counter(total_name: str, **kwargs) -> Any:
     """A [B] int32 count of the work a row slot did (kept by the slot when rows are copied
     in); `total_name` names its sum over rows in run records (`work_totals`)."""
     return dataclasses.field(metadata={WORK_COUNTER: total_name}, **kwargs)
+
+
+def per_prompt(**kwargs) -> Any:
+    """A pytree field whose every leaf has one entry per prompt on axis 0 (a pool method's
+    rows i·n .. i·n + n - 1 are prompt i)."""
+    return dataclasses.field(metadata={PER_PROMPT: True}, **kwargs)
 
 
 def _row_fields(state) -> list[dataclasses.Field]:
@@ -206,6 +220,48 @@ def settle_rows(current, proposal, decided: Array, take_proposal: Array):
     counters = work_counters(proposal)
     return (dataclasses.replace(new_current, **{name: pair[0] for name, pair in settled.items()}),
             dataclasses.replace(new_proposal, **counters, **{name: pair[1] for name, pair in settled.items()}))
+
+
+def _map_slot(fn: Callable[..., Array], *carries):
+    """fn(*leaves, axis, per_prompt) over every leaf of every data field of `carries`
+    (same class), recursing into fields that are dataclasses themselves (states)."""
+    first = carries[0]
+    new = {}
+    for f in _row_fields(first):
+        values = [getattr(c, f.name) for c in carries]
+        if ROWS_AT not in f.metadata and dataclasses.is_dataclass(values[0]) and not isinstance(values[0], type):
+            new[f.name] = _map_slot(fn, *values)  # a nested state (a cache is one field: `rows_at`)
+            continue
+        axis = getattr(first, f.metadata[ROWS_AT]) if ROWS_AT in f.metadata else 0
+        prompt = bool(f.metadata.get(PER_PROMPT, False))
+
+        def leaf_fn(*leaves, axis=axis, prompt=prompt, name=f.name):
+            if leaves[0].ndim <= axis:
+                raise ValueError(f"{type(first).__name__}.{name} has no row axis (shape {leaves[0].shape}): "
+                                 "every carry leaf needs one for the refill's slot operations")
+            return fn(*leaves, axis=axis, per_prompt=prompt)
+
+        new[f.name] = jax.tree.map(leaf_fn, *values)
+    return dataclasses.replace(first, **new)
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def take_slot(carry, slot: Array, n: int):
+    """The carry of prompt slot `slot` alone (int32 scalar, traced): rows slot·n ..
+    slot·n + n - 1 and per-prompt entry `slot` of every leaf (a copy of that slot's caches
+    only)."""
+    return _map_slot(lambda a, axis, per_prompt: jax.lax.dynamic_slice_in_dim(
+        a, slot if per_prompt else slot * n, 1 if per_prompt else n, axis), carry)
+
+
+@functools.partial(jax.jit, static_argnames=("n",), donate_argnames=("carry",))
+def put_slot(carry, slot: Array, sub, n: int):
+    """`carry` with prompt slot `slot` (int32 scalar, traced: one compiled program for
+    every slot) overwritten by `sub`, a carry of one prompt (n rows): every leaf, caches
+    and work counters included, so nothing of the slot's previous prompt is left. `carry`
+    is donated and updated in place (the other rows are not copied)."""
+    return _map_slot(lambda a, b, axis, per_prompt: jax.lax.dynamic_update_slice_in_dim(
+        a, b, slot if per_prompt else slot * n, axis), carry, sub)
 
 
 def fold_in_rows(keys: Array, *tags: int | Array) -> Array:

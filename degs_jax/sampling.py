@@ -63,14 +63,14 @@ class SamplingMethod(Method):
 
     def init(self, model, params, state, keys: Array, settings: SamplerSpec) -> GenerationLoop:
         return GenerationLoop(state=state, active=initial_active(state, state.prompt_len + self.max_new_tokens),
-                              steps=jnp.int32(0))
+                              steps=jnp.zeros(state.length.shape, jnp.int32))
 
     def advance(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> GenerationLoop:
         return loop_step(model, params, carry, carry.state.prompt_len + self.max_new_tokens, keys,
                          carry.state.prompt_len, settings)
 
-    def done(self, carry: GenerationLoop, settings: SamplerSpec) -> Array:
-        return ~jnp.any(carry.active)
+    def prompt_done(self, carry: GenerationLoop, settings: SamplerSpec) -> Array:
+        return ~jnp.any(carry.active.reshape(-1, self.pool_size), axis=1)
 
     def answer(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> Answer:
         return Answer(state=carry.state)
@@ -79,7 +79,7 @@ class SamplingMethod(Method):
         return self.max_new_tokens + 1  # a step per token, and the last token's consumption
 
     def progress(self, carry: GenerationLoop) -> Array:
-        return carry.steps
+        return jnp.max(carry.steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,7 +110,7 @@ from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field,
                      positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
-from .rows import copy_rows, fold_in_rows
+from .rows import copy_rows, fold_in_rows, per_prompt
 from .stops import StopAutomaton
 from .tiling import row_tiled
 
@@ -254,8 +254,8 @@ class SMCMethod(Method):
     def advance(self, model, params, carry: "SMCState", keys: Array, settings: SMCConfig) -> "SMCState":
         return smc_interval(model, params, carry, keys, settings)
 
-    def done(self, carry: "SMCState", settings: SMCConfig) -> Array:
-        return ~jnp.any(carry.live)
+    def prompt_done(self, carry: "SMCState", settings: SMCConfig) -> Array:
+        return ~jnp.any(carry.live.reshape(-1, self.n_particles), axis=1)
 
     def answer(self, model, params, carry: "SMCState", keys: Array, settings: SMCConfig) -> Answer:
         _, _, chosen = final_weights(carry, keys, settings.n_particles, model.batch_invariant)
@@ -265,7 +265,7 @@ class SMCMethod(Method):
         return self.max_new_tokens + 1  # T sampling steps and the budget's consume step
 
     def progress(self, carry: "SMCState") -> Array:
-        return carry.step
+        return jnp.max(carry.step)
 
     def run_details(self, model, carry: "SMCState", keys: Array, settings: SMCConfig) -> RunDetails:
         """Per row its normalised final weight; per prompt log Ẑ, the ESS of every check
@@ -311,11 +311,11 @@ class SMCState:
     log_weight: Array  # [B] fp32 log weight accumulated since the prompt's last resampling
     log_target: Array  # [B] fp32 log gamma of the row's current state
     live: Array  # [B] bool: not complete (still has a token to sample or to consume)
-    step: Array  # [] int32 loop steps taken
-    log_evidence: Array  # [P] fp32 log Ẑ of the finished resampling epochs
-    ess: Array  # [P, num_checks] fp32 ESS at each check (NaN: no check, all complete)
-    resamples: Array  # [P] int32 resampling events
-    copied_rows: Array  # [P] int32 particle rows overwritten by copies of others
+    step: Array  # [B] int32 loop steps the row's prompt has taken (the same for its N rows)
+    log_evidence: Array = per_prompt()  # [P] fp32 log Ẑ of the finished resampling epochs
+    ess: Array = per_prompt()  # [P, num_checks] fp32 ESS at each check (NaN: no check, all complete)
+    resamples: Array = per_prompt()  # [P] int32 resampling events
+    copied_rows: Array = per_prompt()  # [P] int32 particle rows overwritten by copies of others
 
 
 def ramp_fraction(n_tokens: Array, ramp_tokens: int) -> Array:
@@ -421,14 +421,16 @@ def init_state(gen: GenState, smc: SMCConfig, num_layers: int, batch_invariant: 
     live = ~gen.ended
     return SMCState(
         gen=gen, log_weight=jnp.zeros((B,), jnp.float32), log_target=log_target(gen, live, smc, num_layers, batch_invariant),
-        live=live, step=jnp.zeros((), jnp.int32), log_evidence=jnp.zeros((P,), jnp.float32),
+        live=live, step=jnp.zeros((B,), jnp.int32), log_evidence=jnp.zeros((P,), jnp.float32),
         ess=jnp.full((P, smc.num_checks), jnp.nan, jnp.float32),
         resamples=jnp.zeros((P,), jnp.int32), copied_rows=jnp.zeros((P,), jnp.int32))
 
 
 def smc_interval(model: CausalLM, params: Any, state: SMCState, keys: Array, smc: SMCConfig) -> SMCState:
-    """Run loop steps until the next ESS check (then check and maybe resample) or until
-    every particle is complete. keys: [B] row keys. Traceable; `smc_steps` is its jitted,
+    """Run each prompt's loop steps until its next ESS check (then check and maybe
+    resample) or until its every particle is complete. Each prompt keeps its own step
+    count (prompts refilled mid-run are at other phases); a prompt that reached its check
+    waits for the others. keys: [B] row keys. Traceable; `smc_steps` is its jitted,
     donating form for host loops (`run_smc`)."""
     n = smc.n_particles
     proposal_sampler = smc.proposal
@@ -438,27 +440,36 @@ def smc_interval(model: CausalLM, params: Any, state: SMCState, keys: Array, smc
     rows = jnp.arange(keys.shape[0])
     stop = (state.step // smc.resample_every + 1) * smc.resample_every
 
+    def moving(s: SMCState) -> Array:  # [B]: the row's prompt has a live particle and steps left
+        return jnp.repeat(jnp.any(s.live.reshape(-1, n), axis=1), n) & (s.step < stop)
+
     def body(s: SMCState) -> SMCState:
-        gen, live = decode_step(model, params, s.gen, s.live, limit, token_keys, gen0.prompt_len, proposal_sampler)
+        move = moving(s)
+        gen, live = decode_step(model, params, s.gen, s.live & move, limit, token_keys, gen0.prompt_len,
+                                proposal_sampler)
+        live = jnp.where(move, live, s.live)
         sampled = gen.length > s.gen.length
         log_q = jnp.where(sampled, gen.logq[rows, jnp.minimum(s.gen.length, gen.max_len - 1)], 0.0)
-        target = log_target(gen, live, smc, model.num_layers, model.batch_invariant)
-        inc = jnp.where(s.live, log_weight_increment(s.log_target, target, log_q), 0.0)
+        target = jnp.where(move, log_target(gen, live, smc, model.num_layers, model.batch_invariant), s.log_target)
+        inc = jnp.where(s.live & move, log_weight_increment(s.log_target, target, log_q), 0.0)
         return dataclasses.replace(s, gen=gen, live=live, log_target=target,
-                                   log_weight=s.log_weight + inc, step=s.step + 1)
+                                   log_weight=s.log_weight + inc, step=s.step + move)
 
-    state = jax.lax.while_loop(lambda s: jnp.any(s.live) & (s.step < stop), body, state)
+    state = jax.lax.while_loop(lambda s: jnp.any(moving(s)), body, state)
 
     # The ESS check, as masked arithmetic rather than a lax.cond: a conditional whose
     # branches return the whole state could make XLA copy the KV cache; here nothing is
     # copied unless rows are resampled (the copy loop then runs over those rows only).
-    at_check = (state.step == stop) & (state.step // smc.resample_every <= smc.num_checks)
+    step = state.step.reshape(-1, n)[:, 0]  # [P]
+    at_check = (step == stop.reshape(-1, n)[:, 0]) & (step // smc.resample_every <= smc.num_checks)
     ess = effective_sample_size(state.log_weight, n, model.batch_invariant)
     any_live = jnp.any(state.live.reshape(-1, n), axis=1)
-    c = jnp.clip(state.step // smc.resample_every - 1, 0, max(smc.num_checks - 1, 0))
+    c = jnp.clip(step // smc.resample_every - 1, 0, max(smc.num_checks - 1, 0))
     record = jnp.where(any_live, ess, jnp.nan)
     if smc.num_checks:
-        state = dataclasses.replace(state, ess=state.ess.at[:, c].set(jnp.where(at_check, record, state.ess[:, c])))
+        prompts = jnp.arange(step.shape[0])
+        state = dataclasses.replace(state, ess=state.ess.at[prompts, c].set(
+            jnp.where(at_check, record, state.ess[prompts, c])))
     need = at_check & any_live & (ess < smc.ess_threshold * n)
     first_keys = keys.reshape(-1, n)[:, 0]
     uniform = jax.vmap(jax.random.uniform)(fold_in_rows(first_keys, RESAMPLE_STREAM, c))
@@ -480,7 +491,7 @@ def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCCo
     for _ in range(smc.num_checks + 1):
         state = smc_steps(model, params, state, keys, smc)
         if progress is not None:
-            progress(int(state.step))
+            progress(int(jnp.max(state.step)))
         if not bool(jnp.any(state.live)):
             break
     return state

@@ -195,17 +195,23 @@ class ScalablePower(Method):
         rollouts (one compiled block; counted together, an upper bound)."""
         return 1 + self.candidate_pool + self.candidates_kept * (1 + self.rollouts)
 
+    def sequential_steps(self, n_tokens: int) -> float:
+        """Per block of B tokens, the candidates' B steps and the rollouts' H."""
+        return max(1, -(-n_tokens // self.block_len)) * (self.block_len + self.rollout_horizon)
+
     # Kernel: the carry is `SPSRun`, `advance` one block of every prompt (`sps_block`).
 
     def init(self, model, params, state: GenState, keys: Array, settings: "SPSConfig") -> "SPSRun":
-        return SPSRun(main=state, block=jnp.int32(0), rollouts=jnp.zeros(state.length.shape, jnp.int32))
+        return SPSRun(main=state, block=jnp.zeros(state.length.shape, jnp.int32),
+                      rollouts=jnp.zeros(state.length.shape, jnp.int32))
 
     def advance(self, model, params, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> "SPSRun":
         main, info = sps_block_traced(model, params, carry.main, keys, carry.block, settings)
-        return SPSRun(main=main, block=carry.block + 1, rollouts=carry.rollouts + info.rollouts)
+        return SPSRun(main=main, block=jnp.minimum(carry.block + 1, settings.num_blocks),
+                      rollouts=carry.rollouts + info.rollouts)
 
-    def done(self, carry: "SPSRun", settings: "SPSConfig") -> Array:
-        return (carry.block >= settings.num_blocks) | jnp.all(complete(carry.main, settings))
+    def prompt_done(self, carry: "SPSRun", settings: "SPSConfig") -> Array:
+        return (carry.block >= settings.num_blocks) | complete(carry.main, settings)
 
     def answer(self, model, params, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> Answer:
         main = carry.main
@@ -221,7 +227,7 @@ class ScalablePower(Method):
         return settings.num_blocks
 
     def progress(self, carry: "SPSRun") -> Array:
-        return carry.block
+        return jnp.max(carry.block)
 
     def run_details(self, model, carry: "SPSRun", keys: Array, settings: "SPSConfig") -> RunDetails:
         """Per prompt the rollout rows run; their sum as the counter `rollouts`."""
@@ -406,7 +412,7 @@ class SPSRun:
     """The carry of a loop over blocks (`ScalablePower`'s kernel)."""
 
     main: GenState  # one row per prompt
-    block: Array  # int32 scalar: blocks run
+    block: Array  # [P] int32: blocks the prompt ran (its phase: the blocks' keys)
     rollouts: Array  # [P] int32 rollout rows run
 
 

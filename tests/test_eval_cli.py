@@ -69,7 +69,7 @@ def test_greedy_on_each_benchmark(benchmark, degs, tmp_path):
                            "--batch-size", 3, "--out", out, *TINY, *extra)
     assert rc == 0, err
     problems = load_benchmark(benchmark, limit=3)
-    records = _records(out)
+    records = sorted(_records(out), key=lambda r: r["index"])  # written as each problem finishes
     assert [r["id"] for r in records] == [p.id for p in problems]
     assert [r["index"] for r in records] == [0, 1, 2]
     for r in records:
@@ -90,6 +90,7 @@ def test_greedy_on_each_benchmark(benchmark, degs, tmp_path):
     assert summary["means"]["forward_equivalents"] > 0
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["method"] == "greedy" and run["config"]["seed"] == 0
+    assert run["invocations"][0]["refill"] is True  # the default schedule
     assert run["config"]["hyperparameters"]["max_new_tokens"] == 16
     assert run["config"]["hyperparameters"]["lsub"] == [4, 9, 14, 18, 22, 26, 30]
     assert len(run["config"]["template_sha256"]) == 64
@@ -119,7 +120,7 @@ def test_best_of_n_keeps_and_grades_candidates_then_analyze(degs, tmp_path):
     rc, stdout, err = degs("eval", "--benchmark", "deepmind500", "--method", "best_of_n", "--n", 2,
                            "--limit", 2, "--keep-candidates", "--out", out, *TINY)
     assert rc == 0, err
-    records = _records(out)
+    records = sorted(_records(out), key=lambda r: r["index"])
     assert [r["id"] for r in records] == [f"deepmind500/{i}" for i in range(2)]
     for r in records:
         cands = r["candidates"]
@@ -207,12 +208,14 @@ def test_refuses_a_different_configuration(degs, tmp_path):
 
 
 def _eval_cmd(out):
-    # deepmind500 problems 0 and 1 share a prompt-length bucket (one compilation, cached on
-    # disk for the later processes); decoding one takes about a second, so a kill right
-    # after the first result line lands mid-run.
-    return [sys.executable, "-m", "degs_jax.cli", "eval", "--benchmark", "deepmind500", "--limit", "2",
+    # Three deepmind500 problems through 2 refilled slots (the default schedule): a record
+    # is written as each problem finishes and its slot takes problem 2, so a kill right
+    # after the first result line lands with problems in flight, one of them in a refilled
+    # slot (compilations are cached on disk for the later processes). Batch-invariant: a
+    # problem's record does not depend on which problems shared its batch.
+    return [sys.executable, "-m", "degs_jax.cli", "eval", "--benchmark", "deepmind500", "--limit", "3",
             "--method", "temperature", "--temperature", "1.0", "--seed", "7", "--out", str(out),
-            "--batch-size", "1", "--model", "smollm2-135m", *TINY]  # one problem per batch: the kill lands between them
+            "--batch-size", "2", "--batch-invariant", "--model", "smollm2-135m", *TINY]
 
 
 def _count_lines(path):
@@ -242,20 +245,26 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
             proc.kill()
         log.close()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
-    assert _count_lines(results) == 1  # killed mid-run, with one result written
+    assert 1 <= _count_lines(results) < 3  # killed mid-run, with a result written
+    written = {r["id"] for r in _records(killed)}
 
     for out in (killed, reference):  # resume the killed run; then an uninterrupted one
         done = subprocess.run(_eval_cmd(out), env=env, capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "accuracy" in done.stdout
 
-    resumed, uninterrupted = _records(killed), _records(reference)
+    # records are written as problems finish: compare them by problem
+    resumed = sorted(_records(killed), key=lambda r: r["index"])
+    uninterrupted = sorted(_records(reference), key=lambda r: r["index"])
     ids = [r["id"] for r in resumed]
-    assert len(ids) == len(set(ids)) == 2
+    assert len(ids) == len(set(ids)) == 3  # nothing lost, nothing repeated
+    assert written <= set(ids)
     assert ids == [r["id"] for r in uninterrupted]
-    for field in ("completion", "correct", "extracted", "n_tokens", "log_p", "D"):
+    for field in ("completion", "correct", "extracted", "n_tokens", "log_p", "D", "generated_tokens",
+                  "forward_tokens"):
         assert [r[field] for r in resumed] == [r[field] for r in uninterrupted], field
-    assert len(json.loads((killed / "run.json").read_text())["invocations"]) == 2
+    invocations = json.loads((killed / "run.json").read_text())["invocations"]
+    assert len(invocations) == 2 and all(i["refill"] for i in invocations)
     assert json.loads((killed / "summary.json").read_text())["accuracy"] == \
         json.loads((reference / "summary.json").read_text())["accuracy"]
 
@@ -333,6 +342,6 @@ def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path)
     # Same problems and keys; the completions themselves are compared in fp32 by
     # test_cli's many-prompt test: in bf16 a batch padded to another prompt length runs
     # other kernels, and rounding differences flip a sample after a few tokens.
-    assert [r["id"] for r in runs["auto"][1]] == [r["id"] for r in runs["one"][1]]
+    assert sorted(r["id"] for r in runs["auto"][1]) == sorted(r["id"] for r in runs["one"][1])
     rc, _, err = degs("eval", "--benchmark", "gsm8k", "--out", tmp_path / "bad", "--batch-size", "0")
     assert rc == 2 and "degs: error: --batch-size takes a positive integer or 'auto'" in err

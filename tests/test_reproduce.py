@@ -130,6 +130,22 @@ def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():
     assert rates.per_unit(study._job_rate_keys(job("degs_mcmc"))) == pytest.approx(400.0 / 64)
 
 
+def test_a_refill_call_takes_every_batch_the_budget_holds(tmp_path):
+    """With refill a `run_eval` call streams its problems through the batch's slots, so it
+    takes every batch whose cumulative estimate fits (one while the job was never measured)."""
+    job = study.Job(kind="decoder", benchmark="math500", method="greedy", hyperparameters={}, limit=None,
+                    batch_size=2, keep_candidates=False, directory=study.run_directory("math500", "greedy"))
+    rates, skipped = study._Rates(), []
+
+    def call(budget):
+        return study._next_call(job, study._batches(job, 0, 5), 1, tmp_path, rates, budget, skipped, refill=True)
+
+    assert call(study.Budget(None)) == [[0, 1]]  # never measured: one batch
+    rates.add(study._job_rate_keys(job), 10.0, 1)
+    assert call(study.Budget(None)) == [[0, 1], [2, 3], [4]]
+    assert call(study.Budget(45.0)) == [[0, 1], [2, 3]] and skipped == ["math500 greedy problems 4-4"]
+
+
 def test_budget():
     import time
 

@@ -18,7 +18,7 @@ from ..eval.processes import PeerProcessError, publish_failure
 from ..models.loading import BUILTIN_MODELS
 from ..train.tuned_lens import resolve_lens
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
-from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
+from .options import (BATCH_SIZE_HELP, REFILL_HELP, _add_decoder_args, _add_model_args, add_unsafe_grading_flag,
                       check_output_dir, check_seed, code_isolation, finite_float, keep_recorded_dtype,
                       method_value, parse_lsub_sweep)
 
@@ -75,6 +75,7 @@ def add_commands(sub, load_model) -> None:
     g.add_argument("--limit", type=int, default=None, help="only the first N problems")
     g.add_argument("--batch-size", default="auto", metavar="N|auto",
                    help=BATCH_SIZE_HELP.format(what="problems"))
+    g.add_argument("--no-refill", dest="refill", action="store_false", help=REFILL_HELP)
     g.add_argument("--keep-candidates", action="store_true",
                    help="grade and store every candidate (tokens, log p, D, final entropy, verdict)")
     g.add_argument("--data-dir", default=None, help="benchmark files (default $DEGS_JAX_DATA, else "
@@ -140,7 +141,7 @@ def cmd_eval(args, load_model) -> int:
                         batch_size=args.batch_size, keep_candidates=args.keep_candidates,
                         chat=not args.no_chat, progress=not args.no_progress, data_dir=args.data_dir,
                         argv=sys.argv[1:], tuned_lens=tuned_lens,
-                        allow_unsandboxed=args.unsafe_unsandboxed_grading)
+                        allow_unsandboxed=args.unsafe_unsandboxed_grading, refill=args.refill)
     except PeerProcessError as e:  # the failing process reports the details
         print(f"degs: error: {e}", file=sys.stderr)
         return 2

@@ -121,6 +121,12 @@ BATCH_SIZE_HELP = (
     "bfloat16 they can (README, 'Reproducibility')")
 
 
+REFILL_HELP = (
+    "decode in fixed batches: every batch lasts as long as its slowest problem (the default "
+    "streams the problems through --batch-size slots and gives a finished problem's slot to "
+    "the next one at once; recorded in run.json as 'refill')")
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """An option's comma-separated integers (argparse type)."""
     try:

@@ -18,7 +18,7 @@ from ..reproduce.study import (DEFAULT_BATCH_SIZE, STUDY_FILE, Budget, StudyRequ
                               format_plan, plan_table, read_study_file, run_study)
 from ..reproduce.study import recorded_dtype as study_dtype
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
-from .options import (_add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
+from .options import (REFILL_HELP, _add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
                       keep_recorded_dtype, parse_lsub_sweep)
 
 DESCRIPTION = """Run the paper's study for one model into one directory, resumably, and report it.
@@ -98,6 +98,7 @@ def add_commands(sub, load_model) -> None:
                         f"given. Default: {DEFAULT_BATCH_SIZE}, or fewer where the memory estimate "
                         "of degs eval's --batch-size auto says that many do not fit (the study "
                         "prints the size it took)")
+    s.add_argument("--no-refill", dest="refill", action="store_false", help=REFILL_HELP)
     s.add_argument("--round-size", type=int, default=None, metavar="N",
                    help="problems per benchmark per round: every job finishes a round before the "
                         "next starts (default: one round)")
@@ -251,7 +252,7 @@ def cmd_reproduce(args, load_model) -> int:
     try:
         study = run_study(model, out, request, budget=budget, progress=not args.no_progress,
                           data_dir=args.data_dir, argv=sys.argv[1:],
-                          allow_unsandboxed=args.unsafe_unsandboxed_grading)
+                          allow_unsandboxed=args.unsafe_unsandboxed_grading, refill=args.refill)
     except PeerProcessError as e:  # the failing process reports the details
         print(f"degs: error: {e}", file=sys.stderr)
         return 2

@@ -6,9 +6,20 @@ A run directory holds
   hyperparameter, seed, key derivation, template hash, whether candidates are kept),
   plus one entry per invocation (time, argv, limit, batch size, package versions);
 - ``results.jsonl``: one record per finished problem, appended through
-  :class:`~degs_jax.eval.results.ResultStore` (flushed and fsynced);
+  :class:`~degs_jax.eval.results.ResultStore` (flushed and fsynced) as soon as the problem
+  is done;
 - ``summary.json``: accuracy with a 95% Wilson interval and per-problem means,
-  rewritten after every batch and at the end of every invocation.
+  rewritten after every batch_size finished problems and at the end of every invocation.
+
+Scheduling (``refill``, the default; recorded in each invocation): the problems stream
+through ``batch_size`` slots, and a slot whose problem is done takes the next waiting one
+at once (``decoders.decode_stream``), so a batch costs the mean problem rather than the
+slowest; each record is written when its problem finishes (in the order they finish)
+and its ``decode_s`` is the wall-clock since the previous problem finished. Without it
+(``--no-refill``) the problems run in fixed batches and ``decode_s`` is the batch's time
+over its size. Each problem keeps its own key either way, so with ``--batch-invariant``
+the records are the same (timings aside); otherwise they agree up to the rounding of
+different batch compositions.
 
 Resuming: rerunning the same command skips the problems already in ``results.jsonl``;
 a directory whose ``run.json`` has a different configuration is refused, and so is one
@@ -75,7 +86,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from degs_jax.batching import choose_batch_size, describe_batch_choice, peak_memory
-from degs_jax.decoders import decode
+from degs_jax.decoders import decode, decode_stream
 from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
 from degs_jax.eval.graders import RULES_VERSION, Grader, pass_at_k
@@ -277,7 +288,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
              batch_size: int | str = "auto", keep_candidates: bool = False, chat: bool = True,
              progress: bool = True, data_dir=None, grader: Optional[Grader] = None,
              argv: Optional[Sequence[str]] = None, print_table: bool = True,
-             tuned_lens=None, allow_unsandboxed: bool = False) -> dict[str, Any]:
+             tuned_lens=None, allow_unsandboxed: bool = False, refill: bool = True) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmark`` with a loaded model, resumably, into ``out_dir``.
 
     model: a :class:`~degs_jax.model_api.LanguageModel` (any ``CausalLM`` with its
@@ -293,6 +304,9 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
       the tokenizer has one. grader: reuse a :class:`Grader` (else one is made and closed).
     tuned_lens: probe through a tuned lens (`degs_jax.train.tuned_lens`) instead of the
       logit lens (recorded in the configuration).
+    refill: stream the problems through ``batch_size`` slots, refilling each as its problem
+      finishes (module docstring); False: fixed batches. Recorded in the invocation. A
+      multi-process run claims fixed batches (this does not apply).
     allow_unsandboxed: HumanEval only, where bubblewrap cannot create namespaces: grade
       under the sandbox's weaker fallback instead of refusing
       (:class:`~degs_jax.eval.sandbox.IsolationUnavailableError`, raised before anything
@@ -333,7 +347,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": list(argv) if argv is not None else None,
         "limit": limit, "indices": list(indices) if indices is not None else None,
-        "batch_size": batch_size, "batch_choice": batch_choice, "model_source": None if model.source is None else str(model.source),
+        "batch_size": batch_size, "batch_choice": batch_choice, "refill": bool(refill and group is None),
+        "model_source": None if model.source is None else str(model.source),
         "versions": package_versions(), "grading_rules": RULES_VERSION,
         "device": str(jax.local_devices()[0]), "process_count": jax.process_count(),
         **({"humaneval_isolation": code_isolation} if code_isolation else {}),
@@ -347,7 +362,7 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
     try:
         if group is None:
             summary = _run_single(out, config, invocation, selected, decode_batch, batch_size,
-                                  progress, bar_label)
+                                  progress, bar_label, refill)
         else:
             summary = _run_group(group, out, config, invocation, selected, decode_batch,
                                  batch_size, progress, bar_label)
@@ -377,24 +392,36 @@ def _record_peak_memory(out: Path, run: dict) -> None:
 
 def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: Method,
                   eos, grader: Grader, chat: bool,
-                  keep_candidates: bool, tuned_lens=None):
-    """Decode one batch of ``(index, problem)`` with the problems' own keys; yield each
-    problem's graded record, in order."""
+                  keep_candidates: bool, tuned_lens=None, slots: Optional[int] = None):
+    """Decode ``(index, problem)`` pairs with the problems' own keys and yield each
+    problem's graded record: in order, as one batch (slots None), or through ``slots``
+    refilled slots as each problem finishes (``decode_stream``; its ``decode_s`` is the
+    wall-clock since the previous one finished)."""
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
     lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
-    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos,
-                    token_bytes=token_bytes(model.tokenizer) if method.stop else None)
+    vocabulary = token_bytes(model.tokenizer) if method.stop else None
+    if slots is not None:
+        for position, output in decode_stream(lm, params, prompts, method, keys=keys, eos_ids=eos, slots=slots,
+                                              token_bytes=vocabulary):
+            index, problem = batch[position]
+            decode_s = time.perf_counter() - t0
+            yield _record(model, problem, index, output, None, 1, decode_s, model.lm.num_layers, grader, chat,
+                          keep_candidates, method.stop)
+            t0 = time.perf_counter()  # grading is timed in the record, not charged to the next problem
+        return
+    result = decode(lm, params, prompts, method, keys=keys, eos_ids=eos, token_bytes=vocabulary)
     decode_s = time.perf_counter() - t0
     for (index, problem), output in zip(batch, result.outputs):
         yield _record(model, problem, index, output, result, len(batch), decode_s,
-                      model.lm.num_layers, grader, chat, keep_candidates)
+                      model.lm.num_layers, grader, chat, keep_candidates, method.stop)
 
 
 def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,
-                batch_size: int, progress: bool, bar_label: str) -> dict[str, Any]:
-    """The one-process run: everything goes straight into ``results.jsonl``."""
+                batch_size: int, progress: bool, bar_label: str, refill: bool) -> dict[str, Any]:
+    """The one-process run: everything goes straight into ``results.jsonl``, a record as
+    soon as its problem is done."""
     # The store's lock first: a second run into this directory stops before touching run.json.
     with ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS) as store:
         run = _prepare_run_dir(out, config, invocation)
@@ -402,12 +429,15 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batc
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
         bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
                    desc=bar_label, disable=not progress, file=sys.stderr)
-        for start in range(0, len(todo), batch_size):
-            for record in decode_batch(todo[start:start + batch_size]):
+        # refill: one stream of every problem left through batch_size slots
+        batches = ([todo] if todo else []) if refill else [todo[start:start + batch_size] for start in range(0, len(todo), batch_size)]
+        for batch in batches:
+            for finished, record in enumerate(decode_batch(batch, slots=batch_size if refill else None), start=1):
                 store.append(record)
                 bar.update(1)
-            bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}")
-            write_summary(out, run_summary(store.records, run))
+                if finished % batch_size == 0 or finished == len(batch):
+                    bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}")
+                    write_summary(out, run_summary(store.records, run))
         bar.close()
         records = list(store.records)
         _record_peak_memory(out, run)
@@ -540,8 +570,11 @@ def _completion_text(tokenizer, tokens: Sequence[int], stop: Optional[Sequence[s
 
 def _record(model, problem: Problem, index: int, output, result, batch_len: int,
             decode_s: float, num_layers: int, grader: Grader, chat: bool,
-            keep_candidates: bool) -> dict[str, Any]:
-    tok, stop = model.tokenizer, result.config.stop
+            keep_candidates: bool, stop: Optional[Sequence[str]]) -> dict[str, Any]:
+    """One problem's graded record (`result`: its batch's `DecodeResult`, or None for a
+    refilled problem, whose `output.counters` are its own); `stop`: the run's stop strings,
+    where the graded text is cut."""
+    tok = model.tokenizer
     chosen = output.chosen
     t0 = time.perf_counter()
     candidates = []

@@ -507,14 +507,16 @@ def _batches(job: Job, start: int, stop: int) -> Iterator[list[int]]:
 
 
 def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rates: _Rates,
-               budget: Budget, skipped: list[str]) -> list[list[int]]:
+               budget: Budget, skipped: list[str], refill: bool = False) -> list[list[int]]:
     """The batches of the next ``run_eval`` call of ``job``: the next ones from ``chunks``
     (each without its finished problems) whose estimated time fits the budget, up to
     ``width`` (one per process; the estimate of a batch is the time one process takes).
     A batch cut short (by a round's end or by finished problems) ends the call, so that
     ``run_eval``, cutting the call's problems into batches of the largest one's size,
-    decodes exactly these batches. Batches the budget does not admit go to ``skipped``;
-    [] when ``chunks`` has no more."""
+    decodes exactly these batches. refill (one process): the call streams its problems
+    through ``batch_size`` slots, so it takes every batch whose cumulative estimate fits
+    (one batch while the job's cost was never measured). Batches the budget does not
+    admit go to ``skipped``; [] when ``chunks`` has no more."""
     call: list[list[int]] = []
     for chunk in chunks:
         done = {r["index"] for r in read_records(out / job.directory)}
@@ -522,10 +524,13 @@ def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rat
         if not todo:
             continue
         rate = rates.per_unit(_job_rate_keys(job))
-        if not budget.fits(None if rate is None else rate * len(todo)):
+        planned = sum(map(len, call)) if refill else 0  # refill: the call's problems run one after another
+        if not budget.fits(None if rate is None else rate * (planned + len(todo))):
             skipped.append(f"{job.label} problems {todo[0]}-{todo[-1]}")
             continue
         call.append(todo)
+        if refill and rate is not None:
+            continue
         if len(call) == width or len(todo) < job.batch_size:
             break
     return call
@@ -569,11 +574,14 @@ def _check_same_request(group: ProcessGroup, request: StudyRequest) -> None:
 def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[float] = None,
               progress: bool = True, data_dir=None, argv: Optional[Sequence[str]] = None,
               grader=None, budget: Optional[Budget] = None, log=None,
-              allow_unsandboxed: bool = False) -> Optional[dict]:
+              allow_unsandboxed: bool = False, refill: bool = True) -> Optional[dict]:
     """Run (or continue) the study of ``request`` with a loaded model into ``out_dir``.
 
     ``allow_unsandboxed``: grade HumanEval under the sandbox's weaker fallback where there
     are no namespaces (see ``run_eval``; a given ``grader`` brings its own setting).
+    ``refill``: one process streams each call's problems through the job's batch size of
+    slots (``run_eval``'s refill; recorded in the invocation); a multi-process job
+    decodes fixed batches.
     Returns ``study.json``'s content after this invocation. The report is not written
     here (see :func:`degs_jax.reproduce.report.write_report`).
 
@@ -610,6 +618,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                                "chat_template": uses_chat_template(model.tokenizer)}
         if group is not None:
             invocation["process_count"] = group.count
+        invocation["refill"] = refill
         invocation.update(describe(request, jobs, targets))
         _save_study(out, study)
         for job in jobs:  # what earlier invocations measured
@@ -617,6 +626,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
             if recs:
                 rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
     width = 1 if group is None else group.count  # batches per run_eval call
+    refill = refill and group is None
     calls = itertools.count()  # the decisions process 0 shares
     own_grader = grader is None
     grader = grader or Grader(allow_unsandboxed=allow_unsandboxed)
@@ -628,7 +638,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                 stop = min(start + size, targets[job.directory])
                 chunks = _batches(job, start, stop)
                 while True:
-                    call = _next_call(job, chunks, width, out, rates, budget, skipped) if lead else None
+                    call = _next_call(job, chunks, width, out, rates, budget, skipped, refill) if lead else None
                     call = from_process_0(group, f"call/{next(calls)}", call)
                     if not call:
                         break
@@ -636,14 +646,16 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                     t0 = time.monotonic()
                     runner.run_eval(model, out / job.directory, benchmark=job.benchmark,
                              method=job.decoder, seed=request.seed, indices=todo,
-                             batch_size=max(map(len, call)), keep_candidates=job.keep_candidates,
+                             batch_size=job.batch_size if refill else max(map(len, call)),
+                             keep_candidates=job.keep_candidates,
                              chat=request.chat, progress=progress, data_dir=data_dir,
-                             grader=grader, argv=argv, print_table=False)
+                             grader=grader, argv=argv, print_table=False, refill=refill)
                     seconds = time.monotonic() - t0
                     if not lead:
                         continue
-                    # the call's batches ran side by side: one process's seconds per problem
-                    rates.add(_job_rate_keys(job), seconds * len(call), len(todo))
+                    # fixed batches ran side by side (one per process): one process's seconds per
+                    # problem; refill: the call's problems ran one stream
+                    rates.add(_job_rate_keys(job), seconds * (1 if refill else len(call)), len(todo))
                     invocation["steps"].append({"job": job.directory, "problems": todo,
                                                 "seconds": round(seconds, 3)})
                     _save_study(out, study)
@@ -861,10 +873,31 @@ def sequence_layer_statistics(lm, params, sequences, *, lsub_sets, tau: float,
 # --------------------------------------------------------------------------- plan
 
 
+def fixed_batch_utilisation(records: Sequence[Mapping[str, Any]], method: Method) -> Optional[float]:
+    """The fraction of row-steps that did useful work in the fixed batches these records
+    were decoded in (those with a ``batch_share``: consecutive problems by index, that many
+    per batch), modelled from their answers' lengths: Σ_i steps(n_i) / Σ_batches size ·
+    max_i steps(n_i), steps = ``method.sequential_steps`` (a batch lasts as long as its
+    slowest prompt). With refill a slot takes the next problem at once, so its seconds per
+    problem are about the fixed batches' times this fraction (the drain at the end of a
+    run aside). None: no record of a fixed batch of more than one problem."""
+    fixed = sorted((r for r in records if r.get("batch_share", 1) > 1), key=lambda r: r["index"])
+    useful = held = 0.0
+    at = 0
+    while at < len(fixed):
+        batch = fixed[at:at + int(fixed[at]["batch_share"])]
+        steps = [method.sequential_steps(int(r["n_tokens"])) for r in batch]
+        useful += sum(steps)
+        held += len(batch) * max(steps)
+        at += len(batch)
+    return useful / held if held else None
+
+
 def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     """Per job: target and finished problems, the worst-case generated tokens per problem
     and the measured seconds per problem (this job, else the same method elsewhere in the
-    study) with the estimate for what is left. No model is loaded."""
+    study) with the estimate for what is left; where the job's records come from fixed
+    batches, also the estimate with refill (`fixed_batch_utilisation`). No model is loaded."""
     out = Path(out_dir)
     jobs = plan_jobs(request)
     sizes = {b: len(load_benchmark(b, data_dir=data_dir)) for b in {j.benchmark for j in jobs}}
@@ -879,12 +912,17 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
         done = len({r["index"] for r in read_records(out / job.directory) if r["index"] < target})
         rate = rates.per_unit(_job_rate_keys(job))
         worst = job.decoder.worst_case_cost()
+        utilisation = fixed_batch_utilisation(read_records(out / job.directory), job.decoder)
+        estimate = None if rate is None else rate * (target - done)
         rows.append({"job": job.label, "directory": job.directory, "target": target, "done": done,
                      "batch_size": job.batch_size,
                      "worst_case_tokens_per_problem": worst and worst[0],
                      "worst_case_steps_per_batch": worst and worst[1],
                      "seconds_per_problem": rate,
-                     "estimate_s": None if rate is None else rate * (target - done)})
+                     "estimate_s": estimate,
+                     "fixed_batch_utilisation": utilisation,
+                     "refill_estimate_s": estimate if estimate is None or utilisation is None
+                     else estimate * utilisation})
         if job.kind == "pool" and request.layer_pass:
             stored = read_jsonl(out / job.directory / LAYERS_FILE)
             rate = (sum(r["seconds"] for r in stored) / len(stored)) if stored else None
@@ -900,7 +938,7 @@ def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
     head = (f"{'job':<28} {'target':>6} {'done':>5} {'batch':>5} {'worst tok/problem':>17} "
             f"{'worst steps/batch':>17} {'s/problem':>9} {'estimate left':>13}")
     lines = [head]
-    total, unknown = 0.0, 0
+    total, unknown, refill_total = 0.0, 0, 0.0
     for r in rows:
         rate = "?" if r["seconds_per_problem"] is None else f"{r['seconds_per_problem']:.2f}"
         left = r["target"] - r["done"]
@@ -909,6 +947,10 @@ def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
         else:
             est = f"{r['estimate_s'] or 0.0:.0f} s"
             total += r["estimate_s"] or 0.0
+            refill = r.get("refill_estimate_s", r["estimate_s"])
+            refill_total += refill or 0.0
+            if r.get("fixed_batch_utilisation") is not None:
+                est += f" (refill {refill:.0f} s: fixed batches {100 * r['fixed_batch_utilisation']:.0f}% used)"
         wt, ws = r["worst_case_tokens_per_problem"], r["worst_case_steps_per_batch"]
         lines.append(f"{r['job']:<28} {r['target']:>6} {r['done']:>5} {r['batch_size']:>5} "
                      f"{'?' if wt is None else f'{wt:,}':>17} {'?' if ws is None else f'{ws:,}':>17} "
@@ -916,6 +958,10 @@ def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
     lines.append(f"measured estimate of what is left: {total:.0f} s"
                  + (f" + {unknown} job(s) never measured (run a first batch: the estimate then "
                     "uses its seconds per problem)" if unknown else ""))
+    if refill_total != total:
+        lines.append(f"with refill (the default schedule): {refill_total:.0f} s; where the records come from "
+                     "fixed batches, their seconds times the fraction of the batches' row-steps that did "
+                     "useful work, modelled from the answers' lengths (the end of a run's drain aside)")
     lines.append("(worst case: no completion ends before its budget. Seconds per problem from "
                  "stored records: decoding, including the compilation of each new batch shape, "
                  "plus grading; for the layer pass its forward passes)")

@@ -1,0 +1,118 @@
+"""Continuous batching (issue 39): `decode(..., slots=k)` / `decode_stream` run the prompts
+through k prompt slots, refilling a slot with the next waiting prompt as soon as its
+prompt is done. On the batch-invariant tiny model every prompt's Output (tokens, scores,
+candidates, MCMC acceptance and decision records, SMC weights / evidence / ESS, SPS
+rollouts) and its work counters are bitwise those of the prompt decoded alone, for every
+method: prompts of 2 to 61 tokens through 2 slots, so slots are refilled while the other
+slot is mid-run (asserted), and a refilled slot's rows held a longer prompt before (its
+stale cache slots and the previous prompt's keys, block / step counters, decision
+records and weights are all overwritten: were one carry field left, the refilled prompt
+would read it). With refill off, `decode` is unchanged (the other test files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from degs_jax import decoders
+from degs_jax.decoders import decode, decode_stream
+from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from test_batch_invariance import DECODER_EOS, DECODER_SETTINGS, _bits, _model
+
+# Very different lengths (the buffers hold the longest, 61 + budget; alone, 16 + budget).
+LENGTHS = (61, 2, 9, 33, 4, 17)
+PROMPTS = [list(np.random.default_rng(n).integers(0, 89, n)) for n in LENGTHS]
+KEYS = jax.numpy.stack([jax.random.key(100 + i) for i in range(len(PROMPTS))])
+SLOTS = 2
+CASES = {**{m: (m, DECODER_SETTINGS[m]) for m in METHODS},
+         "scalable_power token form": ("scalable_power", dict(DECODER_SETTINGS["scalable_power"], block_len=1,
+                                                              max_new_tokens=6))}
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(case: str, index: int):
+    method, settings = CASES[case]
+    model, params = _model("float32")
+    result = decode(model, params, [PROMPTS[index]], method, keys=KEYS[index:index + 1], eos_ids=DECODER_EOS,
+                    **settings)
+    return dataclasses.asdict(result.outputs[0]), result.counters
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refill_equals_one_prompt_at_a_time(case, monkeypatch):
+    method, settings = CASES[case]
+    model, params = _model("float32")
+    config = hyperparameters_for(method, **settings)
+    plan = config.plan(model, DECODER_EOS)
+    mid_run = []  # per refill: another watched slot was not done
+    put = decoders.put_slot
+
+    def watching_put(carry, slot, sub, n):
+        done = np.asarray(config.prompt_done(carry, plan))
+        mid_run.append(bool((~np.delete(done, int(slot))).any()))
+        return put(carry, slot, sub, n)
+
+    monkeypatch.setattr(decoders, "put_slot", watching_put)
+    result = decode(model, params, PROMPTS, config, keys=KEYS, eos_ids=DECODER_EOS, slots=SLOTS)
+    assert len(mid_run) == len(PROMPTS) - SLOTS
+    assert any(mid_run), "no slot was refilled while the other was mid-run"
+    totals = {}
+    for index, output in enumerate(result.outputs):
+        alone, counters = _alone(case, index)
+        got = dataclasses.asdict(output)
+        assert _bits(got.pop("counters")) == _bits(counters), f"prompt {index}: counters"
+        alone = dict(alone, counters=None)
+        got["counters"] = None
+        for name in alone:
+            assert _bits(got[name]) == _bits(alone[name]), f"prompt {index}: {name} differs from the prompt alone"
+        for name, value in counters.items():
+            totals[name] = totals.get(name, 0) + value
+    assert result.counters == totals
+
+
+def test_stream_yields_prompts_as_they_finish():
+    """`decode_stream` yields every prompt once, with its own counters, and returns its
+    seconds."""
+    model, params = _model("float32")
+    stream = decode_stream(model, params, PROMPTS, "greedy", keys=KEYS, eos_ids=DECODER_EOS, slots=3,
+                           max_new_tokens=4)
+    seen = []
+    while True:
+        try:
+            index, output = next(stream)
+        except StopIteration as finished:
+            seconds = finished.value
+            break
+        seen.append(index)
+        assert output.counters["generated_tokens"] == len(output.chosen.tokens)
+    assert sorted(seen) == list(range(len(PROMPTS)))
+    assert set(seconds) == {"prefill", "decode", "total"} and seconds["total"] >= seconds["decode"] > 0
+
+
+def test_refill_needs_one_key_per_prompt():
+    model, params = _model("float32")
+    with pytest.raises(ValueError, match="refill\\) needs keys"):
+        decode(model, params, PROMPTS, "greedy", jax.random.key(0), eos_ids=DECODER_EOS, slots=2)
+    with pytest.raises(ValueError, match="slots must be a positive integer"):
+        decode(model, params, PROMPTS, "greedy", keys=KEYS, eos_ids=DECODER_EOS, slots=0)
+
+
+def test_plan_prices_fixed_batches_by_their_useful_row_steps():
+    """`degs reproduce --plan`'s refill estimate: a fixed batch of two MCMC chains whose
+    answers have 4 and 12 tokens (1 and 3 blocks of 4, 2 MH steps: 8 and 36 sequential
+    steps, sum_k (l + T·k·l/2)) used 44 of its 2 · 36 row-steps; a refilled record (no
+    batch_share) and a batch of one count nothing."""
+    from degs_jax.hyperparameters import PowerMCMC
+    from degs_jax.reproduce.study import fixed_batch_utilisation
+
+    method = PowerMCMC(block_len=4, num_blocks=4, mh_steps=2)
+    assert [method.sequential_steps(n) for n in (4, 12)] == [8, 36]
+    records = [{"index": 1, "n_tokens": 12, "batch_share": 2}, {"index": 0, "n_tokens": 4, "batch_share": 2},
+               {"index": 2, "n_tokens": 16}]
+    assert fixed_batch_utilisation(records, method) == 44 / 72
+    assert fixed_batch_utilisation(records[2:], method) is None
