@@ -22,6 +22,7 @@ import pytest
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_stream
 from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.stops import TokenBytes
 from test_batch_invariance import DECODER_EOS, DECODER_SETTINGS, _bits, _model
 
 # Very different lengths (the buffers hold the longest, 61 + budget; alone, 16 + budget).
@@ -116,3 +117,26 @@ def test_plan_prices_fixed_batches_by_their_useful_row_steps():
                {"index": 2, "n_tokens": 16}]
     assert fixed_batch_utilisation(records, method) == 44 / 72
     assert fixed_batch_utilisation(records[2:], method) is None
+
+
+# Stop strings with refill: the tiny vocabulary spelled as bytes "a".."d" (EOS: none), so
+# that "ab" ends many completions at different lengths, the stop states live in the carry.
+STOP_PIECES = TokenBytes([bytes([ord("a") + i % 4]) for i in range(97)])
+
+
+@pytest.mark.parametrize("method", ["greedy", "degs_mcmc", "power_smc"])
+def test_refill_with_stop_strings_equals_one_prompt_at_a_time(method):
+    model, params = _model("float32")
+    settings = dict(DECODER_SETTINGS[method], stop=("ab",))
+    alone = [decode(model, params, [PROMPTS[i]], method, keys=KEYS[i:i + 1], eos_ids=DECODER_EOS,
+                    token_bytes=STOP_PIECES, **settings).outputs[0] for i in range(len(PROMPTS))]
+    refilled = decode(model, params, PROMPTS, method, keys=KEYS, eos_ids=DECODER_EOS, slots=SLOTS,
+                      token_bytes=STOP_PIECES, **settings)
+    ended = 0
+    for index, (output, single) in enumerate(zip(refilled.outputs, alone)):
+        got, want = dataclasses.asdict(output), dataclasses.asdict(single)
+        got["counters"] = want["counters"] = None
+        for name in want:
+            assert _bits(got[name]) == _bits(want[name]), f"prompt {index}: {name} differs from the prompt alone"
+        ended += sum(c.ended for c in output.candidates)
+    assert ended > 0, "no completion ended at the stop: the check is vacuous"
