@@ -40,6 +40,7 @@ LAYERS = [
     ("models", ("degs_jax.models",)),
     ("examples", ("degs_jax.examples",)),
     ("statistics", ("degs_jax.stats",)),
+    ("stop strings", ("degs_jax.stops",)),
     ("lens / rows / generation / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
                                                      "degs_jax.scoring", "degs_jax.method")),
     ("sampling / mcmc / smc / sps", ("degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
@@ -52,7 +53,7 @@ LAYERS = [
     ("CLI", ("degs_jax.cli",)),
 ]
 PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
-SAMPLERS = ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation", "degs_jax.scoring", "degs_jax.method",
+SAMPLERS = ("degs_jax.stops", "degs_jax.lens", "degs_jax.rows", "degs_jax.generation", "degs_jax.scoring", "degs_jax.method",
             "degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc",
             "degs_jax.sps", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")
 LOCAL_IMPORTS_MAX = 20
