@@ -136,8 +136,13 @@ class Method:
         return LensConfig.default(num_layers, tau=self.tau, lsub=self.lsub)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name (the record of `DecodeResult` and `degs eval`'s run.json)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field by name (the record of `DecodeResult` and `degs eval`'s run.json), but
+        `stop` where there are no stop strings: such a run records what runs recorded before
+        stop strings existed, so those resume and read back unchanged."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if values["stop"] is None:
+            del values["stop"]
+        return values
 
     # What each family defines (and `max_new_tokens`, a field or a property: the budget).
 
