@@ -37,6 +37,8 @@ SHAPES = {
                          tie_word_embeddings=True, rope_theta=1e5, rms_norm_eps=1e-5, qkv_bias=False),
     "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                          num_kv_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(_QWEN2, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                         num_kv_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(_QWEN2, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
                        num_kv_heads=4, head_dim=128, vocab_size=152064, tie_word_embeddings=False),
     "qwen2.5-72b": dict(_QWEN2, hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,

@@ -58,7 +58,13 @@ def main():
     ap.add_argument("--methods", default="power_mcmc,degs_mcmc")
     ap.add_argument("--schedules", default="fixed,refill", help="comma-separated: fixed, refill")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="runs per method and schedule; the last is reported (the first compiles)")
+                    help="runs per method and schedule; the last is reported (the first compiles, "
+                         "unless --warmup ran first)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="before the timed runs, each schedule decodes the first --batch problems (the "
+                         "refill: one more, so a slot is refilled) with their targets cut to 8 tokens: "
+                         "the same programs compile outside the timed runs; with --repeats 1 a long "
+                         "workload is timed once")
     ap.add_argument("--block-len", type=int, default=None, help="tokens per block (default: the library's)")
     ap.add_argument("--num-blocks", type=int, default=None, help="blocks (default: the library's)")
     ap.add_argument("--mh-steps", type=int, default=None, help="MH steps per block (default: the library's)")
@@ -86,23 +92,31 @@ def main():
         extra = dict(beta=0.0) if method == "power_mcmc" else dict(beta=5.0)
         per_schedule = {}
         for schedule in schedules:
-            for attempt in range(args.repeats):  # the first includes compilation
+            def run(problem_prompts):
+                if schedule == "refill":
+                    return decode(model, params, problem_prompts, method, keys=keys[:len(problem_prompts)],
+                                  eos_ids=(eos,), slots=batch, **chain_sizes, **extra).outputs
+                return [o for s in range(0, len(problem_prompts), batch)
+                        for o in decode(model, params, problem_prompts[s:s + batch], method,
+                                        keys=keys[s:s + batch], eos_ids=(eos,), **chain_sizes, **extra).outputs]
+
+            warmup = [encode_target(p, 8, eos) for p in prompts[:batch + (schedule == "refill")]] if args.warmup else []
+            t = time.perf_counter()
+            if warmup:
+                run(warmup)
+            warmup_seconds = time.perf_counter() - t
+            for attempt in range(args.repeats):  # the first includes compilation unless warmed up
                 ROW_STEPS.update(rows=0, active=0)
                 t = time.perf_counter()
-                if schedule == "refill":
-                    outputs = decode(model, params, prompts, method, keys=keys, eos_ids=(eos,), slots=batch,
-                                     **chain_sizes, **extra).outputs
-                else:
-                    outputs = [o for s in range(0, args.problems, batch)
-                               for o in decode(model, params, prompts[s:s + batch], method, keys=keys[s:s + batch],
-                                               eos_ids=(eos,), **chain_sizes, **extra).outputs]
+                outputs = run(prompts)
                 seconds = time.perf_counter() - t
                 if attempt == 0:
                     first = seconds
             acc = [a for o in outputs for a in (o.chosen.acceptance or [])]
             done = np.array([len(o.chosen.tokens) for o in outputs])
             per_schedule[schedule] = record = {
-                "seconds": seconds, "seconds_with_compile": first, "seconds_per_problem": seconds / args.problems,
+                "seconds": seconds, "seconds_first_run": first, "warmup_problems": len(warmup),
+                "warmup_seconds": warmup_seconds, "seconds_per_problem": seconds / args.problems,
                 "useful_row_step_fraction": ROW_STEPS["active"] / max(ROW_STEPS["rows"], 1),
                 "row_steps": ROW_STEPS["rows"], "active_row_steps": ROW_STEPS["active"],
                 "lengths_match_targets": bool((done == targets).all()),

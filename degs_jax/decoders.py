@@ -372,10 +372,13 @@ def _outputs(model: CausalLM, config: Method, state: GenState, answer: Any, deta
 
 
 def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, prompts: Sequence[Sequence[int]],
-                 keys: Array, max_len: int) -> tuple[Any, Array]:
+                 keys: Array, width: int, max_len: int) -> tuple[Any, Array]:
     """(carry, row keys) of prompts freshly prefilled into buffers of `max_len` slots and
-    `init`-ed: the refill's first batch, and each prompt it refills a slot with."""
+    `init`-ed: the refill's first batch, and each prompt it refills a slot with. Prompts
+    are right-padded to `width` (the run's longest prompt, bucketed), so one prefill
+    program serves every refill whatever the admitted prompt's length."""
     tokens, lengths = pad_prompts(prompts)
+    tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     cache_dtype = config.cache_dtype or params_dtype(params)
     state = prefill(model, params, jnp.asarray(tokens), jnp.asarray(lengths), max_len, cache_dtype,
                     bool(config.stop))
@@ -411,11 +414,13 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     settings = config.plan(model, eos_ids, token_bytes)
     n = config.pool_size
     tokens, _ = _checked_prompts(model, config, prompts, None, keys)
-    max_len = tokens.shape[1] + config.max_new_tokens
+    width = tokens.shape[1]
+    max_len = width + config.max_new_tokens
     slots = min(slots, len(prompts))
 
     t0 = time.perf_counter()
-    carry, row_key = _fresh_carry(model, params, config, settings, prompts[:slots], keys[:slots], max_len)
+    carry, row_key = _fresh_carry(model, params, config, settings, prompts[:slots], keys[:slots], width,
+                                  max_len)
     jax.block_until_ready(row_key)
     t1 = time.perf_counter()
     holding: list[Optional[int]] = list(range(slots))  # the prompt each slot decodes (None: none left)
@@ -439,7 +444,7 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
             output.counters = {**work_totals(answer.state), **details.counters}
             if waiting < len(prompts):
                 fresh, fresh_keys = _fresh_carry(model, params, config, settings, prompts[waiting:waiting + 1],
-                                                 keys[waiting:waiting + 1], max_len)
+                                                 keys[waiting:waiting + 1], width, max_len)
                 carry = put_slot(carry, jnp.int32(slot), fresh, n)
                 row_key = row_key.at[rows].set(fresh_keys)
                 holding[slot], waiting = waiting, waiting + 1
