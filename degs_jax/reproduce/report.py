@@ -35,7 +35,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -44,10 +44,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from degs_jax.analysis import format_interval, plot_predictive_validity, pool_from_records, predictive_validity
-from degs_jax.eval.benchmarks import BENCHMARKS
 from degs_jax.eval.graders import RULES_VERSION
-from degs_jax.eval.results import read_run_file, write_json
-from degs_jax.hyperparameters import BestOfN, method_from_record
+from degs_jax.eval.results import write_json
+from degs_jax.hyperparameters import BestOfN
 from degs_jax.method import Method
 from degs_jax.models.loading import BUILTIN_MODELS
 from degs_jax.plots import plot_entropy_trajectories
@@ -58,10 +57,9 @@ from degs_jax.reproduce.study import (
     SELECTED_FROM_POOL,
     STUDY_FILE,
     TABLE1_ORDER,
-    read_jsonl,
     read_records,
-    read_study_file,
 )
+from degs_jax.reproduce.study_files import Study, load_study, ordered_methods, pool_sampling, status_table
 from degs_jax.stats import compare_paired, holm, rerank_accuracy, sign_test, wilson_interval
 
 # (treatment, baseline, question): paired comparisons reported when both rows exist.
@@ -80,72 +78,6 @@ N_BUCKETS = 4
 TIMING_FIELDS = ("decode_s_per_problem", "grade_s_per_problem", "wall_clock_s_per_problem",
                  "decode_s_per_1k_generated_tokens", "layer_pass_s_per_candidate",
                  "wall_clock_overhead_per_generated_token")
-
-
-# --------------------------------------------------------------------------- loading
-
-
-@dataclass
-class Study:
-    """The files of a study directory: study.json (`meta`), the runs and the pools."""
-
-    directory: Path
-    meta: dict  # study.json
-    runs: dict[tuple[str, str], dict] = field(default_factory=dict)  # (benchmark, method)
-    pools: dict[str, dict] = field(default_factory=dict)  # benchmark
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.meta["model"]["num_layers"])
-
-    def latest(self, key: str) -> dict:
-        """``key`` (a per-directory or per-benchmark mapping) merged over the invocations,
-        later ones winning."""
-        merged: dict = {}
-        for inv in self.meta["invocations"]:
-            merged.update(inv.get(key, {}))
-        return merged
-
-
-def _run(directory: Path) -> Optional[dict]:
-    """A run's run.json (`run`), the method value it records (`decoder`) and its records."""
-    if not (directory / "run.json").exists():
-        return None
-    run = read_run_file(directory / "run.json")
-    return {"run": run, "decoder": method_from_record(run["config"], directory / "run.json"),
-            "records": sorted(read_records(directory), key=lambda r: r["index"])}
-
-
-def load_study(directory) -> Study:
-    """Read a `degs reproduce` directory (or an exported copy)."""
-    directory = Path(directory)
-    if not (directory / STUDY_FILE).exists():
-        raise FileNotFoundError(f"{directory} is not a `degs reproduce` directory (no {STUDY_FILE})")
-    study = Study(directory, read_study_file(directory / STUDY_FILE))
-    for run_dir in sorted((directory / "runs").glob("*/*")):
-        data = _run(run_dir)
-        if data is not None:
-            study.runs[(run_dir.parent.name, run_dir.name)] = data
-    for pool_dir in sorted((directory / "pool").glob("*")):
-        data = _run(pool_dir)
-        if data is None:
-            continue
-        if (pool_dir / LAYERS_META).exists():
-            data["layers_meta"] = json.loads((pool_dir / LAYERS_META).read_text())
-            data["layers"] = {r["id"]: r for r in read_jsonl(pool_dir / LAYERS_FILE)}
-        study.pools[pool_dir.name] = data
-    return study
-
-
-def _ordered(methods) -> list[str]:
-    methods = list(dict.fromkeys(methods))
-    known = [m for m in TABLE1_ORDER if m in methods]
-    return known + sorted(m for m in methods if m not in known)
-
-
-def _benchmarks(study: Study) -> list[str]:
-    present = {b for b, _ in study.runs}
-    return [b for b in BENCHMARKS if b in present]
 
 
 # --------------------------------------------------------------------------- rows
@@ -189,9 +121,9 @@ def _accuracy_cell(v: Mapping[int, bool]) -> dict[str, Any]:
 
 
 def table1(study: Study, verdict: Mapping[tuple[str, str], Mapping[int, bool]]) -> dict:
-    benchmarks = _benchmarks(study)
+    benchmarks = study.benchmarks
     rows = []
-    for m in _ordered(m for _, m in verdict):
+    for m in ordered_methods(m for _, m in verdict):
         cells = {b: _accuracy_cell(verdict[(b, m)]) for b in benchmarks if (b, m) in verdict}
         source = ("selected from the best_of_n run's candidates" if m in SELECTED_FROM_POOL
                   else "decoder run")
@@ -207,7 +139,7 @@ def paired_table(study: Study, verdict) -> dict:
     common random numbers of each beta pair."""
     comparisons = []
     for treat, base, question in PAIRS:
-        for b in _benchmarks(study):
+        for b in study.benchmarks:
             if (b, treat) not in verdict or (b, base) not in verdict:
                 continue
             common = sorted(set(verdict[(b, treat)]) & set(verdict[(b, base)]))
@@ -263,7 +195,7 @@ def common_random_numbers(study: Study) -> list[dict]:
     problems their final completions are identical."""
     out = []
     for treat, base in BETA_PAIRS:
-        for b in _benchmarks(study):
+        for b in study.benchmarks:
             runs = [study.runs.get((b, m)) for m in (treat, base)]
             if None in runs:
                 continue
@@ -326,16 +258,11 @@ def _pool_items(pool: Mapping[str, Any]) -> list[tuple[dict, dict]]:
     return [(r, layers[r["id"]]) for r in pool["records"] if r["id"] in layers]
 
 
-def _sampling(pool: BestOfN) -> str:
-    """A Best-of-N pool's sampling settings."""
-    return f"N = {pool.n}, T = {pool.temperature:g}, top-p {pool.top_p:g}"
-
-
 def predictive_validity_table(study: Study) -> dict:
     out = {}
     for b, pool in study.pools.items():
         if pool["records"]:
-            out[b] = {"sampling": _sampling(pool["decoder"]),
+            out[b] = {"sampling": pool_sampling(pool["decoder"]),
                       **predictive_validity(pool_from_records(pool["records"]),
                                             n_buckets=N_BUCKETS)}
     return out
@@ -456,7 +383,7 @@ def compute_table(study: Study) -> dict:
     L = study.num_layers
     rows = []
     for (b, m), data in sorted(study.runs.items(), key=lambda kv: (
-            kv[0][0], _ordered([x for _, x in study.runs]).index(kv[0][1]))):
+            kv[0][0], ordered_methods([x for _, x in study.runs]).index(kv[0][1]))):
         recs = data["records"]
         if not recs:
             continue
@@ -629,7 +556,7 @@ def _sampling_rows(runs: Mapping) -> list[dict]:
     """Candidate sampling of the Best-of-N runs (against Table 1's Best-of-N) and of the
     predictive-validity pools (against the paper's pool), with the mean candidate accuracy
     of both where a benchmark has both at different settings."""
-    sampling = {(kind, b): _sampling(data["decoder"])
+    sampling = {(kind, b): pool_sampling(data["decoder"])
                 for (kind, b, m), data in runs.items() if m == "best_of_n"}
     rows = []
     for kind, setting in (("runs", "Best-of-N pool (Best-of-N and its selections)"),
@@ -657,7 +584,7 @@ def _sampling_rows(runs: Mapping) -> list[dict]:
             deviates = not all(_paper_best_of_n(data["decoder"]) for (k, b, m), data in runs.items()
                                if k == "runs" and m == "best_of_n")
         else:
-            target = _sampling(BestOfN(**paper.CANDIDATE_SAMPLING))
+            target = pool_sampling(BestOfN(**paper.CANDIDATE_SAMPLING))
             deviates = set(by_value) != {target}
         rows.append(_deviation(
             setting, target,
@@ -807,37 +734,7 @@ def deviations_table(study: Study, status: Mapping, verdict) -> list[dict]:
             + _coverage_rows(study, status, verdict))
 
 
-# --------------------------------------------------------------------------- status, claims
-
-
-def status_table(study: Study) -> dict:
-    jobs = study.latest("jobs")
-    rows = []
-    for directory, job in sorted(jobs.items()):
-        if job["kind"] == "pool":
-            data = study.pools.get(job["benchmark"])
-        else:
-            data = study.runs.get((job["benchmark"], job["method"]))
-        done = len(data["records"]) if data else 0
-        row = {"directory": directory, "kind": job["kind"], "benchmark": job["benchmark"],
-               "method": job["method"], "target": job["target"], "done": done,
-               "deviations": job["deviations"]}
-        if job["kind"] == "pool" and data is not None:
-            row["layer_pass_done"] = len(data.get("layers", {}))
-        rows.append(row)
-    invocations = [{k: inv.get(k) for k in ("started", "finished", "status", "device", "seconds",
-                                            "argv", "skipped")}
-                   for inv in study.meta["invocations"]]
-    complete = all(r["done"] >= r["target"] and r.get("layer_pass_done", r["done"]) >= r["done"]
-                   for r in rows)
-    selection_deviations = {b: s["deviations"] for b, s in study.latest("selections").items()
-                            if s.get("deviations")}
-    regrades = [{"when": r["when"], "rules_version": r["rules_version"],
-                 "changed": len(r["changed"]), "timeouts_kept": len(r["timeouts_kept"])}
-                for r in study.meta.get("regrades", [])]
-    return {"model": study.meta["model"], "complete": complete, "jobs": rows,
-            "selection_deviations": selection_deviations, "invocations": invocations,
-            "regrades": regrades}
+# --------------------------------------------------------------------------- claims
 
 
 def beta_verdict(cells: Sequence[Mapping[str, Any]], family: int) -> str:
@@ -1038,7 +935,7 @@ def write_report(study_dir, out_dir=None) -> dict[str, Any]:
         pool = pool_from_records(study.pools[b]["records"])
         figures[f"predictive_validity_{b}"] = plot_predictive_validity(
             pool, stats, out / "figures" / f"predictive_validity_{b}.png",
-            title=f"{model} · {b} · pool: {_sampling(study.pools[b]['decoder'])}")
+            title=f"{model} · {b} · pool: {pool_sampling(study.pools[b]['decoder'])}")
     for b, traj in tables["trajectories"].items():
         curves = {f"{name} ({g['candidates']} candidates)": (traj["layers"], g["mean_entropy"])
                   for name, g in traj["groups"].items()}
