@@ -10,7 +10,7 @@ import pytest
 
 from degs_jax import stats
 from degs_jax.cli import reproduction as command
-from degs_jax.reproduce import paper, report, study
+from degs_jax.reproduce import accuracy, paper, report, study, study_files
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
@@ -313,11 +313,11 @@ def synthetic_study(tmp_path):
 
 def test_select_candidate_rules_and_ties():
     for i, pool in enumerate(POOLS):
-        assert report.select_candidate("best_of_n_entropy", pool, {}) == [1, 2, 0, 1][i]
-        assert report.select_candidate("degs_rerank", pool, {"alpha": 4, "beta": 5}) == [0, 2, 0, 0][i]
-        assert report.select_candidate("depth_only", pool, {"alpha": 0, "beta": 5}) == [1, 2, 0, 2][i]
+        assert accuracy.select_candidate("best_of_n_entropy", pool, {}) == [1, 2, 0, 1][i]
+        assert accuracy.select_candidate("degs_rerank", pool, {"alpha": 4, "beta": 5}) == [0, 2, 0, 0][i]
+        assert accuracy.select_candidate("depth_only", pool, {"alpha": 0, "beta": 5}) == [1, 2, 0, 2][i]
     with pytest.raises(ValueError, match="not probed"):
-        report.select_candidate("degs_rerank", [{"log_p": -1, "D": None}], {"alpha": 4, "beta": 5})
+        accuracy.select_candidate("degs_rerank", [{"log_p": -1, "D": None}], {"alpha": 4, "beta": 5})
 
 
 def test_report_tables_by_hand(synthetic_study, tmp_path):
@@ -460,7 +460,7 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
     assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
-    mcmc_statement = report.CRN_STATEMENTS[("degs_mcmc", "power_mcmc")]
+    mcmc_statement = accuracy.CRN_STATEMENTS[("degs_mcmc", "power_mcmc")]
     assert "**5 comparisons**" in text and mcmc_statement in text
     assert paired["common_random_numbers_notes"] == [mcmc_statement]  # no SMC pair ran
     assert "**1.000 [1.000, 1.000]** | 0.750 [0.750, 1.000]" in text
@@ -483,9 +483,9 @@ def test_paired_table_holm_over_the_comparisons_made():
                      "records": [{"index": i, "correct": c, "completion": f"{m}{i}"}
                                  for i, c in enumerate(verdicts)]}
             for b, pair in records.items() for m, verdicts in zip(("power_mcmc", "degs_mcmc"), pair)}
-    toy = report.Study(Path("toy"), {"model": {"name": "toy", "num_layers": L}, "invocations": []},
-                       runs=runs)
-    paired = report.paired_table(toy, report.verdicts(toy))
+    toy = study_files.Study(Path("toy"), {"model": {"name": "toy", "num_layers": L}, "invocations": []},
+                            runs=runs)
+    paired = accuracy.paired_table(toy, accuracy.verdicts(toy))
     comps = {c["benchmark"]: c for c in paired["comparisons"]}
     assert paired["comparisons_made"] == 2
     assert comps["gsm8k"]["p_value"] == pytest.approx(2 / 256)
@@ -910,7 +910,7 @@ def test_reranking_rows_are_the_decoders_choices(embedded_model, tmp_path):
             assert [c["tokens"] for c in pool["candidates"]] == [c["tokens"] for c in theirs["candidates"]]
             # ... and the same choice
             chosen = [c["chosen"] for c in theirs["candidates"]].index(True)
-            assert report.select_candidate(name, pool["candidates"], weights[name]) == chosen
+            assert accuracy.select_candidate(name, pool["candidates"], weights[name]) == chosen
 
 
 def test_the_default_batch_shrinks_to_what_fits_and_a_given_one_is_kept(embedded_model, tmp_path,
