@@ -10,7 +10,7 @@ import pytest
 
 from degs_jax import stats
 from degs_jax.cli import reproduction as command
-from degs_jax.reproduce import paper, report, study
+from degs_jax.reproduce import accuracy, claims, paper, report, study, study_files
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
@@ -329,11 +329,11 @@ def synthetic_study(tmp_path):
 
 def test_select_candidate_rules_and_ties():
     for i, pool in enumerate(POOLS):
-        assert report.select_candidate("best_of_n_entropy", pool, {}) == [1, 2, 0, 1][i]
-        assert report.select_candidate("degs_rerank", pool, {"alpha": 4, "beta": 5}) == [0, 2, 0, 0][i]
-        assert report.select_candidate("depth_only", pool, {"alpha": 0, "beta": 5}) == [1, 2, 0, 2][i]
+        assert accuracy.select_candidate("best_of_n_entropy", pool, {}) == [1, 2, 0, 1][i]
+        assert accuracy.select_candidate("degs_rerank", pool, {"alpha": 4, "beta": 5}) == [0, 2, 0, 0][i]
+        assert accuracy.select_candidate("depth_only", pool, {"alpha": 0, "beta": 5}) == [1, 2, 0, 2][i]
     with pytest.raises(ValueError, match="not probed"):
-        report.select_candidate("degs_rerank", [{"log_p": -1, "D": None}], {"alpha": 4, "beta": 5})
+        accuracy.select_candidate("degs_rerank", [{"log_p": -1, "D": None}], {"alpha": 4, "beta": 5})
 
 
 def test_report_tables_by_hand(synthetic_study, tmp_path):
@@ -429,16 +429,16 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
 
     status = result["status"]
     assert not status["complete"]  # degs_mcmc: 6 of 8
-    claims = {c["claim"][:10]: c for c in result["claims"]}
-    assert claims["beta = 5 i"]["verdict"].startswith(
+    by_claim = {c["claim"][:10]: c for c in result["claims"]}
+    assert by_claim["beta = 5 i"]["verdict"].startswith(
         "positive in every cell, as the paper: 1 positive, 0 negative, 0 zero of 1 cell;")
-    assert claims["MH accepta"]["measured"] == (
+    assert by_claim["MH accepta"]["measured"] == (
         "gsm8k: 0.713 pooled over 80 MH steps (mean of per-problem means 0.650)")
-    assert claims["MH accepta"]["verdict"].startswith("1 of 1 benchmarks inside 57-78% (pooled")
-    assert claims["beta = 5 i"]["verdict"].endswith(
+    assert by_claim["MH accepta"]["verdict"].startswith("1 of 1 benchmarks inside 57-78% (pooled")
+    assert by_claim["beta = 5 i"]["verdict"].endswith(
         "significant at 5% after Holm over the 5 comparisons of the paired table: none")
-    assert claims["D(x) predi"]["verdict"] == ("problem-demeaned AUC interval above 0.5 in 1, "
-                                               "below 0.5 in 0 of 1 pools")
+    assert by_claim["D(x) predi"]["verdict"] == ("problem-demeaned AUC interval above 0.5 in 1, "
+                                                 "below 0.5 in 0 of 1 pools")
 
     deviations = {r["setting"]: r for r in result["deviations"]}
     assert deviations["model"]["deviates"] and deviations["model"]["used"] == (
@@ -476,7 +476,7 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
     assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
-    mcmc_statement = report.CRN_STATEMENTS[("degs_mcmc", "power_mcmc")]
+    mcmc_statement = accuracy.CRN_STATEMENTS[("degs_mcmc", "power_mcmc")]
     assert "**5 comparisons**" in text and mcmc_statement in text
     assert paired["common_random_numbers_notes"] == [mcmc_statement]  # no SMC pair ran
     assert "**1.000 [1.000, 1.000]** | 0.750 [0.750, 1.000]" in text
@@ -499,9 +499,9 @@ def test_paired_table_holm_over_the_comparisons_made():
                      "records": [{"index": i, "correct": c, "completion": f"{m}{i}"}
                                  for i, c in enumerate(verdicts)]}
             for b, pair in records.items() for m, verdicts in zip(("power_mcmc", "degs_mcmc"), pair)}
-    toy = report.Study(Path("toy"), {"model": {"name": "toy", "num_layers": L}, "invocations": []},
-                       runs=runs)
-    paired = report.paired_table(toy, report.verdicts(toy))
+    toy = study_files.Study(Path("toy"), {"model": {"name": "toy", "num_layers": L}, "invocations": []},
+                            runs=runs)
+    paired = accuracy.paired_table(toy, accuracy.verdicts(toy))
     comps = {c["benchmark"]: c for c in paired["comparisons"]}
     assert paired["comparisons_made"] == 2
     assert comps["gsm8k"]["p_value"] == pytest.approx(2 / 256)
@@ -509,7 +509,7 @@ def test_paired_table_holm_over_the_comparisons_made():
     assert comps["gsm8k"]["p_holm"] == pytest.approx(2 * 2 / 256)
     assert comps["math500"]["p_holm"] == pytest.approx(2 / 8)
     assert paired["holm_family"] == 2
-    assert report.beta_verdict(paired["comparisons"], paired["holm_family"]).endswith(
+    assert claims.beta_verdict(paired["comparisons"], paired["holm_family"]).endswith(
         "one-sided sign test over the 2 non-zero cells p = 0.25; significant at 5% after "
         "Holm over the 2 comparisons of the paired table: gsm8k")
     # every completion differs: no identical final completion
@@ -521,19 +521,19 @@ def test_beta_verdict_counts_ties_as_no_direction():
         return [{"benchmark": f"b{i}", "difference": d, "p_holm": 1.0} for i, d in enumerate(diffs)]
 
     # the committed 0.5B study: +0.016, 0, 0 is not "the same direction" as the paper
-    verdict = report.beta_verdict(cells(0.016, 0.0, 0.0), 21)
+    verdict = claims.beta_verdict(cells(0.016, 0.0, 0.0), 21)
     assert verdict == ("not positive in every cell: 1 positive, 0 negative, 2 zero of 3 cells; "
                        "one-sided sign test over the 1 non-zero cell p = 0.5; significant at 5% "
                        "after Holm over the 21 comparisons of the paired table: none")
-    assert report.beta_verdict(cells(0.0, 0.0), 2).startswith("no difference in any cell: 0 positive")
-    assert "p = n/a" in report.beta_verdict(cells(0.0, 0.0), 2)
-    assert report.beta_verdict(cells(-0.1, -0.2), 2).startswith("negative in every cell")
-    assert report.beta_verdict(cells(0.1, -0.2, 0.3), 3).startswith(
+    assert claims.beta_verdict(cells(0.0, 0.0), 2).startswith("no difference in any cell: 0 positive")
+    assert "p = n/a" in claims.beta_verdict(cells(0.0, 0.0), 2)
+    assert claims.beta_verdict(cells(-0.1, -0.2), 2).startswith("negative in every cell")
+    assert claims.beta_verdict(cells(0.1, -0.2, 0.3), 3).startswith(
         "not positive in every cell: 2 positive, 1 negative, 0 zero of 3 cells; one-sided sign "
         "test over the 3 non-zero cells p = 0.5")  # P(X >= 2), X ~ Bin(3, 1/2) = 4/8
     significant = cells(0.1, 0.2)
     significant[1]["p_holm"] = 0.01
-    assert report.beta_verdict(significant, 2).endswith(
+    assert claims.beta_verdict(significant, 2).endswith(
         "significant at 5% after Holm over the 2 comparisons of the paired table: b1")
 
 
@@ -926,7 +926,7 @@ def test_reranking_rows_are_the_decoders_choices(embedded_model, tmp_path):
             assert [c["tokens"] for c in pool["candidates"]] == [c["tokens"] for c in theirs["candidates"]]
             # ... and the same choice
             chosen = [c["chosen"] for c in theirs["candidates"]].index(True)
-            assert report.select_candidate(name, pool["candidates"], weights[name]) == chosen
+            assert accuracy.select_candidate(name, pool["candidates"], weights[name]) == chosen
 
 
 def test_the_default_batch_shrinks_to_what_fits_and_a_given_one_is_kept(embedded_model, tmp_path,

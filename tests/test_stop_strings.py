@@ -348,7 +348,7 @@ def test_other_benchmarks_record_no_stop(degs, tmp_path):  # noqa: F811
 
 @pytest.mark.parametrize("stop, deviates", [(list(HUMANEVAL_DECODING_STOPS), False), (None, True), ([], True)])
 def test_the_report_reads_the_recorded_stops(stop, deviates):
-    from degs_jax.reproduce.report import _humaneval_end_rows
+    from degs_jax.reproduce.deviations import _humaneval_end_rows
 
     run = {"run": {"config": {"hyperparameters": {"stop": stop}}}, "records": [{"ended": True}, {"ended": False}]}
     (row,) = _humaneval_end_rows({("runs", "humaneval", "greedy"): run})

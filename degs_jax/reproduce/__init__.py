@@ -3,7 +3,9 @@
 - :mod:`degs_jax.reproduce.study`: what runs (Table 1 decoders, the predictive-validity
   pool, the layer pass), in which order, within which time budget; resumable.
 - :mod:`degs_jax.reproduce.report`: tables, figures and ``report.md`` from the stored
-  files alone; a compact export for committing.
+  files alone; a compact export for committing. It composes ``study_files`` (reading the
+  directory), the tables of ``accuracy``, ``pool_tables``, ``compute_accounting``,
+  ``deviations`` and ``claims``, ``figures`` and ``markdown``.
 - :mod:`degs_jax.reproduce.paper`: the paper's numbers, quoted, for side-by-side tables.
 - :mod:`degs_jax.cli.reproduction` (the CLI layer): the `degs reproduce` command line.
 
