@@ -1,4 +1,4 @@
-"""Continuous batching vs fixed batches on a MATH500-shaped workload, for any decoding
+r"""Continuous batching vs fixed batches on a MATH500-shaped workload, for any decoding
 method (issue 39): random bf16 weights, each method at its library defaults
 (`hyperparameters_for(method)`, changed only by --set): degs_mcmc (beta 5) and power_mcmc
 (16 blocks x 192 = 3072 new-token slots, 10 MH steps, one chain per problem); power_smc
@@ -17,7 +17,11 @@ method's `pool_size` rows: 1 for the MCMC methods (one chain) and scalable_power
 main row), n_particles (16) for power_smc / degs_smc, n for best_of_n. So --batch 16 is
 16 MCMC rows, 256 SMC rows; scalable_power's block additionally runs, per problem, L
 candidate rows then K·M rollout rows, each with its own KV cache (1 + L + K(1 + M) = 105
-sequences per problem at the defaults: the record's `kv_sequences`).
+sequences per problem at the defaults: the record's `kv_sequences`). A slot is refilled
+when the method's `advance` returns (`decode_stream`): an MCMC chain's after the block that
+ended it, an SMC problem's at the end of the ESS interval that finished it (up to
+resample_every - 1 idle steps; a fixed batch stops at its last token), an SPS problem's
+after its last block.
 
 Per method and schedule: seconds per problem, and the fraction of row-steps that did
 useful work (decode steps x rows, of which the active rows: counted by the model, see
