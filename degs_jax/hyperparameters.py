@@ -1,7 +1,8 @@
 """The registry of decoding methods: method name -> its class (a frozen dataclass of
-typed hyperparameters, `degs_jax.method.Method`; the classes live beside their kernels).
-The CLI (its --help is generated from the fields), `decode`, `degs eval`'s run
-configuration, the study and the analyses find methods here.
+typed hyperparameters, `degs_jax.method.Method`). A class with a method name of its own
+registers itself when it is defined (`Method.__init_subclass__`), so the classes are the
+only list. The CLI (its --help is generated from the fields), `decode`, `degs eval`'s run
+configuration, the study and the analyses find methods here. The library's:
 
     greedy             Greedy          degs_jax.sampling
     temperature        Temperature     degs_jax.sampling
@@ -13,6 +14,16 @@ configuration, the study and the analyses find methods here.
     power_smc          PowerSMC        degs_jax.smc
     degs_smc           DegsSMC         degs_jax.smc
     scalable_power     ScalablePower   degs_jax.sps
+
+`METHODS` names these, in this order (their families' order, each in the order its file
+defines them). An installed package adds methods through the entry-point group
+`degs_jax.methods` (`name = "package.module:Class"`; docs/extending.md): the first
+`method_classes()` call loads them (a package that fails to load is a warning naming
+it), and from then on `degs sample/eval/reproduce` list, run and resume them like the
+library's. A method class defined in a script registers itself as well, for the Python
+API. `method_origin` says where a class came from (its module and distribution), which
+run.json records beside the method, so that a run of a method that is not installed
+names the package to install.
 
 `hyperparameters_for(method, **overrides)` builds one from a method name (unknown names
 are an error); `as_method` takes a name with overrides or a value (what the layers above
@@ -26,31 +37,96 @@ dropped at the one value they were recorded with, `RETIRED_HYPERPARAMETERS`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import typing
-from typing import Any, Mapping
+import warnings
+from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
 
+from . import mcmc, sampling, smc, sps
 from .mcmc import DegsMCMC, MCMCMethod, PowerMCMC
-from .method import Method
+from .method import Method, registered_methods
 from .sampling import BestOfN, BestOfNEntropy, DegsRerank, Greedy, SamplingMethod, Temperature
 from .smc import DegsSMC, PowerSMC, SMCMethod
 from .sps import ScalablePower
 
 __all__ = ["Method", "SamplingMethod", "MCMCMethod", "SMCMethod", "Greedy", "Temperature", "BestOfN",
            "BestOfNEntropy", "DegsRerank", "PowerMCMC", "DegsMCMC", "PowerSMC", "DegsSMC", "ScalablePower",
-           "METHOD_HYPERPARAMETERS", "METHODS", "RERANK_METHODS", "MCMC_METHODS", "SMC_METHODS",
-           "field_names", "hyperparameters_for", "resolve_hyperparameters", "field_types", "as_method",
-           "method_record", "method_from_record", "RETIRED_HYPERPARAMETERS"]
+           "METHODS", "RERANK_METHODS", "MCMC_METHODS", "SMC_METHODS", "ENTRY_POINT_GROUP",
+           "method_classes", "method_origin", "field_names", "hyperparameters_for",
+           "resolve_hyperparameters", "field_types", "as_method", "method_record", "method_from_record",
+           "RETIRED_HYPERPARAMETERS"]
 
-METHOD_HYPERPARAMETERS: dict[str, type[Method]] = {
-    cls.method: cls for cls in (Greedy, Temperature, BestOfN, BestOfNEntropy, DegsRerank,
-                                PowerMCMC, DegsMCMC, PowerSMC, DegsSMC, ScalablePower)}
-METHODS = tuple(METHOD_HYPERPARAMETERS)
+# The library's families, in the order METHODS lists their methods.
+LIBRARY_MODULES = tuple(m.__name__ for m in (sampling, mcmc, smc, sps))
+LIBRARY_DISTRIBUTION = "degs-jax"
+ENTRY_POINT_GROUP = "degs_jax.methods"  # where an installed package names its method classes
+
+# module -> distribution of the classes loaded through an entry point; None until loaded
+_installed: Optional[dict[str, str]] = None
+
+
+def _load_installed_methods() -> dict[str, str]:
+    """Import every class the `degs_jax.methods` entry points name (importing it registers
+    it); module -> distribution of those that loaded. One that does not load, or is not a
+    method class of the entry point's name, is a warning naming its package."""
+    loaded = {}
+    for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        package = entry.dist.name if entry.dist is not None else "?"
+        try:
+            cls = entry.load()
+        except Exception as e:  # a broken package must not take the library's methods with it
+            warnings.warn(f"the method {entry.name!r} of the package {package!r} ({entry.value}) "
+                          f"did not load: {type(e).__name__}: {e}", stacklevel=2)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Method) and cls.method == entry.name):
+            warnings.warn(f"the entry point {entry.name!r} of the package {package!r} ({entry.value}) "
+                          f"is not the class of the method {entry.name!r}; ignored", stacklevel=2)
+            continue
+        loaded[cls.__module__] = package
+    return loaded
+
+
+def _in_order(classes: Mapping[str, type[Method]]) -> dict[str, type[Method]]:
+    """`classes` with the library's first, in METHODS' order, then the others as given."""
+    rank = {module: i for i, module in enumerate(LIBRARY_MODULES)}
+    names = sorted(classes, key=lambda name: rank.get(classes[name].__module__, len(rank)))  # stable
+    return {name: classes[name] for name in names}
+
+
+def method_classes() -> dict[str, type[Method]]:
+    """Every registered method by name: the library's (METHODS' order), then the others
+    (installed packages', loaded on the first call, and any defined since, e.g. in a
+    script) in the order they were defined."""
+    global _installed
+    if _installed is None:
+        _installed = {}  # (set first: a package that asks for the methods while it loads)
+        _installed = _load_installed_methods()
+    return _in_order(registered_methods())
+
+
+def method_origin(cls: type[Method]) -> dict[str, Optional[str]]:
+    """Where a method class came from: its module and the distribution that installed it
+    (this library's, or the package of its entry point; None for a class defined
+    elsewhere, e.g. in a script)."""
+    if cls.__module__ in LIBRARY_MODULES:
+        distribution = LIBRARY_DISTRIBUTION
+    else:
+        method_classes()  # (the installed packages loaded)
+        distribution = _installed.get(cls.__module__)
+    return {"module": cls.__module__, "distribution": distribution}
+
+
+# The library's methods (not the installed packages': the tests, the golden numbers and
+# the paper's study are over these).
+METHODS = tuple(name for name, cls in _in_order(registered_methods()).items()
+                if cls.__module__ in LIBRARY_MODULES)
 
 
 def _of_family(family: type[Method]) -> tuple[str, ...]:
-    return tuple(name for name, cls in METHOD_HYPERPARAMETERS.items() if issubclass(cls, family))
+    classes = registered_methods()
+    return tuple(name for name in METHODS if issubclass(classes[name], family))
 
 
 RERANK_METHODS = _of_family(BestOfN)  # a pool of samples, one answer chosen
@@ -60,7 +136,7 @@ SMC_METHODS = _of_family(SMCMethod)
 
 def field_names(method: str) -> tuple[str, ...]:
     """The hyperparameters `method` takes."""
-    return tuple(f.name for f in dataclasses.fields(METHOD_HYPERPARAMETERS[method]))
+    return tuple(f.name for f in dataclasses.fields(method_classes()[method]))
 
 
 def hyperparameters_for(method: str, **overrides: Any) -> Method:
@@ -68,14 +144,15 @@ def hyperparameters_for(method: str, **overrides: Any) -> Method:
 
     ValueError for an unknown method, a name the method does not take, or a bad value.
     """
-    if method not in METHOD_HYPERPARAMETERS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    classes = method_classes()
+    if method not in classes:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(classes)}")
     names = field_names(method)
     unknown = sorted(set(overrides) - set(names))
     if unknown:
         raise ValueError(f"{method} does not take {', '.join(unknown)}; "
                          f"it takes {', '.join(sorted(names))}")
-    return METHOD_HYPERPARAMETERS[method](**overrides)
+    return classes[method](**overrides)
 
 
 def resolve_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -126,12 +203,16 @@ def method_from_record(record: Mapping[str, Any], source: Any = "run.json") -> M
     """The method value a run record holds (`method_record`'s output, or a run.json
     `config` with its other keys): retired hyperparameters at their recorded value are
     dropped, L_sub becomes a tuple and a cache dtype a dtype. ValueError naming `source`
-    (the file) for a record that names no known method or a hyperparameter it does not
-    take or a bad value."""
+    (the file) for a record that names no known method (and the package it came from,
+    where the record has its `method_origin`) or a hyperparameter it does not take or a
+    bad value."""
     name, recorded = record.get("method"), record.get("hyperparameters")
     if not isinstance(name, str) or not isinstance(recorded, Mapping):
         raise ValueError(f"{source}: a run record needs a method name and its hyperparameters "
                          "(an object); repair it or use another run directory")
+    origin = record.get("method_origin")
+    if name not in method_classes() and isinstance(origin, Mapping):
+        raise ValueError(f"{source}: {_missing(name, origin)}")
     values = {k: v for k, v in recorded.items()
               if not (k in RETIRED_HYPERPARAMETERS and v == RETIRED_HYPERPARAMETERS[k])}
     if values.get("cache_dtype") is not None:
@@ -140,3 +221,13 @@ def method_from_record(record: Mapping[str, Any], source: Any = "run.json") -> M
         return hyperparameters_for(name, **values)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _missing(name: str, origin: Mapping[str, Any]) -> str:
+    """Why the method `name` of a run record whose `method_origin` is `origin` is unknown here."""
+    if origin.get("distribution"):
+        return (f"the method {name!r} comes from the package {origin['distribution']!r} (module "
+                f"{origin.get('module')}), which is not installed here; install it to use this run")
+    return (f"the method {name!r} was defined in the module {origin.get('module')}, which no "
+            "installed package provides; import it first, or make it a package "
+            "(docs/extending.md)")

@@ -12,8 +12,10 @@ themselves live beside their kernels, one file per family:
     SMC                      degs_jax.smc        PowerSMC, DegsSMC
     SPS                      degs_jax.sps        ScalablePower
 
-and `degs_jax.hyperparameters` is the registry (name -> class). Adding a method is one
-file (or one class in its family's file) plus a registry line.
+A class with a method name of its own (`method = "name"`) registers itself when it is
+defined (`Method.__init_subclass__`; `registered_methods()` lists them): adding a method
+is one class, in this package or in a user's own (`degs_jax.hyperparameters` finds the
+methods of installed packages through their entry points; docs/extending.md).
 
 What a method answers (the drivers never switch on a method's class or name):
 
@@ -46,6 +48,7 @@ What a method answers (the drivers never switch on a method's class or name):
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, ClassVar, Optional, Sequence
 
 import jax
@@ -103,11 +106,54 @@ def require_lens(beta: float, lens: Optional[LensConfig]) -> None:
         raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
 
 
+# Every class with a method name of its own, by that name, in the order they were defined.
+_REGISTERED: dict[str, type["Method"]] = {}
+# A method's name is a command-line value and a directory name (`degs reproduce`'s runs).
+_METHOD_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def _register(cls: type["Method"]) -> None:
+    """Register `cls` under its own `method` name. TypeError for a name that is not lower
+    case letters, digits and underscores, one another class has, or a subclass of a
+    registered method that keeps its parent's name (a run of it would record, and resume,
+    the parent)."""
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    name = cls.__dict__.get("method")
+    if name is None:
+        if cls.method:
+            raise TypeError(f"{where} subclasses the method {cls.method!r}: give it a name of its "
+                            f"own (method: ClassVar[str] = \"...\")")
+        return
+    if not name:  # a family of methods (no name): nothing to register
+        return
+    if not isinstance(name, str) or not _METHOD_NAME.fullmatch(name):
+        raise TypeError(f"{where}: the method name {name!r} must be lower-case letters, digits and "
+                        "underscores, starting with a letter")
+    taken = _REGISTERED.get(name)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"{where}: the method name {name!r} is taken by "
+                        f"{taken.__module__}.{taken.__qualname__}; choose another")
+    _REGISTERED[name] = cls  # (the same class defined again, e.g. its module reloaded: the new one)
+
+
+def registered_methods() -> dict[str, type["Method"]]:
+    """Every method class defined so far, by name, in the order they were defined
+    (`degs_jax.hyperparameters.method_classes` adds the installed packages' and orders them)."""
+    return dict(_REGISTERED)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """Settings every method takes. Frozen and hashable: usable as a static argument."""
+    """Settings every method takes. Frozen and hashable: usable as a static argument.
+
+    A subclass that sets `method` to a name registers itself under it when it is defined
+    (a family of methods, which leaves it empty, does not)."""
 
     method: ClassVar[str] = ""  # the method's name in `decode`, the CLI and run.json
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _register(cls)
 
     tau: float = method_field(DEFAULT_TAU, "collapse threshold in nats: d_t is the first probed "
                               "layer whose logit-lens entropy is <= tau")

@@ -8,7 +8,7 @@ import dataclasses
 
 from degs_jax.cli import build_parser
 from degs_jax.cli.options import _cli_fields, _hyperparameters
-from degs_jax.hyperparameters import METHOD_HYPERPARAMETERS
+from degs_jax.hyperparameters import METHODS, method_classes
 
 
 def _sample_parser():
@@ -19,7 +19,7 @@ def _sample_parser():
 def test_every_command_line_field_has_a_flag_with_its_documentation_and_default():
     options = {a.dest: a for a in _sample_parser()._actions}
     shown = 0
-    for method, cls in METHOD_HYPERPARAMETERS.items():
+    for method, cls in method_classes().items():
         for f in dataclasses.fields(cls):
             if not f.metadata["cli"]:
                 assert f.name not in options, f"{f.name} is Python-only"
@@ -106,7 +106,7 @@ def test_degs_sample_budgets_512_new_tokens_unless_told_and_eval_keeps_the_paper
         args = parser.parse_args(["sample", "x", *flags])
         return sample_budget(method_value(args), _hyperparameters(args))
 
-    for method in METHOD_HYPERPARAMETERS:
+    for method in METHODS:
         chosen = budget("--method", method)
         if method in ("power_mcmc", "degs_mcmc"):
             assert (chosen.block_len, chosen.num_blocks) == (192, 3)  # 576 >= 512 > 384

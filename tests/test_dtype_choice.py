@@ -44,7 +44,9 @@ def test_every_command_defaults_to_auto(argv):
     assert build_parser().parse_args(argv).dtype == "auto"
 
 
-def _write_model(directory):
+def write_tiny_model(directory):
+    """A tiny random Llama-style model with the byte tokenizer, as a HF directory (for
+    `--model DIR`: a `degs` process loads and compiles it in seconds)."""
     cfg = dataclasses.replace(tiny_config(vocab=257, layers=2, hidden=32, head_dim=8, intermediate=48),
                               max_position_embeddings=2048)
     directory.mkdir(parents=True)
@@ -56,7 +58,7 @@ def _write_model(directory):
 
 
 def test_load_defaults_to_float32_on_cpu(tmp_path):
-    model = load(_write_model(tmp_path / "m"), progress=False)
+    model = load(write_tiny_model(tmp_path / "m"), progress=False)
     assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.float32)}
 
 
@@ -64,7 +66,7 @@ def test_a_resumed_eval_keeps_the_dtype_it_was_made_with(tmp_path, capsys):
     """A run begun in bfloat16 (the old default) resumed with the new default: loaded in
     bfloat16, one line saying so, the same configuration (no refusal); an explicit other
     --dtype is refused as before, and a new run records auto's float32."""
-    model = _write_model(tmp_path / "m")
+    model = write_tiny_model(tmp_path / "m")
     out = tmp_path / "run"
     argv = ["eval", "--model", str(model), "--benchmark", "gsm8k", "--method", "greedy",
             "--max-new-tokens", "4", "--limit", "1", "--out", str(out), "--no-progress"]

@@ -225,26 +225,37 @@ def _count_lines(path):
         return 0
 
 
+def process_env(tmp_path, **more):
+    """The environment of a `degs` process a test starts: on the CPU, with a persistent
+    compilation cache in `tmp_path` that the test's later processes share."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **more)
+
+
+def kill_after_first_record(cmd, env, out, log_path, **popen):
+    """Run `cmd` (a `degs eval` into `out`) and SIGKILL it as soon as its first record is
+    in out/results.jsonl; assert that it was killed that way (else show its log)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, **popen)
+        deadline = time.monotonic() + 400
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if _count_lines(out / "results.jsonl") >= 1:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.05)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == -signal.SIGKILL, Path(log_path).read_text()[-3000:]
+
+
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1")
+    env = process_env(tmp_path)
     killed, reference = tmp_path / "killed", tmp_path / "reference"
-    log = (tmp_path / "killed.log").open("wb")
-    proc = subprocess.Popen(_eval_cmd(killed), env=env, stdout=log, stderr=subprocess.STDOUT)
+    kill_after_first_record(_eval_cmd(killed), env, killed, tmp_path / "killed.log")
     results = killed / "results.jsonl"
-    deadline = time.monotonic() + 400
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if _count_lines(results) >= 1:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.05)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
-    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
     assert 1 <= _count_lines(results) < 3  # killed mid-run, with a result written
     written = {r["id"] for r in _records(killed)}
 

@@ -47,9 +47,9 @@ from ..models.sharding import make_mesh
 from ..text import sample
 from ..train.tuned_lens import read_lens_file
 from . import evaluation, reproduction, training
-from .options import (BATCH_SIZE_HELP, METHOD_HELP, _add_decoder_args, _add_lens_args, _add_model_args,
+from .options import (BATCH_SIZE_HELP, _add_decoder_args, _add_lens_args, _add_model_args,
                       _hyperparameters, _tuned_lens, check_output_dir, check_seed, finite_float,
-                      method_value, prompt_text)
+                      method_help, method_value, prompt_text)
 
 def _load(args):
     """The model `--model` names (default: the built-in default), on `--mesh`, with
@@ -91,7 +91,7 @@ def cmd_generate(args) -> int:
 # few hundred tokens.
 SAMPLE_MAX_NEW_TOKENS = 512
 
-SAMPLE_DESCRIPTION = (METHOD_HELP + f" Budget: unless --max-new-tokens (or, for the MCMC chains, "
+SAMPLE_BUDGET_HELP = (f"Budget: unless --max-new-tokens (or, for the MCMC chains, "
                       f"--num-blocks) is given, `degs sample` decodes at most {SAMPLE_MAX_NEW_TOKENS} "
                       f"new tokens (the MCMC chains: ceil({SAMPLE_MAX_NEW_TOKENS} / block_len) blocks), "
                       "not the paper's 3,072 that `degs eval` and `degs reproduce` keep; a completion "
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("sample", help="decode a prompt with any decoder and print its statistics",
-                       description=SAMPLE_DESCRIPTION)
+                       description=method_help() + " " + SAMPLE_BUDGET_HELP)
     s.add_argument("prompt", nargs="?", default=None, help="the prompt (or --input)")
     _add_model_args(s)
     _add_decoder_args(s, "degs_mcmc")

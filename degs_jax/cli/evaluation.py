@@ -114,7 +114,6 @@ def add_commands(sub, load_model) -> None:
 
 def cmd_eval(args, load_model) -> int:
     # Everything that can be checked without the model, before loading it.
-    method = method_value(args)
     check_seed(args.seed)
     args.batch_size = parse_batch_size(args.batch_size)
     if args.limit is not None and args.limit < 0:
@@ -123,6 +122,7 @@ def cmd_eval(args, load_model) -> int:
     level = args.scope.enter_context(code_isolation([args.benchmark],
                                                     args.unsafe_unsandboxed_grading))
     runner.check_run_directory(Path(args.out), level)  # what a resume would read
+    method = method_value(args)  # (after: resuming a method not installed names its package)
     options = distributed_options(args)
     if options is not None:  # first: a process that fails before joining leaves the others
         join_job(options)    # waiting in jax.distributed.initialize

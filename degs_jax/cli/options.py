@@ -19,15 +19,19 @@ from typing import Iterable
 
 from ..eval import sandbox
 from ..eval.benchmarks import canonical_name
-from ..hyperparameters import METHOD_HYPERPARAMETERS, METHODS, field_types, hyperparameters_for
+from ..hyperparameters import field_types, hyperparameters_for, method_classes
 from ..lens import default_lsub, validate_lsub
 from ..method import Method
 from ..models.loading import AUTO_DTYPE, DTYPE_CHOICES, resolve_dtype
 from ..models.sharding import parse_mesh
 from ..train.tuned_lens import resolve_lens
 
-METHOD_HELP = (f"decoders: {', '.join(METHODS)} (docs/design.md §4). Hyperparameters a method does "
-               "not take are rejected.")
+
+def method_help() -> str:
+    """What --method takes: the library's decoders and those of installed packages
+    (`degs_jax.hyperparameters.method_classes`, read when the parser is built)."""
+    return (f"decoders: {', '.join(method_classes())} (docs/design.md §4; an installed package "
+            "adds its own, docs/extending.md). Hyperparameters a method does not take are rejected.")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -77,13 +81,14 @@ def _mesh_shape(text: str) -> tuple[int, int]:
 def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
     """--method, --seed and one option per hyperparameter field of the methods
     (`degs_jax.hyperparameters`: names, types, documentation and defaults come from there)."""
-    p.add_argument("--method", default=default_method, help=METHOD_HELP)
+    p.add_argument("--method", default=default_method, help=method_help())
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (same seed, same tokens)")
     g = p.add_argument_group("hyperparameters (unset: the method's default, as in the paper)")
+    every = len(method_classes())
     for name, (kind, texts) in _cli_fields().items():
         flag = "--" + name.replace("_", "-")
         help_text = "; ".join(
-            text + " (" + ("every method" if len(methods) == len(METHODS) else ", ".join(methods))
+            text + " (" + ("every method" if len(methods) == every else ", ".join(methods))
             + ("" if default is None else f": default {default}") + ")"
             for (text, default), methods in texts.items())
         if kind is bool:  # --x / --no-x (unset: the method's default)
@@ -160,7 +165,7 @@ def _cli_fields() -> dict[str, tuple[type, dict[tuple[str, object], list[str]]]]
     """name -> (argument type, {(help, default): methods}) over every method's fields
     shown on the command line, in the order the methods define them."""
     fields: dict = {}
-    for method, cls in METHOD_HYPERPARAMETERS.items():
+    for method, cls in method_classes().items():
         types = field_types(cls)
         for f in dataclasses.fields(cls):
             if not f.metadata.get("cli"):

@@ -14,8 +14,8 @@ from .. import reproduce  # its report (scipy, matplotlib) loads on first use
 from ..eval.benchmarks import canonical_name, load_benchmark
 from ..eval.processes import PeerProcessError, publish_failure
 from ..reproduce.regrade import regrade_study
-from ..reproduce.study import (DEFAULT_BATCH_SIZE, STUDY_FILE, Budget, StudyRequest, available_methods,
-                              format_plan, plan_table, read_study_file, run_study)
+from ..reproduce.study import (DEFAULT_BATCH_SIZE, STUDY_FILE, TABLE1_ORDER, Budget, StudyRequest,
+                              available_methods, format_plan, plan_table, read_study_file, run_study)
 from ..reproduce.study import recorded_dtype as study_dtype
 from .distributed import LAUNCH_HELP, add_distributed_args, distributed_options, join_job
 from .options import (REFILL_HELP, _add_model_args, add_unsafe_grading_flag, check_output_dir, check_seed, code_isolation,
@@ -71,8 +71,10 @@ def add_commands(sub, load_model) -> None:
                    help=f"comma-separated, in priority order ({ALL_BENCHMARKS}); 'none' for no "
                         "Table 1 runs")
     g.add_argument("--methods", default=None,
-                   help="Table 1 rows, comma-separated, in priority order (default: every decoder "
-                        "of degs_jax.decoders.METHODS and the reranking selections)")
+                   help="rows, comma-separated, in priority order (default: the paper's Table 1, "
+                        f"{', '.join(TABLE1_ORDER)}); the methods of installed packages "
+                        f"({', '.join(available_methods()[len(TABLE1_ORDER):]) or 'none'}) run only "
+                        "where named here")
     g.add_argument("--limit", action="append", default=[], metavar="[BENCH=]N",
                    help="first N problems of every benchmark, or of BENCH (repeatable)")
     g.add_argument("--pool-benchmarks", default=PAPER_POOL_BENCHMARKS,
@@ -193,7 +195,7 @@ def build_request(args):
         canonical = {canonical_name(k) if k != "*" else "*": v for k, v in table.items()}
         return canonical.get(canonical_name(b), canonical.get("*", fallback))
 
-    methods = tuple(_split(args.methods)) if args.methods is not None else available_methods()
+    methods = tuple(_split(args.methods)) if args.methods is not None else TABLE1_ORDER
     return StudyRequest(
         benchmarks={b: limit(limits, b) for b in benchmarks},
         methods=methods,

@@ -322,10 +322,11 @@ def write_summary(directory: str | os.PathLike, summary: Mapping[str, Any]) -> P
     return path
 
 
-def package_versions() -> dict[str, str | None]:
-    """Versions of the packages that affect results (``None`` if not installed), and Python."""
+def package_versions(*others: str | None) -> dict[str, str | None]:
+    """Versions of the packages that affect results (``None`` if not installed) and of
+    ``others`` (e.g. the package a method came from; None: none), and Python."""
     versions: dict[str, str | None] = {}
-    for name in VERSION_PACKAGES:
+    for name in dict.fromkeys(VERSION_PACKAGES + tuple(o for o in others if o is not None)):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

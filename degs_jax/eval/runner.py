@@ -106,7 +106,7 @@ from degs_jax.eval.results import (
     write_json,
     write_summary,
 )
-from degs_jax.hyperparameters import as_method, method_from_record, method_record
+from degs_jax.hyperparameters import as_method, method_from_record, method_origin, method_record
 from degs_jax.method import Method
 from degs_jax.model_api import params_dtype
 from degs_jax.models import with_tuned_lens
@@ -161,7 +161,9 @@ def run_config(model, benchmark: str, method: Method, seed: int, chat: bool,
 
     The method is recorded by ``method_record`` with ``lsub`` made explicit for the
     model's depth, so spelling a default out or leaving it implicit gives the same
-    configuration. A
+    configuration, and where its class came from (``method_origin``: module and
+    distribution; a resume compares the class it finds today, and a run whose method is
+    not installed names the package). A
     tuned lens is recorded by its layers and weights' sha256 (the logit lens, the
     default, adds nothing, so earlier runs keep their configuration); so is
     `--batch-invariant` (other numerics, hence other records).
@@ -176,6 +178,7 @@ def run_config(model, benchmark: str, method: Method, seed: int, chat: bool,
     return _jsonable({
         "benchmark": bench,
         **method_record(method),
+        "method_origin": method_origin(type(method)),
         "seed": int(seed),
         "key_derivation": KEY_DERIVATION,
         "model": {"name": model.name, "architecture": model.architecture,
@@ -230,9 +233,16 @@ def recorded_dtype(out: Path) -> Optional[str]:
 def _stored_config(path: Path, run: Mapping[str, Any]) -> dict[str, Any]:
     """The configuration of a stored run, its method as the method value it records gives
     it today (``method_from_record``: what an older version recorded still compares
-    equal); ValueError naming the file for a record that gives none."""
+    equal); ValueError naming the file for a record that gives none (and the package a
+    method that is not installed came from)."""
     config = run["config"]
     return {**config, **method_record(method_from_record(config, path))}
+
+
+# Recorded in the configuration, not compared on resuming: where the method's class came
+# from (a resume runs the class registered under the method's name today, and records
+# where that came from; runs from before it was recorded resume too).
+NOT_COMPARED = ("method_origin",)
 
 
 def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
@@ -240,13 +250,15 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
     run_file = out / RUN_FILE
     if run_file.exists():
         run = read_run_file(run_file)
-        run["config"] = _stored_config(run_file, run)
-        diffs = _config_differences(run["config"], config)
+        stored = _stored_config(run_file, run)
+        diffs = _config_differences(*({k: v for k, v in c.items() if k not in NOT_COMPARED}
+                                      for c in (stored, config)))
         if diffs:
             raise ValueError(
                 f"{out} holds a run with a different configuration; refusing to resume into it "
                 f"({'; '.join(diffs)}). Use another --out directory, or repeat the original "
                 "command to resume.")
+        run["config"] = config  # the stored one, read as today, but for NOT_COMPARED
         _check_isolation(out, run, invocation)
         old_versions = (run.get("invocations") or [{}])[0].get("versions")
         if old_versions and old_versions != invocation["versions"]:
@@ -349,7 +361,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
         "limit": limit, "indices": list(indices) if indices is not None else None,
         "batch_size": batch_size, "batch_choice": batch_choice, "refill": bool(refill and group is None),
         "model_source": None if model.source is None else str(model.source),
-        "versions": package_versions(), "grading_rules": RULES_VERSION,
+        "versions": package_versions(config["method_origin"]["distribution"]),
+        "grading_rules": RULES_VERSION,
         "device": str(jax.local_devices()[0]), "process_count": jax.process_count(),
         **({"humaneval_isolation": code_isolation} if code_isolation else {}),
     }

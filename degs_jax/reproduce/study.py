@@ -81,7 +81,7 @@ from degs_jax.eval.processes import (ProcessGroup, failures_published, from_proc
                                      gathered_on_process_0, process_group)
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
-from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_from_record, resolve_hyperparameters
+from degs_jax.hyperparameters import hyperparameters_for, method_classes, method_from_record, resolve_hyperparameters
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
 from degs_jax.method import Method
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
@@ -91,8 +91,9 @@ STUDY_FILE = "study.json"
 LAYERS_FILE = "layers.jsonl"
 LAYERS_META = "layers.json"
 
-# Table 1's row order (the paper's, then our reranking rows); decoders that exist in
-# degs_jax.decoders.METHODS but not here are appended in METHODS order.
+# Table 1's row order (the paper's, then our reranking rows), and the rows of the default
+# study, listed here and not read off the registry: a method an installed package adds
+# (degs_jax.hyperparameters) joins a study, after these, only where --methods names it.
 TABLE1_ORDER = ("greedy", "temperature", "best_of_n", "power_mcmc", "scalable_power",
                 "power_smc", "best_of_n_entropy", "degs_rerank", "depth_only", "degs_mcmc",
                 "degs_smc")
@@ -121,11 +122,10 @@ UNMEASURED_RESERVE = 0.15
 
 
 def available_methods() -> tuple[str, ...]:
-    """Every row the study can produce, in Table 1 order: the decoders of
-    ``degs_jax.decoders.METHODS`` (discovered at run time) plus the pool selections."""
-    known = set(METHODS) | {"depth_only"}
-    ordered = [m for m in TABLE1_ORDER if m in known]
-    return tuple(ordered + [m for m in METHODS if m not in ordered])
+    """Every row the study can produce: Table 1's (the paper's decoders and the pool
+    selections), then the methods installed packages add
+    (``degs_jax.hyperparameters.method_classes``)."""
+    return TABLE1_ORDER + tuple(m for m in method_classes() if m not in TABLE1_ORDER)
 
 
 def method_defaults(method: str) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""A method of a user's own package (docs/extending.md): the walk-through run exactly as
+written, and the registry's rules in-process.
+
+The walk-through takes the package's files and the commands from the page itself:
+installs the package with pip (into a directory on PYTHONPATH, what `pip install` writes
+into site-packages: its module and a .dist-info with the entry points), checks that
+`degs sample --help` lists the method and its hyperparameter, starts the page's
+`degs eval`, kills it after its first record, repeats it to resume, and repeats it once
+more where the package is not installed (in this process, which never saw it). The
+commands run as the page gives them, with a tiny random model, a short budget and a
+smaller pool appended (later options win), so that each process loads and compiles in
+seconds.
+"""
+
+import dataclasses
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+import degs_jax.method
+from degs_jax import cli
+from degs_jax.hyperparameters import (METHODS, hyperparameters_for, method_classes, method_from_record,
+                                      method_origin)
+from degs_jax.method import method_field
+from degs_jax.reproduce.study import TABLE1_ORDER, StudyRequest, available_methods
+from degs_jax.sampling import BestOfN
+from test_dtype_choice import write_tiny_model
+from test_eval_cli import _count_lines, _records, kill_after_first_record, process_env
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+# What the test appends to the page's `degs eval`: a tiny model, 8 new tokens, a pool of 2,
+# one problem per slot, 6 problems (the kill lands with most of them left to do: the prompts
+# of the first 6 DeepMind500 problems share one padded width, so the first problem compiles
+# every program the others, and the resumed run, use).
+CHEAP = ["--model", "{model}", "--max-new-tokens", "8", "--n", "2", "--batch-size", "1", "--limit", "6",
+         "--no-progress"]
+
+
+def page_files(text: str) -> dict[str, str]:
+    """The page's files: each code block whose first line is a comment naming its path."""
+    files = {}
+    for block in re.findall(r"```(?:python|toml)\n(.*?)```", text, flags=re.S):
+        first, _, rest = block.partition("\n")
+        path = first.removeprefix("# ")
+        files[path] = block if path.endswith(".py") else rest  # (a Python file keeps its comment)
+    return files
+
+
+def page_commands(text: str) -> list[list[str]]:
+    """The page's shell commands (its ```bash block), split into arguments."""
+    (block,) = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def _process(argv):
+    """A `degs ...` command line as this interpreter runs it."""
+    assert argv[0] == "degs"
+    return [sys.executable, "-m", "degs_jax.cli", *argv[1:]]
+
+
+def _degs(argv, env, cwd):
+    return subprocess.run(_process(argv), env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_walk_through_installs_lists_runs_and_resumes_a_users_method(tmp_path, monkeypatch, capsys):
+    text = PAGE.read_text()
+    files = page_files(text)
+    assert set(files) == {"my-methods/my_methods.py", "my-methods/pyproject.toml"}
+    for path, content in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(content)
+    install, help_cmd, eval_cmd = page_commands(text)
+    assert install[:3] == ["pip", "install", "-e"] and help_cmd == ["degs", "sample", "--help"]
+    assert eval_cmd[:2] == ["degs", "eval"] and "entropy_penalized" in eval_cmd
+
+    # pip install, into a directory on PYTHONPATH (the environment stays as it is)
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                           "--no-build-isolation", "--no-index", "--target", str(site), install[-1]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    installed = process_env(tmp_path, PYTHONPATH=str(site))
+
+    shown = _degs(help_cmd, installed, tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    help_text = " ".join(shown.stdout.split())
+    assert re.search(r"decoders: greedy, .*scalable_power, entropy_penalized \(", help_text)
+    assert ("--gamma GAMMA weight of the mean final-layer entropy subtracted from log p(x) "
+            "(entropy_penalized: default 1.0)") in help_text
+
+    model = write_tiny_model(tmp_path / "tiny")
+    argv = [a.replace("{model}", str(model)) for a in eval_cmd + CHEAP]
+    out = tmp_path / "runs" / "dm-ep"
+    kill_after_first_record(_process(argv), installed, out, tmp_path / "killed.log", cwd=tmp_path)
+    first = (out / "results.jsonl").read_bytes()
+    assert 1 <= _count_lines(out / "results.jsonl") < 6  # killed mid-run, with a record written
+
+    resumed = _degs(argv, installed, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "accuracy" in resumed.stdout
+    records = _records(out)
+    assert sorted(r["index"] for r in records) == list(range(6))  # nothing lost, nothing repeated
+    assert (out / "results.jsonl").read_bytes().startswith(first[:first.rindex(b"\n") + 1])
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["method"] == "entropy_penalized"
+    assert run["config"]["hyperparameters"]["gamma"] == 1.0 and run["config"]["hyperparameters"]["n"] == 2
+    assert run["config"]["method_origin"] == {"module": "my_methods", "distribution": "my-methods"}
+    assert [i["versions"]["my-methods"] for i in run["invocations"]] == ["0.1.0", "0.1.0"]
+
+    # where the package is not installed (this process: it never saw `site`), before loading
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main(argv[1:]) == 2
+    error = capsys.readouterr().err
+    assert error == ("degs: error: runs/dm-ep/run.json: the method 'entropy_penalized' comes from the "
+                     "package 'my-methods' (module my_methods), which is not installed here; install it "
+                     "to use this run\n")
+    assert error.strip() in text  # the page quotes it
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Classes the test defines are registered only for the test."""
+    monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(degs_jax.method._REGISTERED))
+
+
+def _define(name, base=BestOfN, **namespace):
+    body = {"__module__": "my_script", "__qualname__": f"Rule_{name}", "method": name,
+            "__annotations__": {"method": ClassVar[str]}, **namespace}
+    return dataclasses.dataclass(frozen=True)(type(f"Rule_{name}", (base,), body))
+
+
+def test_a_class_with_a_name_registers_itself(registry):
+    rule = _define("my_rule", weight=method_field(2.0, "a weight"),
+                   __annotations__={"method": ClassVar[str], "weight": float})
+    assert list(method_classes())[-1] == "my_rule"  # after the library's
+    assert list(method_classes())[:len(METHODS)] == list(METHODS)
+    assert "my_rule" not in METHODS  # the library's methods only
+    assert hyperparameters_for("my_rule", weight=3.0) == rule(weight=3.0)
+    assert method_origin(rule) == {"module": "my_script", "distribution": None}
+    assert method_origin(BestOfN) == {"module": "degs_jax.sampling", "distribution": "degs-jax"}
+    assert _define("my_rule") is method_classes()["my_rule"]  # defined again: the new class
+
+
+def test_names_are_checked_when_the_class_is_defined(registry):
+    with pytest.raises(TypeError, match="'best_of_n' is taken by degs_jax.sampling.BestOfN"):
+        _define("best_of_n")
+    with pytest.raises(TypeError, match="must be lower-case letters"):
+        _define("My-Rule")
+    with pytest.raises(TypeError, match="subclasses the method 'best_of_n': give it a name of its own"):
+        type("Unnamed", (BestOfN,), {})  # its runs would record, and resume as, best_of_n
+
+
+def test_a_record_of_a_method_not_installed_names_its_package():
+    record = {"method": "nowhere", "hyperparameters": {},
+              "method_origin": {"module": "their_methods", "distribution": "their-methods"}}
+    with pytest.raises(ValueError, match=r"^runs/x/run.json: the method 'nowhere' comes from the package "
+                                         r"'their-methods' \(module their_methods\), which is not installed"):
+        method_from_record(record, "runs/x/run.json")
+    record["method_origin"] = {"module": "__main__", "distribution": None}
+    with pytest.raises(ValueError, match="defined in the module __main__, which no installed package"):
+        method_from_record(record, "runs/x/run.json")
+
+
+def test_the_default_study_is_the_papers_and_a_users_method_joins_when_named(registry):
+    _define("my_rule")
+    assert available_methods() == TABLE1_ORDER + ("my_rule",)
+    from degs_jax.cli import build_parser
+    from degs_jax.cli.reproduction import build_request
+
+    args = build_parser().parse_args(["reproduce", "--out", "o", "--benchmarks", "gsm8k"])
+    assert build_request(args).methods == TABLE1_ORDER
+    args = build_parser().parse_args(["reproduce", "--out", "o", "--benchmarks", "gsm8k",
+                                      "--methods", "best_of_n,my_rule"])
+    assert build_request(args).methods == ("best_of_n", "my_rule")
+    assert StudyRequest(benchmarks={"gsm8k": 2}, methods=("my_rule",)).methods == ("my_rule",)
+
+
+def _installed_package(site, module, entry_points, source=""):
+    """What pip installs, by hand: `module`.py and a .dist-info naming its entry points."""
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[degs_jax.methods]\n" + entry_points)
+
+
+def test_installed_packages_are_loaded_once_and_a_broken_one_is_a_warning(registry, monkeypatch, tmp_path):
+    import degs_jax.hyperparameters as registry_module
+
+    _installed_package(tmp_path, "pkg_rule_ok", "ok_rule = pkg_rule_ok:OkRule\n",
+                       "import dataclasses\nfrom typing import ClassVar\nfrom degs_jax.sampling import BestOfN\n\n"
+                       "@dataclasses.dataclass(frozen=True)\nclass OkRule(BestOfN):\n"
+                       "    method: ClassVar[str] = 'ok_rule'\n")
+    _installed_package(tmp_path, "pkg_rule_broken", "broken_rule = pkg_rule_broken:Missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry_module, "_installed", None)  # as in a fresh process
+    with pytest.warns(UserWarning, match="the method 'broken_rule' of the package 'pkg-rule-broken' "
+                                         r"\(pkg_rule_broken:Missing\) did not load: AttributeError"):
+        classes = method_classes()
+    assert list(classes)[len(METHODS):] == ["ok_rule"] and "broken_rule" not in classes
+    assert method_origin(classes["ok_rule"]) == {"module": "pkg_rule_ok", "distribution": "pkg-rule-ok"}
