@@ -73,7 +73,7 @@ def add_commands(sub, load_model) -> None:
     g.add_argument("--methods", default=None,
                    help="rows, comma-separated, in priority order (default: the paper's Table 1, "
                         f"{', '.join(TABLE1_ORDER)}); the methods of installed packages "
-                        f"({', '.join(available_methods()[len(TABLE1_ORDER):]) or 'none'}) run only "
+                        f"({', '.join(m for m in available_methods() if m not in TABLE1_ORDER) or 'none'}) run only "
                         "where named here")
     g.add_argument("--limit", action="append", default=[], metavar="[BENCH=]N",
                    help="first N problems of every benchmark, or of BENCH (repeatable)")

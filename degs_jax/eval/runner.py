@@ -258,7 +258,7 @@ def _prepare_run_dir(out: Path, config: dict, invocation: dict) -> dict:
                 f"{out} holds a run with a different configuration; refusing to resume into it "
                 f"({'; '.join(diffs)}). Use another --out directory, or repeat the original "
                 "command to resume.")
-        run["config"] = config  # the stored one, read as today, but for NOT_COMPARED
+        run["config"] = config  # equal to the stored one but for NOT_COMPARED, which is today's
         _check_isolation(out, run, invocation)
         old_versions = (run.get("invocations") or [{}])[0].get("versions")
         if old_versions and old_versions != invocation["versions"]:
