@@ -15,6 +15,10 @@ batch × bytes_per_row, the bytes in use after the weights were drawn (`before`)
 process's peak, `measured` = peak − before, measured / estimate, the fraction of the free
 memory the estimate may take (`batching.DEFAULT_MEMORY_FRACTION`), and whether it ran out
 of memory. Goal (issue 28): no run out of memory, and measured within 15% of the estimate.
+Each child claims the card as the `degs` program does (`batching.claim_device_memory`:
+XLA's pool is `DEVICE_MEMORY_FRACTION` of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION
+is set) and records the setting, the card's size and what fraction of the card the peak
+and the estimate took (issue 39).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ OUT = "batch_auto.jsonl"
 
 
 def one(args) -> dict:
+    from degs_jax.batching import claim_device_memory
+
+    claim_device_memory()  # before JAX starts its backend, as the `degs` program does
     import jax
     import jax.numpy as jnp
 
@@ -58,7 +65,7 @@ def one(args) -> dict:
               "sequences_per_prompt": config.sequences_per_prompt, "batch": batch,
               "bytes_per_row": choice["bytes_per_row"], "free_bytes": choice["free_bytes"],
               "fraction": choice["fraction"], "estimate_bytes": batch * choice["bytes_per_row"],
-              "bytes_in_use_before": before}
+              "bytes_in_use_before": before, "device_memory": choice.get("device_memory")}
     t = time.perf_counter()
     try:
         result = decode(model, params, prompts[:batch], config, jax.random.key(1), eos_ids=(eos,))
@@ -74,6 +81,10 @@ def one(args) -> dict:
         record["measured_bytes"] = peak - before
         record["measured_over_estimate"] = (peak - before) / record["estimate_bytes"]
         record["peak_over_free_plus_before"] = peak / (choice["free_bytes"] + before)
+    if peak is not None and record["device_memory"]:
+        card = record["device_memory"]["card_bytes"]
+        record["peak_over_card"] = peak / card
+        record["estimate_over_card"] = record["estimate_bytes"] / card
     return record
 
 

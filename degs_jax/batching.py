@@ -28,6 +28,14 @@ bytes_in_use` of `device.memory_stats()`. Backends that report no statistics (CP
 back to the host's free physical memory, and say so in the record. Rows split over a
 mesh of `devices` devices multiply the capacity (each holds 1/devices of the rows or of
 the heads).
+
+How much of a GPU JAX may use at all is XLA's allocator pool, a fraction of the card set by
+the environment variable `XLA_PYTHON_CLIENT_MEM_FRACTION` when the backend starts; JAX's
+own default, 0.75, left a quarter of every card to nothing (a 7B Scalable Power Sampling
+batch peaked at 70.8 GB of an H200's 143.7 GB). The `degs` program sets it to
+`DEVICE_MEMORY_FRACTION` unless the user did (`claim_device_memory`, before JAX starts a
+backend); `device_memory_setting` says which value is in force and where it came from, and
+the batch record carries it with the card's size (`bytes_limit` / the fraction).
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ import numpy as np
 from .generation import PROMPT_BUCKET
 
 DEFAULT_MEMORY_FRACTION = 0.7
+# XLA's GPU allocator pool as a fraction of the card (module docstring): what the `degs`
+# program asks for, and JAX's default where nobody sets it. The rest of the card holds
+# what the pool does not (the CUDA context, cuBLAS/cuDNN workspaces): 14 GB of an H200.
+MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEVICE_MEMORY_FRACTION = 0.9
+JAX_DEFAULT_DEVICE_MEMORY_FRACTION = 0.75
 MAX_AUTO_BATCH = 256
 STATE_BYTES_PER_SLOT = 20
 STOP_STATE_BYTES_PER_SLOT = 4
@@ -99,6 +113,44 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
     return RowCost(max_len=max_len, sequences=config.sequences_per_prompt, cache_bytes=cache_bytes,
                    state_bytes=(STATE_BYTES_PER_SLOT + STOP_STATE_BYTES_PER_SLOT * bool(config.stop)) * max_len,
                    working_bytes=WORKING_VOCAB_COPIES * model.vocab_size * 4)
+
+
+def claim_device_memory() -> None:
+    """Let XLA's GPU allocator take DEVICE_MEMORY_FRACTION of each card, unless the user set
+    XLA_PYTHON_CLIENT_MEM_FRACTION. Takes effect only before JAX starts its GPU backend
+    (the `degs` program calls it first thing); a no-op on a CPU."""
+    os.environ.setdefault(MEMORY_FRACTION_VARIABLE, str(DEVICE_MEMORY_FRACTION))
+
+
+def device_memory_setting() -> dict[str, Any]:
+    """{"variable", "fraction": the pool's fraction of the card in force, "source"}: the
+    environment's value (set by the user or by `claim_device_memory`) or JAX's default.
+    ValueError for a value that is not a number in (0, 1]."""
+    text = os.environ.get(MEMORY_FRACTION_VARIABLE)
+    if text is None:
+        return {"variable": MEMORY_FRACTION_VARIABLE, "fraction": JAX_DEFAULT_DEVICE_MEMORY_FRACTION,
+                "source": "JAX's default (the variable is not set)"}
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{MEMORY_FRACTION_VARIABLE}={text!r}: XLA's allocator takes a fraction of the "
+                         "card in (0, 1]")
+    return {"variable": MEMORY_FRACTION_VARIABLE, "fraction": fraction, "source": "the environment"}
+
+
+def card_memory(device: Optional[Any] = None) -> Optional[dict[str, Any]]:
+    """For a GPU (default: the first local device): `device_memory_setting()` with XLA's
+    pool (`bytes_limit`) and the card's size it implies (`card_bytes` = bytes_limit /
+    fraction); None for a device without an allocator pool (CPU)."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if device.platform != "gpu" or "bytes_limit" not in stats:
+        return None
+    setting = device_memory_setting()
+    return {**setting, "bytes_limit": int(stats["bytes_limit"]),
+            "card_bytes": round(int(stats["bytes_limit"]) / setting["fraction"])}
 
 
 def free_memory(device: Optional[Any] = None) -> tuple[int, str]:
@@ -160,6 +212,9 @@ def choose_batch_size(requested: int | str, model: Any, config: Any, longest_pro
               "bytes_per_row": cost.total, "row_cost": dataclasses.asdict(cost), "free_bytes": free,
               "devices": devices, "memory_source": source, "fraction": fraction, "largest": most,
               "rule": "min(largest, max(1, floor(fraction * free_bytes * devices / bytes_per_row)))"}
+    card = card_memory()
+    if card is not None:
+        record["device_memory"] = card
     if fits == 0:
         record["warning"] = (f"one prompt needs {_gib(cost.total)} of the {_gib(capacity)} free, more "
                              f"than the {fraction:.0%} the estimate leaves room for: batch 1 may "
@@ -174,7 +229,10 @@ def describe_batch_choice(choice: dict[str, Any]) -> str:
     line = (f"batch size {choice['batch_size']} (auto, limited by {choice['limited_by']}: "
             f"{choice['bytes_per_row'] / 2**20:.1f} MiB per prompt, {_gib(choice['free_bytes'])} free"
             + (f" on each of {choice['devices']} devices" if choice["devices"] > 1 else "")
-            + f", {choice['memory_source']})")
+            + f", {choice['memory_source']}"
+            + (f"; XLA may use {choice['device_memory']['fraction']:.0%} of the "
+               f"{_gib(choice['device_memory']['card_bytes'])} card" if "device_memory" in choice else "")
+            + ")")
     return line + (f"; warning: {choice['warning']}" if "warning" in choice else "")
 
 

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import pytest
 
 from degs_jax import batching
-from degs_jax.batching import (MAX_AUTO_BATCH, STATE_BYTES_PER_SLOT, WORKING_VOCAB_COPIES,
-                               BatchDoesNotFitError, choose_batch_size, describe_batch_choice,
-                               parse_batch_size, peak_memory, pick_batch_size, row_cost)
+from degs_jax.batching import (DEVICE_MEMORY_FRACTION, MAX_AUTO_BATCH, MEMORY_FRACTION_VARIABLE,
+                               STATE_BYTES_PER_SLOT, WORKING_VOCAB_COPIES, BatchDoesNotFitError,
+                               card_memory, choose_batch_size, claim_device_memory, describe_batch_choice,
+                               device_memory_setting, parse_batch_size, peak_memory, pick_batch_size,
+                               row_cost)
 from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.examples.nnx_lm import tiny_nnx_model
 
@@ -126,3 +128,48 @@ def test_parse_batch_size_and_peak_memory_record():
         assert peak["peak_bytes"] is None and "no device memory statistics" in peak["note"]
     else:
         assert peak["peak_bytes"] > 0
+
+
+class FakeDevice:
+    """A device as `card_memory` reads it: its platform and its allocator's statistics."""
+
+    def __init__(self, platform, stats):
+        self.platform, self.stats = platform, stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_the_degs_program_claims_the_card_and_records_what_it_claimed(monkeypatch):
+    """Issue 39: XLA's pool is DEVICE_MEMORY_FRACTION of the card unless the user set the
+    variable; the record says which value holds, where it came from and the card's size."""
+    from degs_jax import cli
+
+    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE, raising=False)
+    assert device_memory_setting()["fraction"] == 0.75 and "JAX's default" in device_memory_setting()["source"]
+    order = []
+    monkeypatch.setattr(cli, "claim_device_memory", lambda: order.append("claim"))
+    monkeypatch.setattr(cli, "main", lambda **kw: order.append("main") or 0)
+    with pytest.raises(SystemExit):
+        cli.entry_point()
+    assert order == ["claim", "main"]  # before any command can start JAX's backend
+    claim_device_memory()
+    assert device_memory_setting() == {"variable": MEMORY_FRACTION_VARIABLE, "fraction": DEVICE_MEMORY_FRACTION,
+                                       "source": "the environment"}
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.5")
+    claim_device_memory()  # a user's own value is kept
+    assert device_memory_setting()["fraction"] == 0.5
+    gpu = FakeDevice("gpu", {"bytes_limit": 70 * 2**30, "bytes_in_use": 0})
+    assert card_memory(gpu)["card_bytes"] == 140 * 2**30 and card_memory(gpu)["bytes_limit"] == 70 * 2**30
+    assert card_memory(FakeDevice("cpu", {})) is None and card_memory(FakeDevice("gpu", None)) is None
+    for bad in ("1.5", "0", "most"):
+        monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"{MEMORY_FRACTION_VARIABLE}='{bad}'.*in \\(0, 1\\]"):
+            device_memory_setting()
+    # an automatic choice on a GPU carries the card's record and says it in its line
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.9")
+    monkeypatch.setattr(batching, "card_memory", lambda: card_memory(FakeDevice("gpu", {"bytes_limit": 9 * 2**30})))
+    monkeypatch.setattr(batching, "free_memory", lambda: (9 * 2**30, "test memory"))
+    record = choose_batch_size("auto", LM, hyperparameters_for("greedy", max_new_tokens=40), 17, 4, jnp.float32)
+    assert record["device_memory"]["card_bytes"] == 10 * 2**30
+    assert describe_batch_choice(record).endswith("; XLA may use 90% of the 10.00 GiB card)")

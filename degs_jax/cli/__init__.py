@@ -34,7 +34,8 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from ..batching import choose_batch_size, describe_batch_choice, parse_batch_size, peak_memory
+from ..batching import (choose_batch_size, claim_device_memory, describe_batch_choice, parse_batch_size,
+                        peak_memory)
 from ..chat import encode_prompt
 from ..eval.results import RunInUseError
 from ..eval.sandbox import IsolationUnavailableError
@@ -385,7 +386,10 @@ def main(argv=None, *, persistent_cache: bool = False) -> int:
 def entry_point() -> None:
     """The `degs` console script: `main`, ended by `os._exit` after Ctrl-C, because the
     interpreter's normal shutdown (jax's atexit backend clean-up) can crash while XLA
-    threads are still compiling or decoding for the interrupted call."""
+    threads are still compiling or decoding for the interrupted call. Before anything
+    starts JAX's backend, XLA's GPU allocator is allowed most of each card
+    (`batching.claim_device_memory`)."""
+    claim_device_memory()
     code = main(persistent_cache=True)
     if code == 130:
         sys.stdout.flush()
