@@ -16,11 +16,16 @@ the next compilation fails inside LLVM ("Cannot allocate memory") and the interp
 crash is reproduced by filling the mappings to 300 below the limit before that test.
 After a test that leaves the process above half the limit, JAX's caches are cleared.
 
-No test leaves JAX's persistent compilation cache on for the tests after it
-(`_no_persistent_cache_left_on`): a script's `main` run in-process (bench/grpo_run.py in
-test_grpo) turns it on for the whole process, and its later compilations would write
-into that test's temporary directory. Processes a test starts (the `degs` command) keep
-it, as users have it.
+The whole run shares one JAX persistent compilation cache (`_run_wide_compilation_cache`),
+`xla/` in that shared degs_jax cache: the directory the `degs` processes tests start use
+by default (`models/compilation.py`), and every xdist worker's own compilations. A program
+compiled once in the run (the same method, shapes and settings in another test, the other
+worker, or after `_memory_maps_kept_below_limit` cleared JAX's caches) is loaded, not
+compiled again: XLA's compilation is most of the suite's time on a CPU, and a loaded
+executable is the compiled one, so no result changes. No test leaves other persistent-cache
+settings behind for the tests after it (`_persistent_cache_settings_kept`): a script's `main`
+run in-process (bench/grpo_run.py in test_grpo) points the cache at its own directory, and
+the later compilations of the process would write into that test's temporary directory.
 
 The tests run on the built-in SmolLM2-135M where they need real weights
 (`_tests_default_to_the_135m_model`): the library's default model, Qwen2.5-Coder-0.5B, is
@@ -83,6 +88,26 @@ def _isolated_degs_cache(tmp_path_factory):
         yield
 
 
+# Programs that compile faster than this stay out of the run's persistent cache: a
+# compilation of a few elementwise operations (~0.05 s) costs about what writing and
+# reading its entry does.
+RUN_CACHE_MIN_COMPILE_SECONDS = 0.2
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _run_wide_compilation_cache(_isolated_degs_cache):
+    """JAX's persistent compilation cache on for the whole run, in the run's degs_jax cache
+    (module docstring); off again when the session ends."""
+    import jax
+
+    from degs_jax.models.compilation import enable_compilation_cache
+
+    with persistent_cache_restored():
+        enable_compilation_cache(os.path.join(os.environ["DEGS_JAX_CACHE"], "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", RUN_CACHE_MIN_COMPILE_SECONDS)
+        yield
+
+
 TEST_MODEL = "smollm2-135m"
 
 
@@ -117,7 +142,7 @@ def persistent_cache_restored():
 
 
 @pytest.fixture(autouse=True)
-def _no_persistent_cache_left_on():
+def _persistent_cache_settings_kept():
     with persistent_cache_restored():
         yield
 
