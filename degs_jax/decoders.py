@@ -134,11 +134,14 @@ class Decoded:
     chosen: Array  # [prompts] int32: the index j of each prompt's answer
 
 
+@functools.partial(jax.jit, static_argnames=("num_layers", "batch_invariant"))
 def candidate_scores(state: GenState, num_layers: int,
                      batch_invariant: bool = False) -> tuple[Array, Array, Array]:
     """(log p(x), D(x), mean final-layer entropy) of every row, [B] fp32 each, from the
     per-token values stored during generation (a final EOS is not scored: docs/design.md §3).
-    batch_invariant: the model's (`CausalLM.batch_invariant`; `lens.masked_sum`)."""
+    batch_invariant: the model's (`CausalLM.batch_invariant`; `lens.masked_sum`). One
+    jitted program: `decode` calls it on the host, where its ops run one by one would
+    compile each row tile's `lax.map` again on every call."""
     completion = state.completion_mask()
     scored = state.completion_mask(scored=True)
     log_p = masked_sum(state.logp, completion, batch_invariant)
