@@ -19,8 +19,14 @@ from degs_jax.cli import main
 pytestmark = pytest.mark.slow
 
 
+# fp32: in bf16, the partitioned program of the mesh test rounds in other places (other
+# fusions) and greedy tokens of this model can differ from one device's. The generate test
+# runs the same command, so the two share one compiled decode.
+GENERATE = ["generate", "What is 2 + 2?", "--max-new-tokens", "6", "--dtype", "float32"]
+
+
 def test_generate_prints_a_continuation(capsys):
-    assert main(["generate", "What is 2 + 2?", "--max-new-tokens", "8"]) == 0
+    assert main(GENERATE) == 0
     assert capsys.readouterr().out.strip()
 
 
@@ -234,9 +240,7 @@ def test_probe_scores_given_and_greedy_completions(tmp_path, capsys):
 def test_mesh_option_splits_rows_and_refuses_uneven_heads(capsys):
     import jax
 
-    # fp32: in bf16, the partitioned program rounds in other places (other fusions) and
-    # greedy tokens of this model can differ from one device's.
-    argv = ["generate", "What is 2 + 2?", "--max-new-tokens", "6", "--dtype", "float32"]
+    argv = GENERATE
     assert main(argv) == 0
     alone = capsys.readouterr().out
     # Two data-parallel replicas on the 4 host devices of the test session: same tokens.

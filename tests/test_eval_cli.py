@@ -4,8 +4,14 @@ The model is loaded once per session and the CLI runs in-process with that model
 (`degs_jax.cli._load` patched), except the SIGKILL resumability test, which needs real
 processes; those share the session's converted-weights cache ($DEGS_JAX_CACHE) and a
 persistent XLA compilation cache, so only the first of them compiles.
+
+Compilation is most of these tests' time, and every prompt width is a program of its own:
+the greedy runs pad their prompts to one width (`shared_prompt_width`), so the five
+benchmarks, the batch-size test and the damaged-files test share two compiled decodes
+(three slots, one slot) instead of compiling one per benchmark and test.
 """
 
+import functools
 import json
 import os
 import signal
@@ -24,6 +30,9 @@ pytestmark = pytest.mark.slow
 
 BENCHMARKS = ("math500", "deepmind500", "gsm8k", "humaneval", "gpqa")
 TINY = ["--max-new-tokens", "16", "--no-progress"]
+# The five benchmarks' first three prompts are 68 to 209 tokens (chat template, SmolLM2's
+# tokenizer): padded to 224, every greedy run of the module decodes with the same shapes.
+SHARED_PROMPT_WIDTH = 224
 
 
 @pytest.fixture(scope="session")
@@ -57,12 +66,23 @@ def degs(model, grader, monkeypatch, capsys):
     return run
 
 
+@pytest.fixture
+def shared_prompt_width(monkeypatch):
+    """Prompts padded to a multiple of SHARED_PROMPT_WIDTH (pad_prompts' bucket, 16, raised):
+    the decode runs as for a run whose longest prompt is that long, with one compiled
+    program for every greedy test of the module."""
+    from degs_jax import decoders, generation
+
+    monkeypatch.setattr(decoders, "pad_prompts",
+                        functools.partial(generation.pad_prompts, multiple=SHARED_PROMPT_WIDTH))
+
+
 def _records(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "results.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("benchmark", BENCHMARKS)
-def test_greedy_on_each_benchmark(benchmark, degs, tmp_path):
+def test_greedy_on_each_benchmark(benchmark, degs, tmp_path, shared_prompt_width):
     out = tmp_path / benchmark
     extra = ["--keep-candidates"] if benchmark == "gpqa" else []
     rc, stdout, err = degs("eval", "--benchmark", benchmark, "--method", "greedy", "--limit", 3,
@@ -299,7 +319,7 @@ def test_second_run_into_a_directory_in_use_is_one_line_and_leaves_run_json_alon
     assert (out / "run.json").read_bytes() == before  # no phantom invocation
 
 
-def test_damaged_run_files_are_named(degs, tmp_path):
+def test_damaged_run_files_are_named(degs, tmp_path, shared_prompt_width):
     out = tmp_path / "run"
     args = ["eval", "--benchmark", "deepmind500", "--method", "greedy", "--limit", 1, "--out", out,
             *TINY]
@@ -328,14 +348,14 @@ def test_damaged_run_files_are_named(degs, tmp_path):
         assert "Traceback" not in err
 
 
-def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path):
+def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path, shared_prompt_width):
     """--batch-size auto (the default) sizes the batch from free memory and records the
     choice and the peak memory in run.json; an explicit size overrides it."""
     runs = {}
     for name, extra in (("auto", []), ("one", ["--batch-size", 1])):
         out = tmp_path / name
-        rc, _, err = degs("eval", "--benchmark", "gsm8k", "--method", "temperature",
-                          "--temperature", 1.0, "--limit", 3,
+        # greedy on gsm8k: the compiled decodes of test_greedy_on_each_benchmark
+        rc, _, err = degs("eval", "--benchmark", "gsm8k", "--method", "greedy", "--limit", 3,
                           "--out", out, *TINY, *extra)
         assert rc == 0, err
         runs[name] = (json.loads((out / "run.json").read_text())["invocations"][-1], _records(out))
@@ -350,7 +370,7 @@ def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path)
         if inv["device"].startswith("TFRT_CPU") or "cpu" in inv["device"].lower():
             assert inv["peak_memory"]["peak_bytes"] is None
     assert choice["batch_size"] > 1  # a CPU host has room for 3 tiny rows
-    # Same problems and keys; the completions themselves are compared in fp32 by
+    # Same problems; the completions themselves are compared in fp32 by
     # test_cli's many-prompt test: in bf16 a batch padded to another prompt length runs
     # other kernels, and rounding differences flip a sample after a few tokens.
     assert sorted(r["id"] for r in runs["auto"][1]) == sorted(r["id"] for r in runs["one"][1])

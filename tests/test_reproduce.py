@@ -2,6 +2,7 @@
 synthetic study directory (no model), and the study end to end on the embedded model
 (CPU), interrupted and resumed."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -741,8 +742,12 @@ def test_regrade_command(graded_study, capsys):
 # embedding, final norm, unembedding, tokenizer and chat template): the forward pass is
 # unrolled over layers, and compiling a decoder for all 30 blocks took 23 s of CPU here
 # against 9 s for 4 blocks, for no difference to what the test checks. Eight blocks keep
-# the paper's ten L_sub sets distinct.
+# the paper's ten L_sub sets distinct. The prompts are padded to one width
+# (`shared_prompt_width`), so the HumanEval jobs run the programs compiled for GSM8K.
 BLOCKS = 8
+# The two GSM8K prompts are 115 and 75 tokens, the two HumanEval ones 186 and 179 (chat
+# template, SmolLM2's tokenizer): padded to 192, every job of a method has the same shapes.
+SHARED_PROMPT_WIDTH = 192
 E2E = ["--benchmarks", "gsm8k,humaneval", "--methods", "greedy,degs_mcmc", "--limit", "2",
        "--pool-benchmarks", "gsm8k", "--hp", "max_new_tokens=8", "--hp", "block_len=4",
        "--hp", "num_blocks=2", "--hp", "mh_steps=2", "--hp", "pool.n=2", "--batch-size", "2",
@@ -764,8 +769,19 @@ def embedded_model():
 
 
 @pytest.fixture
-def degs(embedded_model, monkeypatch, capsys):
-    """`degs ...` in-process with the module's model."""
+def shared_prompt_width(monkeypatch):
+    """Prompts padded to a multiple of SHARED_PROMPT_WIDTH (pad_prompts' bucket, 16, raised):
+    each decode runs as for a run whose longest prompt is that long, with one compiled
+    program per method for both benchmarks."""
+    from degs_jax import decoders, generation
+
+    monkeypatch.setattr(decoders, "pad_prompts",
+                        functools.partial(generation.pad_prompts, multiple=SHARED_PROMPT_WIDTH))
+
+
+@pytest.fixture
+def degs(embedded_model, shared_prompt_width, monkeypatch, capsys):
+    """`degs ...` in-process with the module's model (prompts at the shared width)."""
     from degs_jax import cli
 
     monkeypatch.setattr(cli, "_load", lambda args: embedded_model)
@@ -900,7 +916,7 @@ def test_study_end_to_end_interrupted_and_resumed(degs, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_reranking_rows_are_the_decoders_choices(embedded_model, tmp_path):
+def test_reranking_rows_are_the_decoders_choices(embedded_model, shared_prompt_width, tmp_path):
     """Best-of-N-Entropy, DEGS reranking and depth-only, selected from a best_of_n run's kept
     candidates, pick what the decoders themselves pick: same pool, same choice. (The pool
     settings of the end-to-end study: the compiled sampler is shared.)"""
