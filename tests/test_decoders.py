@@ -246,20 +246,19 @@ def test_depth_excludes_final_eos(eos_model, results):
 # ------------------------------------------------------------------ keys, determinism, batching
 
 
-def test_decode_row_keys_and_batch_independence(model):
+def test_decode_row_keys_and_batch_independence(eos_model, results):
     """Row r = i·n + j uses split(key, rows)[r]; each row equals that row generated alone
-    (its own prompt, different prompt lengths in the batch) with that key."""
-    cfg, params = model
-    key = jax.random.key(5)
-    spec_hp = dict(max_new_tokens=MAX_NEW, n=2, tau=TAU)
-    res = decode(TransformerLM(cfg), params, PROMPTS, "best_of_n", key, eos_ids=cfg.eos_token_ids, **spec_hp)
-    keys = jax.random.split(key, 2 * len(PROMPTS))
+    (its own prompt, different prompt lengths in the batch) with that key. On the module's
+    best_of_n decode (key 0), whose rows end at EOS and at the budget."""
+    cfg, params = eos_model
+    res, n = results["best_of_n"], HP["best_of_n"]["n"]
+    keys = jax.random.split(jax.random.key(0), n * len(PROMPTS))
     spec = SamplerSpec(temperature=1.0, eos_ids=cfg.eos_token_ids, lens=LENS)
     for i, p in enumerate(PROMPTS):
         toks, lens = pad_prompts([p])
         state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), 16 + MAX_NEW, jnp.float32)
-        for j in range(2):
-            r = i * 2 + j
+        for j in range(n):
+            r = i * n + j
             alone = generate(TransformerLM(cfg), params, state, state.prompt_len + MAX_NEW, keys[r:r + 1], spec)
             cand = res.outputs[i].candidates[j]
             assert cand.tokens == completions(alone)[0]
@@ -316,19 +315,20 @@ def test_mcmc_batch_equals_chains_one_by_one(eos_model):
 def test_one_chain_per_prompt_keeps_the_prefill_cache(model, monkeypatch):
     """With one chain per prompt `decode` runs on the prefill's own state: no copy of the
     cache (a copy left a hole that the MCMC block's temporary did not fit into at 128 rows
-    of the 7B shape on an H100, docs/benchmarks.md run 39); with more chains it repeats rows."""
+    of the 7B shape on an H100, docs/benchmarks.md run 39); with more chains it repeats rows.
+    (The one-chain run is test_mcmc_batch_equals_chains_one_by_one's: its programs are compiled.)"""
     import degs_jax.decoders as decoders
 
     calls = []
     repeat = decoders.repeat_rows
     monkeypatch.setattr(decoders, "repeat_rows", lambda state, n: calls.append(n) or repeat(state, n))
-    hp = {**HP["power_mcmc"], "n_chains": 1}
+    hp = {**HP["degs_mcmc"], "n_chains": 1}
     cfg, params = model
-    one = decode(TransformerLM(cfg), params, PROMPTS, "power_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
-    assert calls == [] and len(one.outputs) == len(PROMPTS)
-    decode(TransformerLM(cfg), params, PROMPTS, "power_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids,
-           **HP["power_mcmc"])
-    assert calls == [HP["power_mcmc"]["n_chains"]]
+    one = decode(TransformerLM(cfg), params, PROMPTS6, "degs_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
+    assert calls == [] and len(one.outputs) == len(PROMPTS6)
+    decode(TransformerLM(cfg), params, PROMPTS, "degs_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids,
+           **HP["degs_mcmc"])
+    assert calls == [HP["degs_mcmc"]["n_chains"]]
 
 
 def test_mcmc_chains_keep_the_models_statistics(model):
@@ -661,19 +661,20 @@ def test_defaults_match_design():
 def test_per_prompt_keys_make_samples_independent_of_batching():
     cfg = tiny_config()
     params = init_params(cfg, jax.random.key(11), jnp.float32, scale=0.3)
-    prompts = [[1, 2, 3], [4, 5], [6]]
-    keys = jax.random.split(jax.random.key(5), 3)
-    batched = decode(TransformerLM(cfg), params, prompts, "best_of_n", keys=keys, eos_ids=(), n=2, max_new_tokens=4)
+    prompts = PROMPTS  # and HP's best_of_n: the module's compiled decode of these shapes
+    keys = jax.random.split(jax.random.key(5), len(prompts))
+    hp = dict(eos_ids=cfg.eos_token_ids, **HP["best_of_n"])
+    batched = decode(TransformerLM(cfg), params, prompts, "best_of_n", keys=keys, **hp)
     for i, p in enumerate(prompts):
-        alone = decode(TransformerLM(cfg), params, [p], "best_of_n", keys=keys[i:i + 1], eos_ids=(), n=2, max_new_tokens=4)
-        single_key = decode(TransformerLM(cfg), params, [p], "best_of_n", keys[i], eos_ids=(), n=2, max_new_tokens=4)
+        alone = decode(TransformerLM(cfg), params, [p], "best_of_n", keys=keys[i:i + 1], **hp)
+        single_key = decode(TransformerLM(cfg), params, [p], "best_of_n", keys[i], **hp)
         for a, b, c in zip(batched.outputs[i].candidates, alone.outputs[0].candidates,
-                           single_key.outputs[0].candidates):
+                           single_key.outputs[0].candidates, strict=True):
             assert a.tokens == b.tokens == c.tokens
     with pytest.raises(ValueError, match="exactly one of key"):
         decode(TransformerLM(cfg), params, prompts, "greedy", jax.random.key(0), keys=keys, eos_ids=(), max_new_tokens=4)
     with pytest.raises(ValueError, match="one key per prompt"):
-        decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)
+        decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:1], eos_ids=(), max_new_tokens=4)
 
 
 def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses(tmp_path):
