@@ -246,20 +246,19 @@ def test_depth_excludes_final_eos(eos_model, results):
 # ------------------------------------------------------------------ keys, determinism, batching
 
 
-def test_decode_row_keys_and_batch_independence(model):
+def test_decode_row_keys_and_batch_independence(eos_model, results):
     """Row r = i·n + j uses split(key, rows)[r]; each row equals that row generated alone
-    (its own prompt, different prompt lengths in the batch) with that key."""
-    cfg, params = model
-    key = jax.random.key(5)
-    spec_hp = dict(max_new_tokens=MAX_NEW, n=2, tau=TAU)
-    res = decode(TransformerLM(cfg), params, PROMPTS, "best_of_n", key, eos_ids=cfg.eos_token_ids, **spec_hp)
-    keys = jax.random.split(key, 2 * len(PROMPTS))
+    (its own prompt, different prompt lengths in the batch) with that key. On the module's
+    best_of_n decode (key 0), whose rows end at EOS and at the budget."""
+    cfg, params = eos_model
+    res, n = results["best_of_n"], HP["best_of_n"]["n"]
+    keys = jax.random.split(jax.random.key(0), n * len(PROMPTS))
     spec = SamplerSpec(temperature=1.0, eos_ids=cfg.eos_token_ids, lens=LENS)
     for i, p in enumerate(PROMPTS):
         toks, lens = pad_prompts([p])
         state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), 16 + MAX_NEW, jnp.float32)
-        for j in range(2):
-            r = i * 2 + j
+        for j in range(n):
+            r = i * n + j
             alone = generate(TransformerLM(cfg), params, state, state.prompt_len + MAX_NEW, keys[r:r + 1], spec)
             cand = res.outputs[i].candidates[j]
             assert cand.tokens == completions(alone)[0]
@@ -316,19 +315,20 @@ def test_mcmc_batch_equals_chains_one_by_one(eos_model):
 def test_one_chain_per_prompt_keeps_the_prefill_cache(model, monkeypatch):
     """With one chain per prompt `decode` runs on the prefill's own state: no copy of the
     cache (a copy left a hole that the MCMC block's temporary did not fit into at 128 rows
-    of the 7B shape on an H100, docs/benchmarks.md run 39); with more chains it repeats rows."""
+    of the 7B shape on an H100, docs/benchmarks.md run 39); with more chains it repeats rows.
+    (The one-chain run is test_mcmc_batch_equals_chains_one_by_one's: its programs are compiled.)"""
     import degs_jax.decoders as decoders
 
     calls = []
     repeat = decoders.repeat_rows
     monkeypatch.setattr(decoders, "repeat_rows", lambda state, n: calls.append(n) or repeat(state, n))
-    hp = {**HP["power_mcmc"], "n_chains": 1}
+    hp = {**HP["degs_mcmc"], "n_chains": 1}
     cfg, params = model
-    one = decode(TransformerLM(cfg), params, PROMPTS, "power_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
-    assert calls == [] and len(one.outputs) == len(PROMPTS)
-    decode(TransformerLM(cfg), params, PROMPTS, "power_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids,
-           **HP["power_mcmc"])
-    assert calls == [HP["power_mcmc"]["n_chains"]]
+    one = decode(TransformerLM(cfg), params, PROMPTS6, "degs_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids, **hp)
+    assert calls == [] and len(one.outputs) == len(PROMPTS6)
+    decode(TransformerLM(cfg), params, PROMPTS, "degs_mcmc", jax.random.key(0), eos_ids=cfg.eos_token_ids,
+           **HP["degs_mcmc"])
+    assert calls == [HP["degs_mcmc"]["n_chains"]]
 
 
 def test_mcmc_chains_keep_the_models_statistics(model):
