@@ -97,26 +97,30 @@ def completion_index(tokens, lengths):
 
 
 def exact_stats(cfg, params, tau, seqs=None, ends=ends_at_eos):
-    """log p(x), D(x) for every completion in `seqs` (default `support()`), from uncached
-    forwards; a last token that ends the completion (`ends`) is not scored (it is never
-    consumed: no d_t)."""
+    """log p(x), D(x) for every completion in `seqs` (default `support()`), from one uncached
+    forward over all of them (right-padded with EOS: under causal attention the padding
+    does not change earlier positions); a last token that ends the completion (`ends`) is
+    not scored (it is never consumed: no d_t)."""
     seqs = support() if seqs is None else seqs
+    P = len(PROMPT)
+    toks = np.full((len(seqs), P + max(len(comp) for comp in seqs)), EOS, np.int32)
+    toks[:, :P] = PROMPT
+    for row, comp in enumerate(seqs):
+        toks[row, P:P + len(comp)] = comp
+    pos = np.broadcast_to(np.arange(toks.shape[1], dtype=np.int32), toks.shape)
+    out = forward(params, cfg, jnp.asarray(toks), jnp.asarray(pos), lens_layers=LSUB)
+    lp = np.asarray(jax.nn.log_softmax(out.logits, -1))  # [S, T, V]
+    ent = np.asarray(out.lens.entropy)  # [K, S, T]
+    d = None if tau is None else np.asarray(collapse_depth(ent, LSUB, cfg.num_layers, tau))  # [S, T]
     logp, depth_score, entropies = [], [], []
-    for comp in seqs:
-        toks = np.array([PROMPT + list(comp)], np.int32)
-        pos = np.arange(toks.shape[1], dtype=np.int32)[None]
-        out = forward(params, cfg, jnp.asarray(toks), jnp.asarray(pos), lens_layers=LSUB)
-        lp = jax.nn.log_softmax(out.logits[0], -1)
-        P = len(PROMPT)
-        logp.append(sum(float(lp[P - 1 + i, t]) for i, t in enumerate(comp)))
-        ent = np.asarray(out.lens.entropy[:, 0])  # [K, T]
+    for row, comp in enumerate(seqs):
+        logp.append(sum(float(lp[row, P - 1 + i, t]) for i, t in enumerate(comp)))
         scored = [P + i for i in range(len(comp) - ends(comp))]
-        entropies.append(ent[:, scored].ravel())
+        entropies.append(ent[:, row, scored].ravel())
         if tau is None:
             depth_score.append(0.0)
         else:
-            d = np.asarray(collapse_depth(ent, LSUB, cfg.num_layers, tau))
-            depth_score.append(float(np.mean(d[scored]) / cfg.num_layers) if scored else 0.0)
+            depth_score.append(float(np.mean(d[row, scored]) / cfg.num_layers) if scored else 0.0)
     return seqs, np.array(logp), np.array(depth_score), np.concatenate(entropies)
 
 

@@ -1,5 +1,10 @@
 """Every notebook in notebooks/ executes end to end (python3 kernel of this interpreter,
-built-in SmolLM2-135M on CPU) and is stored without outputs."""
+built-in SmolLM2-135M on CPU) and is stored without outputs.
+
+The notebooks run with $DEGS_JAX_NOTEBOOK_QUICK=1: the ones that decode with the model
+(collapse_depth, degs_vs_power, predictive_validity) then take their smallest settings
+that still render every table and figure (fewer problems, shorter completions and
+chains); a reader running them gets the settings written in them."""
 
 import os
 import sys
@@ -33,6 +38,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     # The kernel inherits the environment: the session's converted-weights cache
     # ($DEGS_JAX_CACHE, set by conftest), CPU JAX, and this interpreter's site-packages.
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("DEGS_JAX_NOTEBOOK_QUICK", "1")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # a notebook's tempfile work dirs go with tmp_path
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     book = nbformat.read(path, as_version=4)
