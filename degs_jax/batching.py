@@ -118,7 +118,7 @@ def row_cost(model: Any, config: Any, longest_prompt: int, cache_dtype: Any) -> 
 def claim_device_memory() -> None:
     """Let XLA's GPU allocator take DEVICE_MEMORY_FRACTION of each card, unless the user set
     XLA_PYTHON_CLIENT_MEM_FRACTION. Takes effect only before JAX starts its GPU backend
-    (the `degs` program calls it first thing); a no-op on a CPU."""
+    (the `degs` program calls it first thing); a CPU backend ignores the variable."""
     os.environ.setdefault(MEMORY_FRACTION_VARIABLE, str(DEVICE_MEMORY_FRACTION))
 
 

@@ -145,7 +145,10 @@ def test_the_degs_program_claims_the_card_and_records_what_it_claimed(monkeypatc
     variable; the record says which value holds, where it came from and the card's size."""
     from degs_jax import cli
 
-    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE, raising=False)
+    # set first, so that the variable is restored to its state before the test (absent)
+    # after claim_device_memory sets it behind monkeypatch's back
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.5")
+    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE)
     assert device_memory_setting()["fraction"] == 0.75 and "JAX's default" in device_memory_setting()["source"]
     order = []
     monkeypatch.setattr(cli, "claim_device_memory", lambda: order.append("claim"))
