@@ -32,8 +32,10 @@ What must match, and how closely:
   tests check.
 
 Floats are stored as `float.hex` of their float64 value (float32 and bfloat16 values
-are exact in float64). To rewrite the file after a change that is *meant* to move
-numbers: `python tests/test_golden.py` (and say why in the commit).
+are exact in float64). `python tests/test_golden.py` records the methods the file lacks
+(a new method's cases, the others kept as recorded); after a change that is *meant* to
+move numbers, `python tests/test_golden.py METHOD ...` (or `--all`) records those again
+(say why in the commit).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Collection
 
 if __name__ == "__main__":  # the test session's CPU devices (tests/conftest.py), on CPU
     os.environ["XLA_FLAGS"] = " ".join(
@@ -265,8 +268,49 @@ def test_first_difference_tolerates_only_what_a_host_moves():
     assert first_difference(recorded, _plain({"log_p": [value], "depth": [value], "tokens": [4]})) is not None
 
 
-if __name__ == "__main__":  # rewrite the golden file from the current code
+def updated_golden(recorded: dict, rewrite: Collection[str], record_case=record) -> tuple[dict, list[str]]:
+    """The golden file's content with every (case, method) of CASES that `recorded` lacks
+    recorded from the current code, the methods in `rewrite` recorded again, and the others
+    kept as they were (a new method's cases are added without touching the others'); cases
+    and methods no longer in CASES are dropped. Returns (content, "case/method" written)."""
+    out, written = {}, []
+    for case, spec in CASES.items():
+        out[case] = {}
+        for method in spec.methods:
+            if method in rewrite or method not in recorded.get(case, {}):
+                out[case][method] = record_case(case, method)
+                written.append(f"{case}/{method}")
+            else:
+                out[case][method] = recorded[case][method]
+    return out, written
+
+
+def test_golden_writer_adds_without_rewriting():
+    """A method missing from the file is recorded; the recorded ones are kept as they are,
+    unless named; a method that left CASES is dropped."""
+    fake = lambda case, method: {"new": f"{case}/{method}"}
+    recorded = {case: {m: {"old": m} for m in spec.methods if m != "greedy"} for case, spec in CASES.items()}
+    recorded["qwen2_float32"]["retired_method"] = {"old": "retired"}
+    out, written = updated_golden(recorded, (), fake)
+    assert written == ["qwen2_float32/greedy"]
+    assert out["qwen2_float32"]["greedy"] == {"new": "qwen2_float32/greedy"}
+    assert out["qwen2_float32"]["degs_mcmc"] == {"old": "degs_mcmc"} and "retired_method" not in out["qwen2_float32"]
+    out, written = updated_golden(recorded, ("degs_mcmc",), fake)
+    assert written == ["qwen2_float32/greedy", "qwen2_float32/degs_mcmc", "llama_bfloat16/degs_mcmc"]
+
+
+if __name__ == "__main__":
+    # python tests/test_golden.py            record the methods the file lacks (a new method)
+    # python tests/test_golden.py M [M ...]  also record these again (a change meant to
+    #                                        move their numbers: say why in the commit)
+    # python tests/test_golden.py --all      record everything again
+    names = sys.argv[1:]
+    rewrite = METHODS if names == ["--all"] else names
+    unknown = sorted(set(rewrite) - set(METHODS))
+    if unknown:
+        sys.exit(f"test_golden.py: unknown methods {', '.join(unknown)}; the methods: {', '.join(METHODS)}")
     GOLDEN.parent.mkdir(exist_ok=True)
-    golden = {case: {m: record(case, m) for m in spec.methods} for case, spec in CASES.items()}
+    recorded = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    golden, written = updated_golden(recorded, rewrite)
     GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {GOLDEN}", file=sys.stderr)
+    print(f"wrote {GOLDEN}: recorded {', '.join(written) or 'nothing'}; kept the others", file=sys.stderr)
