@@ -3,8 +3,9 @@
 - chunk: the host round trip of one call of `decode`'s host loop
   (`decoders.advance_on_host`, Ctrl-C responsive): a zero-advance `advance_chunk` call,
   and the chunked decode with fixed chunk sizes against one `generate` call;
-- topk: top-k 50 sampling (what `reference_quirks=True` adds) by the threshold search
-  (`generation.kth_largest`) and by `lax.top_k`, against plain sampling;
+- truncations: a decode with each proposal truncation (top-k 50, what
+  `reference_quirks=True` adds, by the threshold search `generation.kth_largest` and by
+  `lax.top_k`; top-p 0.9; min-p 0.05; typical 0.95) against plain sampling;
 - memory: peak device memory of one MCMC block with and without donating the state
   (`mcmc_block_donating` vs `mcmc_block`), each in a fresh process.
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from common import SHAPES, default_mcmc, emit, environment, random_model
 
 from degs_jax import decoders, generation
-from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.generation import Proposal, SamplerSpec, generate, prefill, truncations
 from degs_jax.hyperparameters import Temperature
 from degs_jax.models import TransformerLM
 from degs_jax.models import ModelConfig, init_params
@@ -106,17 +107,26 @@ def bench_chunks(args, cfg, params):
     emit(record, "sampler_overheads.jsonl")
 
 
-def bench_topk(args, cfg, params):
+# The truncations timed (`generation.truncations` keywords): the reference's top-k 50 and
+# common settings of the others.
+TRUNCATIONS = {"plain": {}, "top_k_50": dict(top_k=50), "top_p_0.9": dict(top_p=0.9),
+               "min_p_0.05": dict(min_p=0.05), "typical_0.95": dict(typical_p=0.95)}
+
+
+def bench_truncations(args, cfg, params):
+    """A decode of `new` tokens at temperature 0.25 with each proposal truncation, against
+    plain sampling; top-k 50 also with `lax.top_k` in place of the threshold search."""
     model = TransformerLM(cfg)
     tokens, lengths, keys = prompts(cfg, args.batch, args.prompt)
     threshold_search = generation.kth_largest
     by_sort = lambda z, k: jax.lax.top_k(z, k)[0][:, -1:]
+    runs = [(label, cut, threshold_search) for label, cut in TRUNCATIONS.items()]
+    runs.append(("top_k_50_lax_top_k", TRUNCATIONS["top_k_50"], by_sort))
     times = {}
-    for label, top_k, kth in (("plain", 0, threshold_search), ("threshold_search", 50, threshold_search),
-                              ("lax_top_k", 50, by_sort)):
+    for label, cut, kth in runs:
         generation.kth_largest = kth
         jax.clear_caches()
-        spec = SamplerSpec(temperature=0.25, top_k=top_k, eos_ids=())
+        spec = SamplerSpec(Proposal(0.25, truncations(**cut)), eos_ids=())
 
         def run():
             s = jax.block_until_ready(prefill(model, params, tokens, lengths, args.prompt + args.new))
@@ -127,10 +137,10 @@ def bench_topk(args, cfg, params):
         run()
         times[label] = sorted(run() for _ in range(args.repeats))[args.repeats // 2]
     generation.kth_largest = threshold_search
-    emit({"bench": "topk50_cost", "shape": args.shape, "batch": args.batch, "prompt": args.prompt,
-          "new_tokens": args.new, "seconds": times,
-          "threshold_search_over_plain": times["threshold_search"] / times["plain"],
-          "lax_top_k_over_plain": times["lax_top_k"] / times["plain"]}, "sampler_overheads.jsonl")
+    emit({"bench": "truncation_cost", "shape": args.shape, "batch": args.batch, "prompt": args.prompt,
+          "new_tokens": args.new, "temperature": 0.25, "seconds": times,
+          "over_plain": {label: sec / times["plain"] for label, sec in times.items()}},
+         "sampler_overheads.jsonl")
 
 
 def peak_memory(args, cfg, params, donate: bool):
@@ -161,8 +171,8 @@ def main():
     ap.add_argument("--chunks", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--empty-calls", type=int, default=50, help="zero-step chunk calls timed")
-    ap.add_argument("--only", choices=["chunk", "topk", "memory"], nargs="+",
-                    default=["chunk", "topk", "memory"])
+    ap.add_argument("--only", choices=["chunk", "truncations", "memory"], nargs="+",
+                    default=["chunk", "truncations", "memory"])
     ap.add_argument("--peak-memory", choices=["donated", "plain"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     cfg, params = model_of(args.shape)
@@ -172,8 +182,8 @@ def main():
     emit({"bench": "environment", **environment()}, "sampler_overheads.jsonl")
     if "chunk" in args.only:
         bench_chunks(args, cfg, params)
-    if "topk" in args.only:
-        bench_topk(args, cfg, params)
+    if "truncations" in args.only:
+        bench_truncations(args, cfg, params)
     if "memory" in args.only:
         for variant in ("plain", "donated"):
             subprocess.run([sys.executable, *sys.argv, "--peak-memory", variant], check=True)
