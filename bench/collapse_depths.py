@@ -22,7 +22,7 @@ import numpy as np
 
 from common import emit, environment
 from degs_jax.eval.benchmarks import default_data_dir
-from degs_jax.generation import SamplerSpec, generate, pad_prompts, prefill
+from degs_jax.generation import Proposal, SamplerSpec, generate, pad_prompts, prefill
 from degs_jax.lens import DEFAULT_TAU, LensConfig
 from degs_jax.models import TransformerLM
 from degs_jax.models import load
@@ -44,7 +44,7 @@ def main():
     prompts = [encode_prompt(tok, r["problem"] + " Put the answer in \\boxed{}.", True) for r in rows]
     tokens, lengths = pad_prompts(prompts)
     lens = LensConfig.default(cfg.num_layers, tau=args.tau)
-    spec = SamplerSpec(temperature=0.0, lens=lens, eos_ids=model.eos_ids)
+    spec = SamplerSpec(Proposal(0.0), lens=lens, eos_ids=model.eos_ids)
     state = prefill(lm, params, jnp.asarray(tokens), jnp.asarray(lengths),
                     tokens.shape[1] + args.new_tokens + 1, jnp.float32)
     keys = jax.random.split(jax.random.key(0), len(prompts))

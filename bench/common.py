@@ -96,13 +96,13 @@ def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: 
     `lens`: a LensConfig to probe every step. The prefill is run before each timed call
     and not timed. donate: the state is donated, as `decode`'s host loop does (the
     cache is updated in place: no second copy of it, which a 72B batch cannot afford)."""
-    from degs_jax.generation import SamplerSpec, generate, prefill
+    from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 
     if donate:
         generate = jax.jit(generate.__wrapped__, static_argnames=("model", "sampler"), donate_argnames=("state",))
 
     model = TransformerLM(cfg)
-    spec = SamplerSpec(temperature=temperature, eos_ids=(), lens=lens)
+    spec = SamplerSpec(Proposal(temperature), eos_ids=(), lens=lens)
     tokens = jax.random.randint(jax.random.key(batch), (batch, prompt), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), prompt, jnp.int32)
     keys = jax.random.split(jax.random.key(1), batch)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from common import default_mcmc, emit, environment, shape_config
-from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 from degs_jax.mcmc import mcmc_block
 from degs_jax.models import TransformerLM
 from degs_jax.models import param_shapes
@@ -46,7 +46,7 @@ def abstract_programs(cfg, layout: str, batch: int, prompt: int):
     state = jax.eval_shape(lambda p: prefill(model, p, jnp.zeros((batch, prompt), jnp.int32),
                                              jnp.full((batch,), prompt, jnp.int32),
                                              prompt + mcmc_config.max_new_tokens, jnp.bfloat16), params)
-    spec = SamplerSpec(temperature=1.0, eos_ids=(0,), lens=mcmc_config.lens)
+    spec = SamplerSpec(Proposal(1.0), eos_ids=(0,), lens=mcmc_config.lens)
     return [("generate", generate, (model, params, state, lengths, keys, spec)),
             ("mcmc_block", mcmc_block,
              (model, params, state, keys, sds((), jnp.int32), mcmc_config))]

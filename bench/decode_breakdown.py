@@ -116,12 +116,12 @@ def parity(cfg_all, cfg_read, params, batch: int, prompt: int, steps: int) -> di
 
 def cache_copies(cfg, params, batch: int, prompt: int) -> list[str]:
     """Cache-sized copies in the compiled `generate` (tests/test_live_attention.py's check)."""
-    from degs_jax.generation import SamplerSpec, generate
+    from degs_jax.generation import Proposal, SamplerSpec, generate
     model = TransformerLM(cfg)
     state = prefill(model, params, jnp.ones((batch, prompt), jnp.int32), jnp.full((batch,), prompt, jnp.int32),
                     prompt + BUFFER_NEW, jnp.bfloat16)
     hlo = generate.lower(model, params, state, jnp.full((batch,), 8, jnp.int32),
-                         jax.random.split(jax.random.key(0), batch), SamplerSpec(temperature=0.0, eos_ids=())
+                         jax.random.split(jax.random.key(0), batch), SamplerSpec(Proposal(0.0), eos_ids=())
                          ).compile().as_text()
     return large_copies(hlo, state.cache.k.size // 2)
 

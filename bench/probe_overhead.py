@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from common import BUFFER_NEW, emit, environment, random_model, timed
-from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig, default_lsub
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward
@@ -59,7 +59,7 @@ def main():
         keys = jax.random.split(jax.random.key(1), B)
         times = {}
         for label, l in (("plain", None), ("probed", lens)):
-            spec = SamplerSpec(temperature=1.0, eos_ids=(), lens=l)
+            spec = SamplerSpec(Proposal(1.0), eos_ids=(), lens=l)
 
             def run():
                 st = prefill(model, params, toks, lengths, T + BUFFER_NEW, jnp.bfloat16)

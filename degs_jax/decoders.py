@@ -82,6 +82,10 @@ class Candidate:
     mh_decisions: Optional[dict[str, Any]] = None
     text: Optional[str] = None
     weight: Optional[float] = None  # SMC: normalised final importance weight of the particle
+    # The method's own per-candidate statistics (JSON values), by name: what its
+    # `RunDetails.candidate_fields` hold beyond the fields above; stored in the records
+    # (`degs eval`) under "extras". None: none.
+    extras: Optional[dict[str, Any]] = None
 
 
 @dataclasses.dataclass
@@ -367,11 +371,26 @@ def _outputs(model: CausalLM, config: Method, state: GenState, answer: Any, deta
     pool = [Candidate(tokens=tokens, log_p=float(log_p[r]),
                       depth=float(depth[r]) if config.probed else None,
                       final_entropy=float(final_entropy[r]), ended=bool(ended[r]),
-                      **({} if details.candidate_fields is None else details.candidate_fields[r]))
+                      **_method_fields(details.candidate_fields, r))
             for r, tokens in enumerate(completions(state))]
     return [Output(chosen=pool[i * n + int(chosen[i])], candidates=pool[i * n:(i + 1) * n],
                    diagnostics=None if details.diagnostics is None else details.diagnostics[i])
             for i in range(len(chosen))]
+
+
+# What a method's `RunDetails.candidate_fields` may set directly (the rest become `extras`).
+_METHOD_CANDIDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(Candidate)) - {
+    "tokens", "log_p", "depth", "final_entropy", "ended", "text", "extras"}
+
+
+def _method_fields(candidate_fields: Optional[list[dict[str, Any]]], row: int) -> dict[str, Any]:
+    """Row `row`'s `Candidate` keyword arguments from a method's `candidate_fields`: the
+    Candidate fields it names, and every other name under `extras`."""
+    if candidate_fields is None:
+        return {}
+    fields = {k: v for k, v in candidate_fields[row].items() if k in _METHOD_CANDIDATE_FIELDS}
+    extras = {k: v for k, v in candidate_fields[row].items() if k not in _METHOD_CANDIDATE_FIELDS}
+    return {**fields, **({"extras": extras} if extras else {})}
 
 
 def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, prompts: Sequence[Sequence[int]],

@@ -88,36 +88,175 @@ class GenState:
         return mask
 
 
-# The "off" values of the truncations.
+# The "off" values of the methods' truncation hyperparameters (`Method.top_k`, ...).
 NO_TOP_K = 0
 NO_TOP_P = 1.0
+NO_MIN_P = 0.0
+NO_TYPICAL_P = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+    """One cut of the proposal's support. `keep(z)` -> [B, V] bool, the tokens kept, from
+    the tempered logits z ([B, V] fp32, -inf where an earlier cut removed a token); it
+    must keep at least one token of every row (the cuts here keep the most likely one).
+
+    A new per-token sampling rule is one frozen subclass (hashable: it is part of the
+    compiled program): `Proposal` applies its cuts in order and renormalises, so
+    `Proposal.log_density` is the truncated density that MH acceptance ratios and SMC
+    weights use, for every method, with no change to a kernel."""
+
+    def keep(self, z: Array) -> Array:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Truncation):
+    """The k most likely tokens (ties at the k-th value kept), as HF's TopKLogitsWarper."""
+
+    k: int
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {self.k!r}")
+
+    def keep(self, z: Array) -> Array:
+        if self.k >= z.shape[-1]:
+            return jnp.ones(z.shape, bool)
+        return z >= kth_largest(z, self.k)
+
+
+def _smallest_prefix(z: Array, order_key: Array, mass: float) -> Array:
+    """[B, V] bool: the smallest prefix of the tokens sorted by `order_key` (ascending)
+    whose probability under softmax(z) reaches `mass`; the token that crosses it is kept."""
+    order = jnp.argsort(order_key, axis=-1)
+    sorted_z = jnp.take_along_axis(z, order, -1)
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < mass
+    return jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopP(Truncation):
+    """Nucleus: the most likely tokens whose mass reaches p (the token that crosses p
+    kept), as HF's TopPLogitsWarper."""
+
+    p: float
+
+    def __post_init__(self):
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.p}")
+
+    def keep(self, z: Array) -> Array:
+        return _smallest_prefix(z, -z, self.p)
+
+
+@dataclasses.dataclass(frozen=True)
+class MinP(Truncation):
+    """Min-p (Nguyen et al., 2024): the tokens whose probability is at least p times the
+    most likely token's, as HF's MinPLogitsWarper (compared in log space)."""
+
+    p: float
+
+    def __post_init__(self):
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"min_p must be in (0, 1], got {self.p}")
+
+    def keep(self, z: Array) -> Array:
+        return z >= jnp.max(z, axis=-1, keepdims=True) + jnp.log(self.p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Typical(Truncation):
+    """Locally typical sampling (Meister et al., 2023): the tokens whose surprisal is
+    closest to the distribution's entropy, in that order, until their mass reaches
+    `mass` (the crossing token kept), as HF's TypicalLogitsWarper up to ties."""
+
+    mass: float
+
+    def __post_init__(self):
+        if not 0.0 < self.mass <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.mass}")
+
+    def keep(self, z: Array) -> Array:
+        log_probs = jax.nn.log_softmax(z, axis=-1)
+        probs = jnp.exp(log_probs)
+        entropy = -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1, keepdims=True)
+        distance = jnp.where(jnp.isfinite(z), jnp.abs(-log_probs - entropy), jnp.inf)
+        return _smallest_prefix(z, distance, self.mass) & jnp.isfinite(z)
+
+
+def truncations(top_k: int = NO_TOP_K, top_p: float = NO_TOP_P, min_p: float = NO_MIN_P,
+                typical_p: float = NO_TYPICAL_P) -> tuple[Truncation, ...]:
+    """The cuts the methods' hyperparameters name, in HF's order (top-k, top-p, min-p,
+    typical), each only where it is not at its "off" value. ValueError for a bad value."""
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
+    cuts = (TopK(top_k) if top_k != NO_TOP_K else None,
+            TopP(top_p) if top_p != NO_TOP_P else None,
+            MinP(min_p) if min_p != NO_MIN_P else None,
+            Typical(typical_p) if typical_p != NO_TYPICAL_P else None)
+    return tuple(cut for cut in cuts if cut is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """q(x_t | x_<t), the per-token distribution a token is drawn from: softmax(logits /
+    temperature), cut by `truncations` in order and renormalised (log q is the truncated
+    density). Temperature 0 is greedy: the argmax, with log q = 0 (a point mass).
+    `log_density` and `sample` are all that the kernels ask of it."""
+
+    temperature: float
+    truncations: tuple[Truncation, ...] = ()
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        object.__setattr__(self, "truncations", tuple(self.truncations))
+        for cut in self.truncations:
+            if not isinstance(cut, Truncation):
+                raise TypeError(f"a proposal's truncations are Truncation values, got {cut!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def log_density(self, logits: Array) -> Array:
+        """log q over the vocabulary, [B, V] fp32, -inf outside the truncations (not greedy)."""
+        z = logits / self.temperature
+        for cut in self.truncations:
+            z = jnp.where(cut.keep(z), z, -jnp.inf)
+        return jax.nn.log_softmax(z, axis=-1)
+
+    def sample(self, keys: Array, logits: Array, log_q: Optional[Array]) -> tuple[Array, Array]:
+        """One token per row and its log q: ([B] int32, [B] fp32). keys: [B] PRNG keys (one
+        per row and position, `rows.fold_in_rows`); log_q: `log_density(logits)`, None when
+        greedy."""
+        if self.greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape[:1], jnp.float32)
+        tokens = jax.vmap(jax.random.categorical)(keys, log_q).astype(jnp.int32)
+        return tokens, log_q[jnp.arange(tokens.shape[0]), tokens]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
     """How tokens are drawn (static: part of the compiled program).
 
-    temperature: q = softmax(logits / temperature); 0 means greedy (argmax, log q = 0).
-    top_k / top_p: optional truncation of q; log q is then the truncated density.
+    proposal: the per-token distribution (`Proposal`: temperature and truncations).
     lens: LensConfig to record collapse depth per token, or None (no probing).
     stop: the compiled stop strings (`stops.stop_automaton`; a row ends at the token that
       completes one, as at EOS), or None. Needs a state with `stop_state`.
     """
 
-    temperature: float
-    top_k: int = NO_TOP_K
-    top_p: float = NO_TOP_P
+    proposal: Proposal
     eos_ids: tuple[int, ...] = ()
     lens: Optional[LensConfig] = None
     stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.proposal, Proposal):
+            raise TypeError(f"SamplerSpec.proposal is a Proposal, got {self.proposal!r}")
 
 
 # Bits of the fp32 sort key decided per pass of `kth_largest` (16 candidate thresholds
@@ -150,24 +289,6 @@ def kth_largest(z: Array, k: int) -> Array:
     negative_t = (T >> 31) == 0
     value_bits = jnp.where(negative_t, ~T, T & jnp.uint32(0x7FFFFFFF))
     return jax.lax.bitcast_convert_type(value_bits, jnp.float32)
-
-
-def proposal_log_density(logits: Array, sampler: SamplerSpec) -> Array:
-    """log q over the vocabulary, [B, V] fp32, with -inf outside a truncation."""
-    z = logits / sampler.temperature
-    if sampler.top_k and sampler.top_k < z.shape[-1]:
-        z = jnp.where(z >= kth_largest(z, sampler.top_k), z, -jnp.inf)
-    if sampler.top_p < 1.0:
-        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p
-        # (the token that crosses the threshold is kept), as HF's TopPLogitsWarper.
-        order = jnp.argsort(-z, axis=-1)
-        sorted_z = jnp.take_along_axis(z, order, -1)
-        probs = jax.nn.softmax(sorted_z, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep_sorted = mass_before < sampler.top_p
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
-        z = jnp.where(keep, z, -jnp.inf)
-    return jax.nn.log_softmax(z, axis=-1)
 
 
 def _is_eos(tokens: Array, eos_ids: tuple[int, ...]) -> Array:
@@ -219,7 +340,7 @@ def _densities(logits: Array, sampler: SamplerSpec):
     picks for B, so a row's log p would depend on its batch (issue 16)."""
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     h_final = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    logq_all = None if sampler.temperature == 0.0 else proposal_log_density(logits, sampler)
+    logq_all = None if sampler.proposal.greedy else sampler.proposal.log_density(logits)
     return logp_all, h_final, logq_all
 
 
@@ -252,13 +373,7 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
 
     sample = active & (n < limit)
     with jax.named_scope("sample"):
-        if sampler.temperature == 0.0:
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            logq_tok = jnp.zeros((B,), jnp.float32)
-        else:
-            step_keys = fold_in_rows(keys, n)
-            tok = jax.vmap(jax.random.categorical)(step_keys, logq_all).astype(jnp.int32)
-            logq_tok = logq_all[rows, tok]
+        tok, logq_tok = sampler.proposal.sample(fold_in_rows(keys, n), logits, logq_all)
     logp_tok = logp_all[rows, tok]
     hit_end, stop_state = ends_at(state, n, tok, sample, sampler)
     new = dataclasses.replace(

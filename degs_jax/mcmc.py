@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step, generate
+from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, RunDetails, method_field, positive_int,
                      require_lens, validate_alpha, validate_beta)
@@ -92,8 +92,8 @@ class MCMCConfig:
     lens: layers and tau for D(x) (required when beta > 0).
     eos_ids: token ids that end a completion.
     stop: compiled stop strings that end a completion like EOS (`stops.stop_automaton`), or None.
-    top_k / top_p: optional proposal truncation (log q is then the truncated density;
-      0 / 1.0 = off).
+    truncations: optional cuts of the proposal (`generation.Truncation`: top-k, top-p,
+      min-p, typical, or a user's own; log q is then the truncated density); () = none.
     reference_quirks: reproduce the public reference implementation (top-k 50,
       proposals capped at the current length, no cut-index ratio, current suffix
       truncated to the proposal's length) for side-by-side runs. Not exact.
@@ -106,8 +106,7 @@ class MCMCConfig:
     mh_steps: int
     lens: Optional[LensConfig] = None
     eos_ids: tuple[int, ...] = ()
-    top_k: int = NO_TOP_K
-    top_p: float = NO_TOP_P
+    truncations: tuple[Truncation, ...] = ()
     reference_quirks: bool = False
     stop: Optional[StopAutomaton] = None
 
@@ -121,12 +120,13 @@ class MCMCConfig:
 
     @property
     def proposal(self) -> SamplerSpec:
-        """The proposal q: temperature 1/alpha, the truncation, the lens when beta > 0."""
-        return SamplerSpec(
-            temperature=1.0 / self.alpha,
-            top_k=QUIRKS_TOP_K if self.reference_quirks and not self.top_k else self.top_k,
-            top_p=self.top_p, eos_ids=self.eos_ids,
-            lens=self.lens if self.beta > 0 else None, stop=self.stop)
+        """The proposal q: temperature 1/alpha, the truncations (the reference's top-k 50
+        first under `reference_quirks` where no top-k is given), the lens when beta > 0."""
+        cuts = self.truncations
+        if self.reference_quirks and not any(isinstance(cut, TopK) for cut in cuts):
+            cuts = (TopK(QUIRKS_TOP_K),) + cuts
+        return SamplerSpec(Proposal(1.0 / self.alpha, cuts), eos_ids=self.eos_ids,
+                           lens=self.lens if self.beta > 0 else None, stop=self.stop)
 
 
 def check_chain_hyperparameters(chain: Any) -> None:
@@ -186,7 +186,7 @@ class MCMCMethod(Method):
         return MCMCConfig(alpha=float(self.alpha), beta=float(self.beta), block_len=self.block_len,
                           num_blocks=self.num_blocks, mh_steps=self.mh_steps,
                           lens=self.lens_config(num_layers) if self.beta > 0 else None,
-                          eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p,
+                          eos_ids=tuple(eos_ids), truncations=self.truncations(),
                           reference_quirks=bool(self.reference_quirks), stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:

@@ -54,7 +54,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from .generation import NO_TOP_K, NO_TOP_P
+from .generation import NO_MIN_P, NO_TOP_K, NO_TOP_P, NO_TYPICAL_P, Truncation, truncations
 from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
 from .stops import StopAutomaton, TokenBytes, stop_automaton, validate_stop
 
@@ -67,10 +67,14 @@ DEFAULT_BETA = 5.0
 DEFAULT_POOL_SIZE = 16
 
 
-def method_field(default: Any, help: str, *, cli: bool = True) -> Any:
+def method_field(default: Any, help: str, *, cli: bool = True, recorded_at_default: bool = True) -> Any:
     """A dataclass field with its documentation (shown by `degs ... --help`); cli=False
-    keeps it out of the command line (Python API only)."""
-    return dataclasses.field(default=default, metadata={"help": help, "cli": cli})
+    keeps it out of the command line (Python API only); recorded_at_default=False leaves
+    it out of `Method.to_dict` (the run record) while it holds its default, so that a field
+    added later does not change the record of a run that does not use it (runs recorded
+    before it existed resume and read back unchanged)."""
+    return dataclasses.field(default=default, metadata={"help": help, "cli": cli,
+                                                        "recorded_at_default": recorded_at_default})
 
 
 # Checks of the hyperparameters, one function per quantity (each message is written once).
@@ -164,31 +168,44 @@ class Method:
                               "most likely tokens (0 = off; log q is the truncated density)")
     top_p: float = method_field(NO_TOP_P, "nucleus truncation of the sampling / proposal "
                                 "distribution (1.0 = off)")
+    min_p: float = method_field(NO_MIN_P, "min-p truncation of the sampling / proposal distribution: "
+                                "keep the tokens at least min_p times as likely as the most likely "
+                                "one (0 = off)", recorded_at_default=False)
+    typical_p: float = method_field(NO_TYPICAL_P, "locally typical truncation of the sampling / "
+                                    "proposal distribution: keep the tokens whose surprisal is closest "
+                                    "to the entropy, up to this mass (1.0 = off)",
+                                    recorded_at_default=False)
     cache_dtype: Optional[Any] = method_field(None, "KV cache dtype (None: the parameters' dtype)",
                                               cli=False)
     stop: Optional[tuple[str, ...]] = method_field(
         None, "stop strings: a completion ends at the first one, as at EOS, for the target, the "
         "proposal and the weights alike (degs_jax.stops); None: none, except HumanEval in the "
-        "completion format under degs eval / reproduce, which uses the Codex stop sequences")
+        "completion format under degs eval / reproduce, which uses the Codex stop sequences",
+        recorded_at_default=False)
 
     def __post_init__(self):
         validate_tau(self.tau)
         if self.lsub is not None:
             object.__setattr__(self, "lsub", validate_lsub(self.lsub))
         object.__setattr__(self, "stop", validate_stop(self.stop))
+        self.truncations()  # (a bad top_k, top_p, min_p or typical_p fails here)
 
     def lens_config(self, num_layers: int) -> LensConfig:
         """The LensConfig of a model with `num_layers` blocks (L_sub defaulted, checked)."""
         return LensConfig.default(num_layers, tau=self.tau, lsub=self.lsub)
 
+    def truncations(self) -> tuple[Truncation, ...]:
+        """The cuts of the sampling / proposal distribution that top_k, top_p, min_p and
+        typical_p name (`generation.truncations`: HF's order, the "off" values left out)."""
+        return truncations(self.top_k, self.top_p, self.min_p, self.typical_p)
+
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (the record of `DecodeResult` and `degs eval`'s run.json), but
-        `stop` where there are no stop strings: such a run records what runs recorded before
-        stop strings existed, so those resume and read back unchanged."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if values["stop"] is None:
-            del values["stop"]
-        return values
+        those added after runs were recorded (`method_field(recorded_at_default=False)`: stop
+        strings, min-p, typical) while at their default: such a run records what runs
+        recorded before those existed, so those resume and read back unchanged."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("recorded_at_default", True) or getattr(self, f.name) != f.default}
 
     # What each family defines (and `max_new_tokens`, a field or a property: the budget).
 
@@ -308,8 +325,9 @@ class Answer:
 class RunDetails:
     """What a method reports of a finished run, on the host (`Method.run_details`)."""
 
-    # per row: extra `decoders.Candidate` fields (MCMC acceptance, depth decisions and
-    # decision records, SMC weight); None: none
+    # per row: `decoders.Candidate` fields (MCMC acceptance, depth decisions and decision
+    # records, SMC weight) and the method's own statistics under names of its own (JSON
+    # values: they become the candidate's `extras`, stored in the records); None: none
     candidate_fields: Optional[list[dict[str, Any]]] = None
     diagnostics: Optional[list[dict[str, Any]]] = None  # per prompt (`decoders.Output.diagnostics`)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)  # added to the work totals

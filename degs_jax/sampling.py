@@ -23,7 +23,7 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import GenerationLoop, SamplerSpec, initial_active, loop_step
+from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
 from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE, Method,
                      method_field, positive_int)
 from .stops import StopAutomaton
@@ -54,8 +54,7 @@ class SamplingMethod(Method):
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> SamplerSpec:
         """The generation kernel's settings for a model with `num_layers` blocks."""
-        return SamplerSpec(temperature=self.temperature_of(), top_k=self.top_k, top_p=self.top_p,
-                           eos_ids=tuple(eos_ids),
+        return SamplerSpec(Proposal(self.temperature_of(), self.truncations()), eos_ids=tuple(eos_ids),
                            lens=self.lens_config(num_layers) if self.probe else None, stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:

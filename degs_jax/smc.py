@@ -105,7 +105,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, decode_step
+from .generation import GenState, Proposal, SamplerSpec, Truncation, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field,
                      positive_int, require_lens, validate_alpha, validate_beta)
@@ -149,9 +149,10 @@ class SMCConfig:
     eos_ids: tokens that end a completion.
     stop: compiled stop strings that end a completion like EOS (`stops.stop_automaton`), or
       None: the step that completes one is a complete particle's last step, as an EOS's.
-    top_k / top_p: optional truncation of q (log q is then the truncated density, so the
-      weights stay exact for p^alpha restricted to q's support). Default off; the
-      Power-SMC code truncates at top_p = 0.9 by default, its MATH500 script too.
+    truncations: optional cuts of q (`generation.Truncation`: top-k, top-p, min-p,
+      typical, or a user's own; log q is then the truncated density, so the weights stay
+      exact for p^alpha restricted to q's support). Default none; the Power-SMC code
+      truncates at top_p = 0.9 by default, its MATH500 script too.
 
     The method checks its values when it is built; this, the kernel's own API (tests and
     benchmarks build it directly), runs the same checks (`check_smc_hyperparameters`) and
@@ -167,8 +168,7 @@ class SMCConfig:
     resample_every: int
     lens: Optional[LensConfig] = None
     eos_ids: tuple[int, ...] = ()
-    top_k: int = NO_TOP_K
-    top_p: float = NO_TOP_P
+    truncations: tuple[Truncation, ...] = ()
     stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
@@ -177,8 +177,7 @@ class SMCConfig:
 
     @property
     def proposal(self) -> SamplerSpec:
-        return SamplerSpec(temperature=1.0 / self.alpha, top_k=self.top_k, top_p=self.top_p,
-                           eos_ids=self.eos_ids, lens=self.lens if self.beta > 0 else None,
+        return SamplerSpec(Proposal(1.0 / self.alpha, self.truncations), eos_ids=self.eos_ids, lens=self.lens if self.beta > 0 else None,
                            stop=self.stop)
 
     @property
@@ -239,7 +238,7 @@ class SMCMethod(Method):
                          max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
                          ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
                          lens=self.lens_config(num_layers) if self.beta > 0 else None,
-                         eos_ids=tuple(eos_ids), top_k=self.top_k, top_p=self.top_p, stop=stop)
+                         eos_ids=tuple(eos_ids), truncations=self.truncations(), stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         return int(self.n_particles * self.max_new_tokens), int(self.max_new_tokens)

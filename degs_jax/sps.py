@@ -68,7 +68,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from .generation import NO_TOP_K, NO_TOP_P, GenState, SamplerSpec, _set, decode_step, ends_at, generate
+from .generation import GenState, Proposal, SamplerSpec, _set, decode_step, ends_at, generate
 from .lens import span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field, positive_int,
                      validate_alpha)
@@ -135,11 +135,11 @@ class SPSConfig:
 
     @property
     def candidate_spec(self) -> SamplerSpec:
-        return SamplerSpec(temperature=self.candidate_temperature, eos_ids=self.eos_ids, stop=self.stop)
+        return SamplerSpec(Proposal(self.candidate_temperature), eos_ids=self.eos_ids, stop=self.stop)
 
     @property
     def rollout_spec(self) -> SamplerSpec:
-        return SamplerSpec(temperature=1.0, eos_ids=self.eos_ids, stop=self.stop)
+        return SamplerSpec(Proposal(1.0), eos_ids=self.eos_ids, stop=self.stop)
 
 
 def check_sps_hyperparameters(sampler: Any) -> None:
@@ -179,7 +179,7 @@ class ScalablePower(Method):
 
     def __post_init__(self):
         super().__post_init__()
-        if (self.top_k, self.top_p) != (NO_TOP_K, NO_TOP_P):
+        if self.truncations():
             raise ValueError("scalable_power does not truncate; its candidates are drawn at "
                              "candidate_temperature")
         check_sps_hyperparameters(self)

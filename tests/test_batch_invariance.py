@@ -275,7 +275,7 @@ def test_samplers_row_reductions_do_not_depend_on_batch_or_buffer():
     and its vocabulary densities (`generation._densities` on row tiles) alone equal, bit
     for bit, the same row inside a batch of 8 with a longer buffer / other rows. (Plain
     `jnp.sum` and an untiled softmax differ here on XLA CPU: the control below.)"""
-    from degs_jax.generation import SamplerSpec, _densities
+    from degs_jax.generation import Proposal, SamplerSpec, _densities
     from degs_jax.lens import SUM_ROWS, masked_sum
     from degs_jax.tiling import row_tiled
 
@@ -287,7 +287,7 @@ def test_samplers_row_reductions_do_not_depend_on_batch_or_buffer():
     assert alone.view(np.uint32)[0] == together.view(np.uint32)[0]
 
     logits = rng.standard_normal((8, 512)).astype(np.float32) * 4
-    spec = SamplerSpec(temperature=0.7)
+    spec = SamplerSpec(Proposal(0.7))
     tiled = lambda z: row_tiled(functools.partial(_densities, sampler=spec), jnp.asarray(z), SUM_ROWS)
     for a, b in zip(tiled(logits[:1]), tiled(logits)):
         np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])

@@ -26,7 +26,7 @@ from degs_jax.eval.results import read_run_file
 from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC, DegsSMC,
                                       PowerMCMC, ScalablePower, hyperparameters_for, method_from_record,
                                       resolve_hyperparameters)
-from degs_jax.generation import GenState, SamplerSpec, completions, generate, pad_prompts, prefill
+from degs_jax.generation import GenState, Proposal, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, FIRST_MH_STREAM, REGENERATE_STREAM, MCMCConfig,
                            log_acceptance_ratio, mcmc_block, mh_steps)
@@ -253,7 +253,7 @@ def test_decode_row_keys_and_batch_independence(eos_model, results):
     cfg, params = eos_model
     res, n = results["best_of_n"], HP["best_of_n"]["n"]
     keys = jax.random.split(jax.random.key(0), n * len(PROMPTS))
-    spec = SamplerSpec(temperature=1.0, eos_ids=cfg.eos_token_ids, lens=LENS)
+    spec = SamplerSpec(Proposal(1.0), eos_ids=cfg.eos_token_ids, lens=LENS)
     for i, p in enumerate(PROMPTS):
         toks, lens = pad_prompts([p])
         state = prefill(TransformerLM(cfg), params, jnp.asarray(toks), jnp.asarray(lens), 16 + MAX_NEW, jnp.float32)

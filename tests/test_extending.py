@@ -43,11 +43,14 @@ CHEAP = ["--model", "{model}", "--max-new-tokens", "8", "--n", "2", "--batch-siz
 
 
 def page_files(text: str) -> dict[str, str]:
-    """The page's files: each code block whose first line is a comment naming its path."""
+    """The page's files: each code block whose first line is a comment naming its path
+    (the page's other blocks are examples)."""
     files = {}
     for block in re.findall(r"```(?:python|toml)\n(.*?)```", text, flags=re.S):
         first, _, rest = block.partition("\n")
         path = first.removeprefix("# ")
+        if path == first or " " in path:
+            continue
         files[path] = block if path.endswith(".py") else rest  # (a Python file keeps its comment)
     return files
 
@@ -107,6 +110,8 @@ def test_the_walk_through_installs_lists_runs_and_resumes_a_users_method(tmp_pat
     assert "accuracy" in resumed.stdout
     records = _records(out)
     assert sorted(r["index"] for r in records) == list(range(6))  # nothing lost, nothing repeated
+    for r in records:  # the method's own statistic of the chosen candidate (gamma 1; float32)
+        assert r["extras"]["penalized_score"] == pytest.approx(r["log_p"] - r["final_entropy"], rel=1e-5, abs=1e-5)
     assert (out / "results.jsonl").read_bytes().startswith(first[:first.rindex(b"\n") + 1])
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["method"] == "entropy_penalized"
@@ -210,3 +215,20 @@ def test_installed_packages_are_loaded_once_and_a_broken_one_is_a_warning(regist
         classes = method_classes()
     assert list(classes)[len(METHODS):] == ["ok_rule"] and "broken_rule" not in classes
     assert method_origin(classes["ok_rule"]) == {"module": "pkg_rule_ok", "distribution": "pkg-rule-ok"}
+
+
+def test_the_pages_truncation_example_runs():
+    """The page's per-token rule (a `Truncation` subclass) as written: it cuts, the proposal
+    renormalises over what it keeps, and an MCMC chain's proposal carries it."""
+    import jax
+    import numpy as np
+
+    (block,) = re.findall(r"## A per-token sampling rule.*?```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+    namespace = {"__name__": "page_example"}
+    exec(block, namespace)
+    z = 3.0 * jax.random.normal(jax.random.key(0), (2, 50))
+    log_q = np.asarray(namespace["spec"].proposal.log_density(z))
+    kept = np.isfinite(log_q)
+    assert 1 <= kept.sum(axis=1).min() and kept.sum(axis=1).max() < 50
+    np.testing.assert_allclose(np.exp(log_q.astype(np.float64)).sum(axis=1), 1.0, atol=1e-5)
+    assert namespace["chain"].proposal.proposal.truncations == (namespace["Epsilon"](3e-4),)

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.generation import (GenState, SamplerSpec, completions, generate, kth_largest,
-                                 pad_prompts, prefill, proposal_log_density)
+from degs_jax.generation import (GenState, MinP, Proposal, SamplerSpec, TopK, TopP, Typical, completions,
+                                 generate, kth_largest, pad_prompts, prefill, truncations)
+from degs_jax.hyperparameters import hyperparameters_for
 from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params
@@ -87,7 +88,7 @@ def keys_for(seed, n=len(PROMPTS)):
 
 # Sampling with the proposal of alpha = 4 (temperature 1/4), probing on, no EOS.
 ALPHA = 4.0
-SPEC = SamplerSpec(temperature=1.0 / ALPHA, lens=LENS)
+SPEC = SamplerSpec(Proposal(1.0 / ALPHA), lens=LENS)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def sampled(model):
 
 
 # Greedy with probing, no EOS, 10 tokens.
-GREEDY = SamplerSpec(temperature=0.0, lens=LENS)
+GREEDY = SamplerSpec(Proposal(0.0), lens=LENS)
 GREEDY_NEW = 10
 
 
@@ -125,7 +126,7 @@ def test_normaliser_identity_on_recorded_values(model, sampled, alpha):
     else:
         state = start(cfg, params, PROMPTS)
         state = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys_for(3),
-                         SamplerSpec(temperature=1.0 / alpha))
+                         SamplerSpec(Proposal(1.0 / alpha)))
     logp, logq = np.asarray(state.logp), np.asarray(state.logq)
     worst = 0.0
     for b in range(len(PROMPTS)):
@@ -150,7 +151,7 @@ def test_token_drawn_with_fold_in_of_absolute_position(model, sampled):
         seq = row_seq(state, b)
         z = teacher_forced_logits(cfg, params, seq)
         for t in range(P[b], len(seq)):
-            lq = proposal_log_density(jnp.asarray(z[t - 1 : t]), SPEC)[0]
+            lq = SPEC.proposal.log_density(jnp.asarray(z[t - 1 : t]))[0]
             tok = int(jax.random.categorical(jax.random.fold_in(keys[b], t), lq))
             assert tok == seq[t], (b, t)
 
@@ -304,39 +305,60 @@ def test_top_k_1_equals_greedy(model, greedy_run):
     cfg, params = model
     state = start(cfg, params, PROMPTS)
     topk1 = generate(TransformerLM(cfg), params, state, state.prompt_len + GREEDY_NEW, keys_for(5),
-                     SamplerSpec(temperature=0.7, top_k=1, lens=LENS))
+                     SamplerSpec(Proposal(0.7, (TopK(1),)), lens=LENS))
     np.testing.assert_array_equal(topk1.tokens, greedy_run.tokens)
     np.testing.assert_array_equal(topk1.depth, greedy_run.depth)
     np.testing.assert_allclose(topk1.logp, greedy_run.logp, atol=1e-6, rtol=0)
     assert np.all(np.asarray(topk1.logq) == 0.0)  # the truncated density is one-hot
 
 
-def truncated_log_density(z: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Reference in float64: top-k on z/T, then the smallest sorted prefix of the
-    renormalised distribution whose mass reaches top_p (the crossing token kept)."""
+def truncated_log_density(z: np.ndarray, temperature: float, top_k: int, top_p: float,
+                          min_p: float = 0.0, typical_p: float = 1.0) -> np.ndarray:
+    """Reference in float64, HF's warpers in HF's order on z/T: top-k; the smallest sorted
+    prefix of the renormalised distribution whose mass reaches top_p (the crossing token
+    kept); min-p (tokens at least min_p times as likely as the most likely); typical (by
+    |surprisal - entropy|, the smallest prefix whose mass reaches typical_p)."""
     z = np.asarray(z, np.float64) / temperature
     keep = np.ones(z.shape, bool)
-    if top_k:
-        keep &= z >= np.sort(z)[-top_k]
-    p = np.where(keep, np.exp(z - z.max()), 0.0)
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
+
+    def probs():
+        p = np.where(keep, np.exp(z - z.max()), 0.0)
+        return p / p.sum()
+
+    def smallest_prefix(p, order, mass):
         before = np.cumsum(p[order]) - p[order]
         kept = np.zeros_like(keep)
-        kept[order[before < top_p]] = True
-        keep &= kept
+        kept[order[before < mass]] = True
+        return kept
+
+    if top_k:
+        keep &= z >= np.sort(z)[-top_k]
+    if top_p < 1.0:
+        p = probs()
+        keep &= smallest_prefix(p, np.argsort(-p, kind="stable"), top_p)
+    if min_p > 0.0:
+        p = probs()
+        keep &= p >= min_p * p.max()
+    if typical_p < 1.0:
+        p = probs()
+        with np.errstate(divide="ignore"):
+            surprisal = -np.log(p)
+        entropy = np.sum(p[keep] * surprisal[keep])
+        distance = np.where(keep, np.abs(surprisal - entropy), np.inf)
+        keep &= smallest_prefix(p, np.argsort(distance, kind="stable"), typical_p)
     out = np.full(z.shape, -np.inf)
     out[keep] = z[keep] - np.log(np.exp(z[keep] - z.max()).sum()) - z.max()
     return out
 
 
-@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.6), (8, 0.7), (0, 1.0)])
-def test_proposal_log_density_truncation(top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p, min_p, typical_p", [
+    (5, 1.0, 0.0, 1.0), (0, 0.6, 0.0, 1.0), (8, 0.7, 0.0, 1.0), (0, 1.0, 0.0, 1.0),
+    (0, 1.0, 0.1, 1.0), (0, 1.0, 0.0, 0.5), (0, 1.0, 0.0, 0.9), (20, 0.95, 0.05, 0.8)])
+def test_proposal_log_density_truncation(top_k, top_p, min_p, typical_p):
     z = 2.0 * jax.random.normal(jax.random.key(11), (4, 97))
-    lq = np.asarray(proposal_log_density(z, SamplerSpec(temperature=0.8, top_k=top_k, top_p=top_p)))
+    lq = np.asarray(Proposal(0.8, truncations(top_k, top_p, min_p, typical_p)).log_density(z))
     for b in range(4):
-        ref = truncated_log_density(np.asarray(z[b]), 0.8, top_k, top_p)
+        ref = truncated_log_density(np.asarray(z[b]), 0.8, top_k, top_p, min_p, typical_p)
         kept = np.isfinite(ref)
         np.testing.assert_array_equal(np.isfinite(lq[b]), kept)
         assert np.all(lq[b][~kept] == -np.inf)
@@ -345,15 +367,33 @@ def test_proposal_log_density_truncation(top_k, top_p):
         if top_k:
             assert kept.sum() <= top_k
             assert set(np.flatnonzero(kept)) <= set(np.argsort(-np.asarray(z[b]))[:top_k])
-        if top_p < 1.0:
-            assert kept.sum() < 97
+        if (top_p, min_p, typical_p) != (1.0, 0.0, 1.0):
+            assert 1 <= kept.sum() < 97
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=-1), r"top_k must be >= 0 \(0 = off\)"), (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(min_p=-0.1), r"min_p must be in \(0, 1\]"), (dict(typical_p=0.0), r"typical_p must be in \(0, 1\]")])
+def test_truncation_values_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        truncations(**kwargs)
+    with pytest.raises(ValueError, match=match):  # a method checks them when it is built
+        hyperparameters_for("temperature", **kwargs)
+
+
+def test_truncations_in_hf_order_and_only_when_on():
+    assert truncations() == ()
+    assert truncations(top_k=3, top_p=0.9, min_p=0.1, typical_p=0.8) == (TopK(3), TopP(0.9), MinP(0.1), Typical(0.8))
+    assert truncations(typical_p=0.8, top_k=3) == (TopK(3), Typical(0.8))
+    with pytest.raises(TypeError, match="Truncation values"):
+        Proposal(1.0, (0.9,))
 
 
 def test_recorded_log_q_is_the_truncated_density(model):
     """Under top-k + top-p the recorded log q is the truncated (renormalised) density of
     the sampled token, which lies in the kept set; log p stays the raw full-vocabulary one."""
     cfg, params = model
-    spec = SamplerSpec(temperature=0.8, top_k=7, top_p=0.9, lens=LENS)
+    spec = SamplerSpec(Proposal(0.8, (TopK(7), TopP(0.9))), lens=LENS)
     state = start(cfg, params, PROMPTS)
     state = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys_for(8), spec)
     truncated_somewhere = False
@@ -406,7 +446,7 @@ def eos_run(model, greedy_run):
     paths = completions(greedy_run)
     eos = paths[1][0]
     assert eos in paths[0][1:] and eos not in paths[2], ("greedy paths changed: pick another EOS", paths)
-    spec = SamplerSpec(temperature=0.0, eos_ids=(eos,), lens=LENS)
+    spec = SamplerSpec(Proposal(0.0), eos_ids=(eos,), lens=LENS)
     state = start(cfg, params, PROMPTS)
     limit = state.prompt_len + GREEDY_NEW
     return generate(TransformerLM(cfg), params, state, limit, keys_for(0), spec), spec, eos, paths
@@ -485,7 +525,7 @@ def test_eos_dominant_model_ends_immediately(model):
     eos = cfg.eos_token_ids[0]
     params = eos_biased(params, eos, 30.0)
     state = start(cfg, params, PROMPTS)
-    spec = SamplerSpec(temperature=1.0, eos_ids=(eos,), lens=LENS)
+    spec = SamplerSpec(Proposal(1.0), eos_ids=(eos,), lens=LENS)
     state = generate(TransformerLM(cfg), params, state, state.prompt_len + NEW, keys_for(1), spec)
     assert completions(state) == [[eos]] * 3
     assert np.all(np.asarray(state.ended))
@@ -520,6 +560,6 @@ def test_kth_largest_is_lax_top_k_bit_for_bit(k):
     want = np.asarray(jax.lax.top_k(z, k)[0][:, -1:])
     np.testing.assert_array_equal(got, want)
     # The truncated density is the one of a top-k by partial sort (what it replaced).
-    spec = SamplerSpec(temperature=0.7, top_k=k)
+    spec = SamplerSpec(Proposal(0.7, (TopK(k),)))
     old = jax.nn.log_softmax(jnp.where(z / 0.7 >= jax.lax.top_k(z / 0.7, k)[0][:, -1:], z / 0.7, -jnp.inf), -1)
-    np.testing.assert_array_equal(np.asarray(proposal_log_density(z, spec)), np.asarray(old))
+    np.testing.assert_array_equal(np.asarray(spec.proposal.log_density(z)), np.asarray(old))

@@ -461,13 +461,13 @@ def test_generate_with_idle_rows_matches_the_whole_batch_lens():
     """Greedy generation of 16 rows that stop at different lengths, recording collapse
     depth: the same tokens, depths and log-probabilities with the live-rows lens
     (lens_rows="live", the default) as with the lens of every row ("all")."""
-    from degs_jax.generation import SamplerSpec, generate, prefill
+    from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 
     cfg = tiny_config("Qwen2ForCausalLM")
     params = sharp_params(cfg)
     B, P = 16, 5
     tokens, _ = tokens_positions(cfg, B=B, T=P, seed=4)
-    spec = SamplerSpec(temperature=0.0, lens=lens.LensConfig.default(cfg.num_layers, lsub=(1, 2, 3), tau=1.0))
+    spec = SamplerSpec(Proposal(0.0), lens=lens.LensConfig.default(cfg.num_layers, lsub=(1, 2, 3), tau=1.0))
     limit = P + 1 + jnp.arange(B, dtype=jnp.int32) % 9  # rows go idle after 1..9 new tokens
 
     def run(lens_rows):

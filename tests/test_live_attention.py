@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.models import TransformerLM
 from degs_jax.models import KVCache, forward, init_cache, init_params, stack_layers
@@ -115,7 +115,7 @@ def test_decode_loop_updates_the_cache_in_place(read, stacked):
     B, max_len = 4, 256
     model = TransformerLM(cfg)
     state = prefill(model, p, jnp.ones((B, 8), jnp.int32), jnp.full((B,), 5, jnp.int32), max_len, jnp.float32)
-    spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=LensConfig(lsub=(1, 2)))
+    spec = SamplerSpec(Proposal(1.0), eos_ids=(95,), lens=LensConfig(lsub=(1, 2)))
     hlo = generate.lower(model, p, state, jnp.full((B,), 200, jnp.int32), jax.random.split(jax.random.key(0), B),
                          spec).compile().as_text()
     copies = large_copies(hlo, cfg.num_layers * B * cfg.num_kv_heads * max_len * cfg.head_dim // 2)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from degs_jax import mcmc as mcmc_mod
-from degs_jax.generation import pad_prompts, prefill
+from degs_jax.generation import MinP, Proposal, Typical, pad_prompts, prefill
 from degs_jax.lens import LensConfig, collapse_depth, span_sum
 from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
 from degs_jax.models import TransformerLM
@@ -152,7 +152,7 @@ def _completions(state):
 
 def states_at(cfg, params, completions, mc, ends=ends_at_eos):
     """GenState of chains sitting at the given completions, with their per-token log p,
-    log q (proposal at temperature 1/alpha) and d_t from one teacher-forced forward, and
+    log q (the chain's proposal: temperature 1/alpha and its truncations) and d_t from one teacher-forced forward, and
     a KV cache holding every token; `ended` by the end rule `ends`, and with stop strings
     (`mc.stop`) the automaton's state after every completion token."""
     P, S = len(PROMPT), len(PROMPT) + BLOCK
@@ -164,7 +164,7 @@ def states_at(cfg, params, completions, mc, ends=ends_at_eos):
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], toks.shape)
     out = forward(params, cfg, jnp.asarray(toks), pos, lens_layers=LSUB)
     lp_all = jax.nn.log_softmax(out.logits, -1)  # [B, S, V]: predicts position t + 1
-    lq_all = jax.nn.log_softmax(mc.alpha * lp_all, -1)
+    lq_all = mc.proposal.proposal.log_density(out.logits.reshape(-1, out.logits.shape[-1])).reshape(lp_all.shape)
     nxt = jnp.asarray(toks[:, 1:])[..., None]
     shift = lambda a: jnp.concatenate([jnp.zeros((a.shape[0], 1)), a], 1)
     logp = shift(jnp.take_along_axis(lp_all[:, :-1], nxt, -1)[..., 0])
@@ -289,3 +289,53 @@ def test_wrong_ratio_fails_the_bound(model, depth_setup, monkeypatch, wrong, cas
         jax.clear_caches()
     tv, threshold = tv_and_threshold(seqs, pi, samples)
     assert tv > threshold, f"a wrong ratio ({wrong}) passed: TV {tv:.4f} < {threshold:.4f}"
+
+
+# Truncated proposals (min-p, typical): the chain can only reach completions whose every
+# token its proposal keeps (the support S), and on S its target is pi restricted and
+# renormalised, provided log q is the truncated, renormalised density. At alpha = 1 (q is p,
+# cut) the cuts below leave 20 (min-p 0.2) and 16 (typical 0.8) of the 40 completions and
+# remove 12-22% of pi's mass (at alpha = 4 such cuts remove about 1%: too little for a wrong
+# log q to show). Each case compiles its chain.
+TRUNCATED_ALPHA = 1.0
+TRUNCATED = {"min_p, degs": (MinP(0.2), 3.0, "renormalised"),
+             "typical, power": (Typical(0.8), 0.0, "renormalised"),
+             "min_p, degs, log q not renormalised": (MinP(0.2), 3.0, "not_renormalised")}
+
+
+def _unnormalised_log_density(proposal, logits):
+    """The mutation: log softmax(logits / T) on the kept tokens, not renormalised after the
+    cuts (the same draws, a wrong log q)."""
+    z = logits / proposal.temperature
+    keep = jnp.ones(z.shape, bool)
+    for cut in proposal.truncations:
+        keep &= cut.keep(jnp.where(keep, z, -jnp.inf))
+    return jnp.where(keep, jax.nn.log_softmax(z, axis=-1), -jnp.inf)
+
+
+@pytest.mark.parametrize("case", list(TRUNCATED))
+def test_truncated_proposal_is_exact_on_its_support(model, depth_setup, monkeypatch, case):
+    cfg, params = model
+    tau, seqs, logp, depth = depth_setup
+    cut, beta, log_q = TRUNCATED[case]
+    if log_q == "not_renormalised":
+        monkeypatch.setattr(Proposal, "log_density", _unnormalised_log_density)
+    jax.clear_caches()  # the jitted steps must be retraced with (or without) the patch
+    try:
+        mc = dataclasses.replace(_mc(tau, beta, WARM_STEPS), alpha=TRUNCATED_ALPHA, truncations=(cut,))
+        logq = np.asarray(states_at(cfg, params, seqs, mc).logq)
+        P = len(PROMPT)
+        kept = np.array([np.isfinite(logq[b, P:P + len(c)]).all() for b, c in enumerate(seqs)])
+        assert 10 <= kept.sum() < len(seqs), "the cut should remove completions and leave a spread"
+        pi = target(logp, depth, TRUNCATED_ALPHA, beta) * kept
+        pi /= pi.sum()
+        samples, accepted = run_from_target(cfg, params, mc, seqs, pi)
+    finally:
+        jax.clear_caches()
+    tv, threshold = tv_and_threshold(seqs, pi, samples)
+    if log_q == "renormalised":
+        assert accepted.mean() / WARM_STEPS > 0.3, "the chains should move"
+        assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+        assert set(samples) <= {s for s, k in zip(seqs, kept) if k}, "a chain left the proposal's support"
+    else:
+        assert tv > threshold, f"a wrong log q passed: TV {tv:.4f} < {threshold:.4f}"

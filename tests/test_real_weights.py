@@ -145,7 +145,7 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
     if model.name != "smollm2-135m":
         pytest.skip("checked on SmolLM2 (the float64 vocabulary products of the 0.5B model are large)")
     from degs_jax.text import encode_prompt
-    from degs_jax.generation import SamplerSpec, generate, prefill
+    from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
     from degs_jax.lens import LensConfig
     from degs_jax.models import TransformerLM
     from degs_jax.scoring import layer_entropies
@@ -164,7 +164,7 @@ def test_recorded_collapse_depth_equals_the_exact_computation(loads):
         tokens[r, :len(i)] = i
     lengths = jnp.asarray([len(i) for i in ids], jnp.int32)
     state = prefill(lm, params, jnp.asarray(tokens), lengths, P + 64, jnp.float32)
-    spec = SamplerSpec(temperature=0.7, eos_ids=model.eos_ids, lens=lens)
+    spec = SamplerSpec(Proposal(0.7), eos_ids=model.eos_ids, lens=lens)
     new_tokens = 48 - 5 * (jnp.arange(len(ids)) % 8)  # rows go idle after 13..48 tokens (or EOS)
     state = generate(lm, params, state, lengths + new_tokens, jax.random.split(jax.random.key(0), len(ids)), spec)
     depth, length = np.asarray(state.depth), np.asarray(state.length)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from degs_jax.decoders import decode
-from degs_jax.generation import SamplerSpec, generate, prefill
+from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 from degs_jax.lens import LensConfig
 from degs_jax.mcmc import MCMCConfig, mh_steps
 from degs_jax.models import TransformerLM
@@ -142,7 +142,7 @@ def test_decode_step_and_mh_steps_move_no_weights_or_cache():
             keys = jax.random.split(jax.random.key(0), B)
             limit = jnp.full((B,), 40, jnp.int32)
             if fn is generate:
-                spec = SamplerSpec(temperature=1.0, eos_ids=(95,), lens=lens)
+                spec = SamplerSpec(Proposal(1.0), eos_ids=(95,), lens=lens)
                 return generate.lower(TransformerLM(cfg), sharded, state, limit, keys, spec).compile().as_text()
             return mh_steps.lower(TransformerLM(cfg), sharded, state, keys, jnp.int32(0), limit,
                                   jnp.ones((B,), bool), mc).compile().as_text()
@@ -190,7 +190,7 @@ def test_decode_kernel_runs_per_shard():
                         S, jnp.float32)
         hlo = generate.lower(TransformerLM(cfg), sharded, state, jnp.full((B,), 20, jnp.int32),
                              jax.random.split(jax.random.key(0), B),
-                             SamplerSpec(temperature=1.0, eos_ids=(95,))).compile().as_text()
+                             SamplerSpec(Proposal(1.0), eos_ids=(95,))).compile().as_text()
     assert tokens == want_tokens
     # fp32; per-device pieces and row-parallel sums change the summation order only
     np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-4)

@@ -203,7 +203,7 @@ def test_cli_passes_the_new_hyperparameters():
                                (["--candidate-temperature", "0.25"], 0.25)):
         args = build_parser().parse_args(["sample", "hi", "--method", "scalable_power", *flags])
         config = hyperparameters_for("scalable_power", **_hyperparameters(args))
-        assert config.kernel_config(0, ()).candidate_spec.temperature == temperature
+        assert config.kernel_config(0, ()).candidate_spec.proposal.temperature == temperature
 
 
 def test_defaults_one_home():

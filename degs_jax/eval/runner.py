@@ -573,6 +573,8 @@ def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> d
     })
     if cand.weight is not None:  # SMC particle
         rec["weight"] = cand.weight
+    if cand.extras is not None:  # the method's own statistics
+        rec["extras"] = cand.extras
     return rec
 
 
@@ -629,6 +631,8 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         "decode_s": decode_s / batch_len, "grade_s": grade_s,
         "wall_clock_s": decode_s / batch_len + grade_s,
     }
+    if chosen.extras is not None:  # the method's own statistics of the chosen candidate
+        record["extras"] = chosen.extras
     if share > 1:
         record["batch_share"] = share  # counters are the batch's totals / share
     if output.diagnostics is not None:  # SMC: log Z-hat, ESS, resamplings; SPS: rollouts

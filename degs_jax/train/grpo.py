@@ -77,7 +77,7 @@ from tqdm.auto import tqdm
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..eval.results import ResultStore, package_versions, read_run_file, write_json
-from ..generation import SamplerSpec, generate, prefill
+from ..generation import Proposal, SamplerSpec, generate, prefill
 from ..models import ModelConfig, Params, TransformerLM, forward
 from ..models.sharding import DATA, MODEL, param_shardings, param_specs
 from ..rows import repeat_rows
@@ -429,7 +429,7 @@ def train_grpo(model, out_dir, config: GRPOConfig, *, tasks, reward_fn: Callable
                              f"({n_data}): rows are split evenly over it")
     out = Path(out_dir)
     eos = tuple(eos_ids) if eos_ids is not None else model.eos_ids
-    spec = SamplerSpec(temperature=config.temperature, eos_ids=eos)
+    spec = SamplerSpec(Proposal(config.temperature), eos_ids=eos)
     compute_dtype = str(jnp.dtype(model.params.embed.dtype))
     invocation = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "argv": list(argv) if argv is not None else None, "steps": steps,
