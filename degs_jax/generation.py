@@ -6,7 +6,8 @@ and the padding is overwritten as the row generates). For every generated token 
 state records, at the token's own slot:
 
 - `logp[t]  = log p(x_t | x_<t)` from the raw logits (fp32, full vocabulary);
-- `logq[t]` = the log density x_t was actually sampled from (temperature, top-k/p);
+- `logq[t]` = the log density x_t was actually sampled from (`Proposal.log_density`:
+  the temperature and the truncations, renormalised);
 - `depth[t]` = collapse depth d_t and `final_entropy[t]` = H_L(t), both from the
   step that *consumes* x_t (docs/design.md §3), so they exist for every generated token
   except a final EOS (which is never scored).
