@@ -177,8 +177,8 @@ class SMCConfig:
 
     @property
     def proposal(self) -> SamplerSpec:
-        return SamplerSpec(Proposal(1.0 / self.alpha, self.truncations), eos_ids=self.eos_ids, lens=self.lens if self.beta > 0 else None,
-                           stop=self.stop)
+        return SamplerSpec(Proposal(1.0 / self.alpha, self.truncations), eos_ids=self.eos_ids,
+                           lens=self.lens if self.beta > 0 else None, stop=self.stop)
 
     @property
     def num_checks(self) -> int:
