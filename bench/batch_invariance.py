@@ -19,7 +19,8 @@ size and each setting of `ModelConfig.batch_invariant` the script prints one JSO
   reproduced, which is what `first_difference` measures;
 - `step_ms`: median wall-clock of one decode step (the model's forward with the DEGS
   probe, no capture) at the library's default buffer (prompt + 3072 slots), i.e. the
-  speed cost of the option.
+  speed cost of the option; `prefill_ms`: the same for a prefill of `--prompt` tokens
+  per row (logits at each row's last token, no probe).
 
 Random weights (bench/common.py shapes), stacked layers (one compiled scan: fast to
 compile; numerics are those of the stacked program). Run on GPU:
@@ -248,6 +249,23 @@ def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: i
     return 1000 * sorted(times)[repeats // 2]
 
 
+def prefill_ms(cfg, params, batch: int, prompt: int, dtype, repeats: int = 5) -> float:
+    """Median ms of a prefill of `batch` rows of `prompt` tokens at the default buffer
+    (prompt + BUFFER_NEW slots): logits at each row's last token, no probe."""
+    cache = init_cache(cfg, batch, prompt + BUFFER_NEW, dtype)
+    call = jax.jit(lambda p, t, pos, c, at: forward(p, cfg, t, pos, c, logits_at=at).cache, donate_argnums=3)
+    tokens = jnp.zeros((batch, prompt), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
+    last = jnp.full((batch,), prompt - 1, jnp.int32)
+    cache = jax.block_until_ready(call(params, tokens, positions, cache, last))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        cache = jax.block_until_ready(call(params, tokens, positions, cache, last))
+        times.append(time.perf_counter() - t)
+    return 1000 * sorted(times)[repeats // 2]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2.5-7b")
@@ -310,6 +328,7 @@ def main(argv=None) -> None:
             record["check_seconds"] = round(time.perf_counter() - t0, 1)
             if batch in timing:
                 record["step_ms"] = round(step_ms(cfg, params, batch, args.prompt, lens_layers, dtype), 3)
+                record["prefill_ms"] = round(prefill_ms(cfg, params, batch, args.prompt, dtype), 3)
                 record["buffer"] = args.prompt + BUFFER_NEW
             emit({**record, **env, "setting": label}, OUT_NAME)
 

@@ -3,6 +3,8 @@
 
     python bench/first_run.py --runs 3            # prints one JSON record per run, then a summary
     python bench/first_run.py --phases-only       # in the current environment: the phases alone
+    python bench/first_run.py --answers 0-7       # the README prompt's answer on seeds 0..7
+    python bench/first_run.py --answers 0-3 --prompt "What is 12 * 13?"   # another prompt
 
 Each run makes a fresh virtual environment in a temporary directory and times
   install        `pip install -e <repo>` (the README's install step; pip's cache as it is:
@@ -22,6 +24,9 @@ Each time comes with the CPU seconds (user + system, the command and all its chi
 it took: on a machine shared with other jobs the wall time measures the load as much as
 the work, the CPU time much less so (on an idle 2-core machine, pip's install takes about
 its CPU time in wall time, the multi-threaded decode between half of it and all of it).
+`--answers` samples the prompt (the README's, or each `--prompt`) once per seed in this
+environment, as `degs sample` does (same settings, buffer and key), and prints one record
+per sample: the completion and the last boxed answer in it.
 Records carry the machine's core count, load averages before and after, versions, UTC
 date and the commands. Nothing is installed
 outside the temporary directory; the model cache is the run's own.
@@ -36,13 +41,14 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPT = "What is 12 * 13? Put the answer in \\boxed{}."
+PROMPT = "Answer format: \\boxed{answer}. What is 12 * 13?"
 SAMPLE_ARGS = ["--method", "degs_mcmc", "--block-len", "32", "--num-blocks", "4", "--mh-steps", "4"]
 
 
@@ -72,14 +78,7 @@ def _timed(command: list[str], env: dict, first_stdout: bool = False) -> dict:
 def phases(model_name: str | None = None, seed: int = 0) -> dict:
     """The first `degs sample` of the README in phases, in this process (module docstring);
     the model cache is `$DEGS_JAX_CACHE` as the caller set it (empty, for a cold start)."""
-    import re
-
-    import jax
-
-    from degs_jax.cli import sample_budget
-    from degs_jax.hyperparameters import hyperparameters_for
     from degs_jax.models import loading
-    from degs_jax.text import sample
 
     name = model_name or loading.DEFAULT_MODEL
     record = {"model": name, "dtype": loading.resolve_dtype("auto"), "seed": seed}
@@ -93,17 +92,11 @@ def phases(model_name: str | None = None, seed: int = 0) -> dict:
     t, c = time.perf_counter(), cpu()
     model = loading.load(name, progress=False)
     record["convert_s"], record["convert_cpu_s"] = time.perf_counter() - t, cpu() - c
-    options = dict(zip([a.lstrip("-").replace("-", "_") for a in SAMPLE_ARGS[2::2]],
-                       [int(a) for a in SAMPLE_ARGS[3::2]]))
-    method = sample_budget(hyperparameters_for(SAMPLE_ARGS[1], **options), options)
     calls = []
     for _ in range(2):
         t, c = time.perf_counter(), cpu()
-        result = sample(model, PROMPT, method, key=jax.random.key(seed))
-        text = result.outputs[0].chosen.text
-        boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-        calls.append({"s": time.perf_counter() - t, "cpu_s": cpu() - c, "tokens": result.counters["generated_tokens"],
-                      "boxed": boxed[-1] if boxed else None, "completion": text})
+        answer = readme_answer(model, PROMPT, seed)
+        calls.append({"s": time.perf_counter() - t, "cpu_s": cpu() - c, **answer})
     record["compile_s"] = calls[0]["s"] - calls[1]["s"]
     record["compile_cpu_s"] = calls[0]["cpu_s"] - calls[1]["cpu_s"]
     record["decode_s"], record["decode_cpu_s"] = calls[1]["s"], calls[1]["cpu_s"]
@@ -112,6 +105,52 @@ def phases(model_name: str | None = None, seed: int = 0) -> dict:
     record["completion"] = calls[1]["completion"]
     record["same_answer_both_calls"] = calls[0]["completion"] == calls[1]["completion"]
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in record.items()}
+
+
+def _versions() -> dict:
+    """The installed versions that decide a sample: jax, jaxlib, transformers, degs-jax."""
+    from importlib import metadata
+
+    return {p: metadata.version(p) for p in ("jax", "jaxlib", "transformers", "degs-jax")}
+
+
+def readme_answer(model, prompt: str, seed: int) -> dict:
+    """`prompt` sampled once with the README command's method and settings, as `degs sample`
+    runs it (its buffer rule and seed's key): the completion, its last boxed answer (None
+    if none) and the tokens generated."""
+    import re
+
+    import jax
+
+    from degs_jax.cli import sample_budget
+    from degs_jax.hyperparameters import hyperparameters_for
+    from degs_jax.text import sample
+
+    options = dict(zip([a.lstrip("-").replace("-", "_") for a in SAMPLE_ARGS[2::2]],
+                       [int(a) for a in SAMPLE_ARGS[3::2]]))
+    method = sample_budget(hyperparameters_for(SAMPLE_ARGS[1], **options), options)
+    result = sample(model, prompt, method, key=jax.random.key(seed))
+    text = result.outputs[0].chosen.text
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    return {"tokens": result.counters["generated_tokens"], "boxed": boxed[-1] if boxed else None, "completion": text}
+
+
+def answers(prompts: list[str], seeds: list[int]) -> None:
+    """Print one JSON record per (prompt, seed): `readme_answer` on the default model."""
+    from degs_jax.models import loading
+
+    print(json.dumps({"benchmark": "first_run_answers", "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "command": " ".join(["python", *sys.argv]), "cpus": os.cpu_count(),
+                      "python": platform.python_version(), "versions": _versions(), "prompts": prompts,
+                      "seeds": seeds}), flush=True)
+    model = loading.load(loading.DEFAULT_MODEL, progress=False)
+    for prompt in prompts:
+        for seed in seeds:
+            t = time.perf_counter()
+            record = {"benchmark": "first_run_answer", "model": model.name, "prompt": prompt, "seed": seed,
+                      **readme_answer(model, prompt, seed), "s": round(time.perf_counter() - t, 1),
+                      "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            print(json.dumps(record), flush=True)
 
 
 def one_run(index: int, python: str) -> dict:
@@ -160,7 +199,17 @@ def main() -> int:
                         help="only the phases, in this environment (its degs_jax, $DEGS_JAX_CACHE)")
     parser.add_argument("--model", default=None, help="with --phases-only: the built-in (the default's)")
     parser.add_argument("--seed", type=int, default=0, help="with --phases-only: the sample's seed (0)")
+    parser.add_argument("--answers", metavar="SEEDS", default=None,
+                        help="only sample the prompt once per seed (e.g. 0-7 or 0,3), in this environment")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="with --answers: a prompt to sample (repeatable; default: the README's)")
     args = parser.parse_args()
+    if args.answers is not None:
+        first, _, last = args.answers.partition("-")
+        seeds = (list(range(int(first), int(last) + 1)) if last
+                 else [int(x) for x in args.answers.split(",")])
+        answers(args.prompt or [PROMPT], seeds)
+        return 0
     if args.phases_only:
         print(json.dumps({"benchmark": "first_run_phases",
                           "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -85,7 +85,9 @@ class ModelConfig:
       batch), attention uses the "loop" read (fixed KV chunks combined in a fixed order,
       on tiles of `row_tile` rows; chunks past a row's length are exact identities), multi-token
       calls run in `kv_chunk`-token chunks (a prefill does not see the batch's longest
-      prompt) and the lens streams a fixed vocabulary chunk. Costs speed (1.55x to 1.83x
+      prompt; a chunk's per-token work runs on tiles of half a row's chunk, and on the CPU
+      with `row_tile` unset its attention one row at a time) and the lens streams a fixed
+      vocabulary chunk. Costs speed (1.55x to 1.83x
       per 7B decode step on an H100 at batch 1 to 128, docs/benchmarks.md); off by
       default. What it guarantees: the README's Reproducibility section.
     `lens_rows`: the rows of a decode step (one token per row, at least
