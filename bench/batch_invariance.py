@@ -20,7 +20,7 @@ size and each setting of `ModelConfig.batch_invariant` the script prints one JSO
 - `step_ms`: median wall-clock of one decode step (the model's forward with the DEGS
   probe, no capture) at the library's default buffer (prompt + 3072 slots), i.e. the
   speed cost of the option; `prefill_ms`: the same for a prefill of `--prompt` tokens
-  per row (logits at each row's last token, no probe).
+  per row (the cache it writes; no output head, no probe).
 
 Random weights (bench/common.py shapes), stacked layers (one compiled scan: fast to
 compile; numerics are those of the stacked program). Run on GPU:
@@ -251,7 +251,8 @@ def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: i
 
 def prefill_ms(cfg, params, batch: int, prompt: int, dtype, repeats: int = 5) -> float:
     """Median ms of a prefill of `batch` rows of `prompt` tokens at the default buffer
-    (prompt + BUFFER_NEW slots): logits at each row's last token, no probe."""
+    (prompt + BUFFER_NEW slots), no probe: the cache it writes (the call returns only the
+    cache, so XLA drops the output head)."""
     cache = init_cache(cfg, batch, prompt + BUFFER_NEW, dtype)
     call = jax.jit(lambda p, t, pos, c, at: forward(p, cfg, t, pos, c, logits_at=at).cache, donate_argnums=3)
     tokens = jnp.zeros((batch, prompt), jnp.int32)

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -92,10 +93,11 @@ def phases(model_name: str | None = None, seed: int = 0) -> dict:
     t, c = time.perf_counter(), cpu()
     model = loading.load(name, progress=False)
     record["convert_s"], record["convert_cpu_s"] = time.perf_counter() - t, cpu() - c
+    method = readme_method()  # (its imports too) before the timed calls
     calls = []
     for _ in range(2):
         t, c = time.perf_counter(), cpu()
-        answer = readme_answer(model, PROMPT, seed)
+        answer = readme_answer(model, PROMPT, seed, method)
         calls.append({"s": time.perf_counter() - t, "cpu_s": cpu() - c, **answer})
     record["compile_s"] = calls[0]["s"] - calls[1]["s"]
     record["compile_cpu_s"] = calls[0]["cpu_s"] - calls[1]["cpu_s"]
@@ -114,21 +116,26 @@ def _versions() -> dict:
     return {p: metadata.version(p) for p in ("jax", "jaxlib", "transformers", "degs-jax")}
 
 
-def readme_answer(model, prompt: str, seed: int) -> dict:
-    """`prompt` sampled once with the README command's method and settings, as `degs sample`
-    runs it (its buffer rule and seed's key): the completion, its last boxed answer (None
-    if none) and the tokens generated."""
+def readme_method():
+    """The README command's method and settings, with the buffer `degs sample` gives them."""
+    from degs_jax.cli import sample_budget
+    from degs_jax.hyperparameters import hyperparameters_for
+
+    options = dict(zip([a.lstrip("-").replace("-", "_") for a in SAMPLE_ARGS[2::2]],
+                       [int(a) for a in SAMPLE_ARGS[3::2]]))
+    return sample_budget(hyperparameters_for(SAMPLE_ARGS[1], **options), options)
+
+
+def readme_answer(model, prompt: str, seed: int, method) -> dict:
+    """`prompt` sampled once with `method` (`readme_method`) and the seed's key, as `degs
+    sample` runs it: the completion, its last boxed answer (None if none) and the tokens
+    generated."""
     import re
 
     import jax
 
-    from degs_jax.cli import sample_budget
-    from degs_jax.hyperparameters import hyperparameters_for
     from degs_jax.text import sample
 
-    options = dict(zip([a.lstrip("-").replace("-", "_") for a in SAMPLE_ARGS[2::2]],
-                       [int(a) for a in SAMPLE_ARGS[3::2]]))
-    method = sample_budget(hyperparameters_for(SAMPLE_ARGS[1], **options), options)
     result = sample(model, prompt, method, key=jax.random.key(seed))
     text = result.outputs[0].chosen.text
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
@@ -140,15 +147,17 @@ def answers(prompts: list[str], seeds: list[int]) -> None:
     from degs_jax.models import loading
 
     print(json.dumps({"benchmark": "first_run_answers", "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "command": " ".join(["python", *sys.argv]), "cpus": os.cpu_count(),
+                      "command": shlex.join(["python", *sys.argv]), "cpus": os.cpu_count(),
                       "python": platform.python_version(), "versions": _versions(), "prompts": prompts,
                       "seeds": seeds}), flush=True)
     model = loading.load(loading.DEFAULT_MODEL, progress=False)
+    method = readme_method()
     for prompt in prompts:
         for seed in seeds:
             t = time.perf_counter()
-            record = {"benchmark": "first_run_answer", "model": model.name, "prompt": prompt, "seed": seed,
-                      **readme_answer(model, prompt, seed), "s": round(time.perf_counter() - t, 1),
+            record = {"benchmark": "first_run_answer", "model": model.name, "dtype": str(model.params.embed.dtype),
+                      "prompt": prompt, "seed": seed, **readme_answer(model, prompt, seed, method),
+                      "s": round(time.perf_counter() - t, 1),
                       "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             print(json.dumps(record), flush=True)
 
@@ -190,6 +199,21 @@ def one_run(index: int, python: str) -> dict:
         }
 
 
+def _seeds(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """Seeds from '0-7', '0,3' or '0-3,5' (ranges inclusive); a parser error otherwise."""
+    seeds = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        try:
+            low, high = int(first), int(last) if dash else int(first)
+        except ValueError:
+            parser.error(f"--answers: {part!r} is not a seed or a range like 0-7")
+        if high < low:
+            parser.error(f"--answers: the range {part!r} is empty")
+        seeds += range(low, high + 1)
+    return seeds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="measured runs (3)")
@@ -205,11 +229,10 @@ def main() -> int:
                         help="with --answers: a prompt to sample (repeatable; default: the README's)")
     args = parser.parse_args()
     if args.answers is not None:
-        first, _, last = args.answers.partition("-")
-        seeds = (list(range(int(first), int(last) + 1)) if last
-                 else [int(x) for x in args.answers.split(",")])
-        answers(args.prompt or [PROMPT], seeds)
+        answers(args.prompt or [PROMPT], _seeds(parser, args.answers))
         return 0
+    if args.prompt:
+        parser.error("--prompt goes with --answers")
     if args.phases_only:
         print(json.dumps({"benchmark": "first_run_phases",
                           "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),

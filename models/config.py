@@ -80,16 +80,16 @@ class ModelConfig:
         GPU (head size a power of two >= 16; under a device mesh, a batch and KV heads
         that split evenly over its axes: the kernel runs per shard), else "buckets".
     `batch_invariant`: a row's results do not depend on the other rows of its batch (nor
-      on their number): every matmul over rows runs on fixed tiles of `row_tile` rows
-      (padded; one program per tile shape, so the same kernel and reduction order for any
-      batch), attention uses the "loop" read (fixed KV chunks combined in a fixed order,
-      on tiles of `row_tile` rows; chunks past a row's length are exact identities), multi-token
-      calls run in `kv_chunk`-token chunks (a prefill does not see the batch's longest
-      prompt; a chunk's per-token work runs on tiles of half a row's chunk, and on the CPU
-      with `row_tile` unset its attention one row at a time) and the lens streams a fixed
-      vocabulary chunk. Costs speed (1.55x to 1.83x
-      per 7B decode step on an H100 at batch 1 to 128, docs/benchmarks.md); off by
-      default. What it guarantees: the README's Reproducibility section.
+      on their number): every matmul over rows runs on fixed tiles (padded; one program
+      per tile shape, so the same kernel and reduction order for any batch) -- in a
+      decode step (and an uncached call) tiles of `row_tile` rows, in a prefill tiles of
+      half a row's chunk (multi-token calls with a cache run in `kv_chunk`-token chunks,
+      so a prefill does not see the batch's longest prompt); attention uses the "loop"
+      read (fixed KV chunks combined in a fixed order, on tiles of `row_tile` rows;
+      chunks past a row's length are exact identities) and the lens streams a fixed
+      vocabulary chunk. Costs speed (1.55x to 1.83x per 7B decode step on an H100 at
+      batch 1 to 128, docs/benchmarks.md); off by default. What it guarantees: the
+      README's Reproducibility section.
     `lens_rows`: the rows of a decode step (one token per row, at least
       `lens_head.LENS_LIVE_ROWS_MIN_BATCH` rows, no device mesh) whose lens is computed --
       "live" (default): the rows whose position is inside the cache (an idle row's lens
@@ -100,7 +100,10 @@ class ModelConfig:
     `row_tile`: rows per tile under `batch_invariant`; None (default): 64 on GPUs and
       TPUs (a decode step reads the weights once per tile, and 64 rows cost about what
       one does: 1.55-1.83x the plain step on an H100 at batch 1-128, against 1.65-6.6x
-      with 8), 8 on CPU (where padded rows cost compute).
+      with 8), 8 on CPU (where padded rows cost compute; for the same reason a prefill
+      chunk's attention reads the cache one row per tile there, each row bringing
+      kv_chunk queries).
+      An explicit value applies to every tiled call but a prefill's per-token work.
     """
 
     architecture: str

@@ -147,34 +147,34 @@ def _tile(cfg: ModelConfig) -> Optional[int]:
     return 8 if jax.default_backend() == "cpu" else 64
 
 
-def _token_tile(cfg: ModelConfig, tokens: int) -> Optional[int]:
+def _token_tile(cfg: ModelConfig, tokens: int, cached: bool) -> Optional[int]:
     """Token rows per tile of a block's per-token work (norms, projections, RoPE, MLP) in a
-    call of `tokens` tokens per row under `cfg.batch_invariant`, else None. A chunk of a
-    chunked multi-token call (`_forward_in_chunks`: `kv_chunk` tokens per row) runs in tiles
-    of half a row's chunk (a whole chunk if kv_chunk is odd): a fixed shape, so still the
-    same kernels whatever the batch, and each tile reads the weights once for kv_chunk / 2
-    tokens instead of once per `row_tile` tokens (a 224-token prefill of 2 rows of
-    SmolLM2-135M on a 2-core CPU took 33 s on tiles of 8 rows, 13x the plain prefill).
-    Other calls (decode steps) tile by `_tile`."""
-    if _is_chunk(cfg, tokens):
+    call of `tokens` tokens per row (`cached`: with a KV cache) under `cfg.batch_invariant`,
+    else None. A chunk of a prefill (`_prefill_chunk`) runs on tiles of half a row's chunk
+    (the whole chunk if kv_chunk is odd): a fixed shape, so the same kernels whatever the
+    batch, and each tile reads the weights once for kv_chunk / 2 tokens instead of once per
+    `row_tile` tokens (docs/benchmarks.md, "A batch-invariant prefill"). Other calls
+    (decode steps, uncached forwards) tile by `_tile`."""
+    if _prefill_chunk(cfg, tokens, cached):
         return tokens // 2 if tokens % 2 == 0 else tokens
     return _tile(cfg)
 
 
 def _attention_tile(cfg: ModelConfig, tokens: int) -> Optional[int]:
     """Rows per tile of the attention's cache reads in a call of `tokens` tokens per row
-    under `cfg.batch_invariant`, else None: `_tile`, but one row for a chunk of a chunked
-    call on the CPU when `row_tile` is not set (each row brings kv_chunk queries, and
-    padding 2 rows to 2 tiles of 8 made that prefill's attention 8x its work)."""
-    if _is_chunk(cfg, tokens) and cfg.row_tile is None and jax.default_backend() == "cpu":
+    under `cfg.batch_invariant`, else None: `_tile`, except that with `row_tile` unset a
+    prefill chunk on the CPU reads one row per tile (each row brings kv_chunk queries; 2
+    rows padded to 2 tiles of 8 did 8x the attention's work)."""
+    if _prefill_chunk(cfg, tokens, True) and cfg.row_tile is None and jax.default_backend() == "cpu":
         return 1
     return _tile(cfg)
 
 
-def _is_chunk(cfg: ModelConfig, tokens: int) -> bool:
-    """Whether a call of `tokens` tokens per row is a chunk of `_forward_in_chunks` under
-    `cfg.batch_invariant` (kv_chunk tokens per row, more than one)."""
-    return cfg.batch_invariant and tokens > 1 and tokens == cfg.kv_chunk
+def _prefill_chunk(cfg: ModelConfig, tokens: int, cached: bool) -> bool:
+    """Whether a call is a chunk of a batch-invariant prefill: under `cfg.batch_invariant`
+    every multi-token call with a cache runs in `_forward_in_chunks`' chunks of kv_chunk
+    tokens per row."""
+    return cfg.batch_invariant and cached and tokens > 1
 
 
 def _attention_inputs(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array, inv_freq: Array):
@@ -213,7 +213,7 @@ def _block(layer: LayerParams, cfg: ModelConfig, x: Array, positions: Array,
     RoPE and MLP through `row_tiled`, the attention's cache reads in `_cache_chunks`.
     Returns (x, read, (k, v) [B, T, Hkv, Dh])."""
     B, T, _ = x.shape
-    tile = _token_tile(cfg, T)
+    tile = _token_tile(cfg, T, read is not None)
     with jax.named_scope("attention"):
         q, k, v = row_tiled(lambda xs: _attention_inputs(layer, cfg, *xs, inv_freq), (x, positions), tile)
         q, k, v = constrain(q, HEADS), constrain(k, HEADS), constrain(v, HEADS)

@@ -88,17 +88,23 @@ def test_a_long_prefill_does_not_depend_on_its_batch():
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}, batch 8")
 
 
-def test_a_prefill_in_chunks_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("row_tile", [4, None], ids=["row_tile 4", "row_tile unset"])
+def test_a_prefill_in_chunks_does_not_depend_on_its_batch(row_tile):
     """A prefill runs in chunks of kv_chunk tokens per row, whose per-token work runs on
     tiles of half a row's chunk (`transformer._token_tile`), whatever `row_tile` says: with
     kv_chunk 32 a batch of 8 puts 256 token rows through each chunk, where an untiled RMSNorm
-    is reduced in another order (mutation check: chunks run untiled fail here)."""
-    cfg = dataclasses.replace(tiny_config("LlamaForCausalLM", vocab=97), batch_invariant=True, row_tile=4,
+    is reduced in another order (mutation check: chunks run untiled fail here). With
+    `row_tile` unset (the default) the chunk's attention reads one row per tile on the CPU
+    (`transformer._attention_tile`): a batch of 1 pads to two one-row tiles, 3 and 8 run
+    without padding."""
+    cfg = dataclasses.replace(tiny_config("LlamaForCausalLM", vocab=97), batch_invariant=True, row_tile=row_tile,
                               kv_chunk=32)
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.3)
     alone = _row0(cfg, params, jnp.float32, 1, 1)
-    for i, (a, b) in enumerate(zip(_row0(cfg, params, jnp.float32, 8, 1, longest=40), alone)):
-        np.testing.assert_array_equal(a, b, err_msg=f"output {i}, batch 8")
+    for batch in (3, 8) if row_tile is None else (8,):
+        for i, (a, b) in enumerate(zip(_row0(cfg, params, jnp.float32, batch, 1, longest=40), alone)):
+            np.testing.assert_array_equal(a, b, err_msg=f"output {i}, batch {batch}")
+
 
 def test_without_the_option_the_cpu_is_not_batch_invariant():
     """The control: the same check without `batch_invariant` differs on XLA CPU in float32
