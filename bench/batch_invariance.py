@@ -18,8 +18,10 @@ size and each setting of `ModelConfig.batch_invariant` the script prints one JSO
   algorithms, split-K, reduction trees); fusion effects of the compiled program are not
   reproduced, which is what `first_difference` measures;
 - `step_ms`: median wall-clock of one decode step (the model's forward with the DEGS
-  probe, no capture) at the library's default buffer (prompt + 3072 slots), i.e. the
-  speed cost of the option; `prefill_ms`: the same for a prefill of `--prompt` tokens
+  probe, no capture; its logits and lens entropies returned) at the library's default
+  buffer (prompt + 3072 slots), i.e. the speed cost of the option; `cache_only_step_ms`:
+  the same step returning only its cache, so that XLA drops the head and the probe (what
+  `step_ms` measured until 2026-11-30); `prefill_ms`: the same for a prefill of `--prompt` tokens
   per row (the cache it writes; no output head, no probe).
 
 Random weights (bench/common.py shapes), stacked layers (one compiled scan: fast to
@@ -232,19 +234,27 @@ def first_decoder_difference(alone: dict, other: dict):
 
 # ----------------------------------------------------------------------------- speed
 
-def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: int = 10) -> float:
+def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: int = 10,
+            cache_only: bool = False) -> float:
     """Median ms of one decode step (forward + DEGS probe, no capture) for `batch` rows at
-    the default buffer (prompt + BUFFER_NEW slots), rows at prompt + 16 tokens."""
+    the default buffer (prompt + BUFFER_NEW slots), rows at prompt + 16 tokens: the call
+    returns the cache, the logits and the lens entropies. cache_only: it returns the cache
+    alone, so XLA drops the output head and the probe (what `step_ms` timed until
+    2026-11-30: the cache-writing layers only)."""
     cache = init_cache(cfg, batch, prompt + BUFFER_NEW, dtype)
-    call = jax.jit(lambda p, t, pos, c: forward(p, cfg, t, pos, c, lens_layers=lens_layers).cache,
-                   donate_argnums=3)
+
+    def one_step(p, t, pos, c):
+        out = forward(p, cfg, t, pos, c, lens_layers=lens_layers)
+        return (out.cache,) if cache_only else (out.cache, out.logits, out.lens.entropy)
+
+    call = jax.jit(one_step, donate_argnums=3)
     tokens = jnp.zeros((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), prompt + 16, jnp.int32)
-    cache = jax.block_until_ready(call(params, tokens, positions, cache))
+    cache = jax.block_until_ready(call(params, tokens, positions, cache))[0]
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        cache = jax.block_until_ready(call(params, tokens, positions, cache))
+        cache = jax.block_until_ready(call(params, tokens, positions, cache))[0]
         times.append(time.perf_counter() - t)
     return 1000 * sorted(times)[repeats // 2]
 
@@ -329,6 +339,8 @@ def main(argv=None) -> None:
             record["check_seconds"] = round(time.perf_counter() - t0, 1)
             if batch in timing:
                 record["step_ms"] = round(step_ms(cfg, params, batch, args.prompt, lens_layers, dtype), 3)
+                record["cache_only_step_ms"] = round(
+                    step_ms(cfg, params, batch, args.prompt, lens_layers, dtype, cache_only=True), 3)
                 record["prefill_ms"] = round(prefill_ms(cfg, params, batch, args.prompt, dtype), 3)
                 record["buffer"] = args.prompt + BUFFER_NEW
             emit({**record, **env, "setting": label}, OUT_NAME)

@@ -87,8 +87,8 @@ class ModelConfig:
       so a prefill does not see the batch's longest prompt); attention uses the "loop"
       read (fixed KV chunks combined in a fixed order, on tiles of `row_tile` rows;
       chunks past a row's length are exact identities) and the lens streams a fixed
-      vocabulary chunk. Costs speed (1.55x to 1.83x per 7B decode step on an H100 at
-      batch 1 to 128, docs/benchmarks.md); off by default. What it guarantees: the
+      vocabulary chunk. Costs speed (2.4x to 2.8x per 7B decode step, head and probe
+      included, on an H200 at batch 1 to 128, docs/benchmarks.md); off by default. What it guarantees: the
       README's Reproducibility section.
     `lens_rows`: the rows of a decode step (one token per row, at least
       `lens_head.LENS_LIVE_ROWS_MIN_BATCH` rows, no device mesh) whose lens is computed --
@@ -99,7 +99,7 @@ class ModelConfig:
       (4.5x the lens of all rows): use "all" there. "all": every row's lens.
     `row_tile`: rows per tile under `batch_invariant`; None (default): 64 on GPUs and
       TPUs (a decode step reads the weights once per tile, and 64 rows cost about what
-      one does: 1.55-1.83x the plain step on an H100 at batch 1-128, against 1.65-6.6x
+      one does: 2.4-2.8x the plain step on an H200 at batch 1-128, against 2.1-15.8x
       with 8), 8 on CPU (where padded rows cost compute; for the same reason a prefill
       chunk's attention reads the cache one row per tile there, each row bringing
       kv_chunk queries).
