@@ -88,8 +88,8 @@ class ModelConfig:
       read (fixed KV chunks combined in a fixed order, on tiles of `row_tile` rows;
       chunks past a row's length are exact identities) and the lens streams a fixed
       vocabulary chunk. Costs speed (2.4x to 2.8x per 7B decode step, head and probe
-      included, on an H200 at batch 1 to 128, docs/benchmarks.md); off by default. What it guarantees: the
-      README's Reproducibility section.
+      included, on an H200 at batch 1 to 128, docs/benchmarks.md); off by default. What
+      it guarantees: the README's Reproducibility section.
     `lens_rows`: the rows of a decode step (one token per row, at least
       `lens_head.LENS_LIVE_ROWS_MIN_BATCH` rows, no device mesh) whose lens is computed --
       "live" (default): the rows whose position is inside the cache (an idle row's lens
