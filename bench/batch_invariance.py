@@ -234,6 +234,19 @@ def first_decoder_difference(alone: dict, other: dict):
 
 # ----------------------------------------------------------------------------- speed
 
+def _median_ms(call, params, inputs: tuple, cache, repeats: int) -> float:
+    """Median ms of `call(params, *inputs, cache)` after one warm-up (compilation) call; the
+    call donates the cache and returns the new one first (alone or in a tuple)."""
+    first = lambda out: out[0] if isinstance(out, tuple) else out
+    cache = first(jax.block_until_ready(call(params, *inputs, cache)))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        cache = first(jax.block_until_ready(call(params, *inputs, cache)))
+        times.append(time.perf_counter() - t)
+    return 1000 * sorted(times)[repeats // 2]
+
+
 def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: int = 10,
             cache_only: bool = False) -> float:
     """Median ms of one decode step (forward + DEGS probe, no capture) for `batch` rows at
@@ -241,40 +254,25 @@ def step_ms(cfg, params, batch: int, prompt: int, lens_layers, dtype, repeats: i
     returns the cache, the logits and the lens entropies. cache_only: it returns the cache
     alone, so XLA drops the output head and the probe (what `step_ms` timed until
     2026-11-30: the cache-writing layers only)."""
-    cache = init_cache(cfg, batch, prompt + BUFFER_NEW, dtype)
 
     def one_step(p, t, pos, c):
         out = forward(p, cfg, t, pos, c, lens_layers=lens_layers)
-        return (out.cache,) if cache_only else (out.cache, out.logits, out.lens.entropy)
+        return out.cache if cache_only else (out.cache, out.logits, out.lens.entropy)
 
     call = jax.jit(one_step, donate_argnums=3)
-    tokens = jnp.zeros((batch, 1), jnp.int32)
-    positions = jnp.full((batch, 1), prompt + 16, jnp.int32)
-    cache = jax.block_until_ready(call(params, tokens, positions, cache))[0]
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        cache = jax.block_until_ready(call(params, tokens, positions, cache))[0]
-        times.append(time.perf_counter() - t)
-    return 1000 * sorted(times)[repeats // 2]
+    inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.full((batch, 1), prompt + 16, jnp.int32))
+    return _median_ms(call, params, inputs, init_cache(cfg, batch, prompt + BUFFER_NEW, dtype), repeats)
 
 
 def prefill_ms(cfg, params, batch: int, prompt: int, dtype, repeats: int = 5) -> float:
     """Median ms of a prefill of `batch` rows of `prompt` tokens at the default buffer
     (prompt + BUFFER_NEW slots), no probe: the cache it writes (the call returns only the
     cache, so XLA drops the output head)."""
-    cache = init_cache(cfg, batch, prompt + BUFFER_NEW, dtype)
-    call = jax.jit(lambda p, t, pos, c, at: forward(p, cfg, t, pos, c, logits_at=at).cache, donate_argnums=3)
-    tokens = jnp.zeros((batch, prompt), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
-    last = jnp.full((batch,), prompt - 1, jnp.int32)
-    cache = jax.block_until_ready(call(params, tokens, positions, cache, last))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        cache = jax.block_until_ready(call(params, tokens, positions, cache, last))
-        times.append(time.perf_counter() - t)
-    return 1000 * sorted(times)[repeats // 2]
+    call = jax.jit(lambda p, t, pos, at, c: forward(p, cfg, t, pos, c, logits_at=at).cache, donate_argnums=4)
+    inputs = (jnp.zeros((batch, prompt), jnp.int32),
+              jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt)),
+              jnp.full((batch,), prompt - 1, jnp.int32))
+    return _median_ms(call, params, inputs, init_cache(cfg, batch, prompt + BUFFER_NEW, dtype), repeats)
 
 
 def main(argv=None) -> None:

@@ -109,13 +109,6 @@ def phases(model_name: str | None = None, seed: int = 0) -> dict:
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in record.items()}
 
 
-def _versions() -> dict:
-    """The installed versions that decide a sample: jax, jaxlib, transformers, degs-jax."""
-    from importlib import metadata
-
-    return {p: metadata.version(p) for p in ("jax", "jaxlib", "transformers", "degs-jax")}
-
-
 def readme_method():
     """The README command's method and settings, with the buffer `degs sample` gives them."""
     from degs_jax.cli import sample_budget
@@ -144,11 +137,11 @@ def readme_answer(model, prompt: str, seed: int, method) -> dict:
 
 def answers(prompts: list[str], seeds: list[int]) -> None:
     """Print one JSON record per (prompt, seed): `readme_answer` on the default model."""
+    from common import environment  # bench/common.py: imports jax, so not at the top (install runs)
     from degs_jax.models import loading
 
-    print(json.dumps({"benchmark": "first_run_answers", "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "command": shlex.join(["python", *sys.argv]), "cpus": os.cpu_count(),
-                      "python": platform.python_version(), "versions": _versions(), "prompts": prompts,
+    print(json.dumps({"benchmark": "first_run_answers", **environment(),
+                      "command": shlex.join(["python", *sys.argv]), "cpus": os.cpu_count(), "prompts": prompts,
                       "seeds": seeds}), flush=True)
     model = loading.load(loading.DEFAULT_MODEL, progress=False)
     method = readme_method()
