@@ -99,7 +99,7 @@ def decode_seconds(cfg, params, batch: int, prompt: int, new: int, temperature: 
     from degs_jax.generation import Proposal, SamplerSpec, generate, prefill
 
     if donate:
-        generate = jax.jit(generate.__wrapped__, static_argnames=("model", "sampler"), donate_argnames=("state",))
+        generate = jax.jit(generate.__wrapped__, static_argnames=("model",), donate_argnames=("state",))
 
     model = TransformerLM(cfg)
     spec = SamplerSpec(Proposal(temperature), eos_ids=(), lens=lens)

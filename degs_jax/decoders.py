@@ -165,7 +165,7 @@ def row_keys(keys: Array, n: int) -> Array:
     return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "method", "settings"))
+@functools.partial(jax.jit, static_argnames=("model",))
 def run_kernel(model: CausalLM, params: Any, state: GenState, keys: Array, method: Method, settings: Any) -> Any:
     """`method`'s kernel from prefilled rows `state` (`pool_size` consecutive rows per
     prompt) and row keys: `init`, then `advance` in one `lax.while_loop` until `done`.
@@ -177,7 +177,7 @@ def run_kernel(model: CausalLM, params: Any, state: GenState, keys: Array, metho
                               method.init(model, params, state, keys, settings))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "config", "eos_ids", "token_bytes"))
+@functools.partial(jax.jit, static_argnames=("model", "eos_ids", "token_bytes"))
 def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Array, keys: Array,
                   config: Method, eos_ids: tuple[int, ...] = (),
                   token_bytes: Optional[TokenBytes] = None) -> Decoded:
@@ -185,11 +185,13 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
 
     prompts: [B, P] int32 right-padded, prompt_len: [B] int32 (>= 1; prompt + budget
     within the model's context); keys: [B] PRNG keys, one per prompt (as `decode`'s
-    `keys`: same tokens); config: the method's hyperparameters (static, e.g.
-    `DegsMCMC(mh_steps=4)`); eos_ids: static; token_bytes: the vocabulary's bytes
-    (`stops.token_bytes(tokenizer)`, static), needed when `config.stop` has stop strings.
-    The buffer holds P + the method's budget
-    slots. Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode
+    `keys`: same tokens); config: the method value (e.g. `DegsMCMC(mh_steps=4)`): a
+    pytree whose numeric hyperparameters (alpha, beta, tau, temperature, top-p, ...) are
+    data of the program, so a sweep over them compiles once and `jax.vmap` over them works
+    (`jax.vmap(lambda beta: decode_tokens(..., DegsMCMC(beta=beta), ...))(betas)`;
+    `degs_jax.traced_fields`), the rest static; eos_ids: static; token_bytes: the
+    vocabulary's bytes (`stops.token_bytes(tokenizer)`, static), needed when
+    `config.stop` has stop strings. The buffer holds P + the method's budget slots. Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode
     steps, MCMC blocks, SMC ESS intervals or SPS blocks, until `done`) and the answer's
     choice run inside; wrap it in your own `jax.jit` or `jax.vmap` (e.g. over a leading
     axis of prompts and keys; under vmap the loop runs until every instance is done,
@@ -226,7 +228,7 @@ FIRST_CHUNK_ADVANCES = 1
 MAX_CHUNK_ADVANCES = 1024
 
 
-@functools.partial(jax.jit, static_argnames=("model", "method", "settings"), donate_argnames=("carry",))
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("carry",))
 def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_advances: Array,
                   method: Method, settings: Any, watch: Optional[Array] = None) -> tuple[Any, Array, Array]:
     """At most `max_advances` (int32 scalar, traced: any chunk size runs the same compiled

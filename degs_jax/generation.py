@@ -44,6 +44,7 @@ from .model_api import CausalLM
 from .rows import fold_in_rows, rows_at, work_counter
 from .stops import START, STOPPED, StopAutomaton
 from .tiling import row_tiled
+from .traced_fields import concrete, is_value, is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -102,13 +103,29 @@ class Truncation:
     the tempered logits z ([B, V] fp32, -inf where an earlier cut removed a token); it
     must keep at least one token of every row (the cuts here keep the most likely one).
 
-    A new per-token sampling rule is one frozen subclass (hashable: it is part of the
-    compiled program): `Proposal` applies its cuts in order and renormalises, so
-    `Proposal.log_density` is the truncated density that MH acceptance ratios and SMC
-    weights use, for every method, with no change to a kernel."""
+    A new per-token sampling rule is one frozen dataclass subclass: `Proposal` applies its
+    cuts in order and renormalises, so `Proposal.log_density` is the truncated density
+    that MH acceptance ratios and SMC weights use, for every method, with no change to a
+    kernel. Every subclass is a pytree (`traced_fields`): its fields are part of the
+    compiled program (hashable), except those marked `{"traced": True}` in their metadata,
+    which are data of it (top-p's p: one program for every p)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        register_traced_dataclass(cls)
 
     def keep(self, z: Array) -> Array:
         raise NotImplementedError
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    """ValueError unless every concrete value is in (0, 1] (a traced one is not checked)."""
+    values = concrete(value)
+    if values is not None and not np.all((values > 0.0) & (values <= 1.0)):
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+TRACED_FIELD = {"traced": True}  # the metadata of a Truncation's field that is data of the program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +160,10 @@ class TopP(Truncation):
     """Nucleus: the most likely tokens whose mass reaches p (the token that crosses p
     kept), as HF's TopPLogitsWarper."""
 
-    p: float
+    p: float = dataclasses.field(metadata=TRACED_FIELD)
 
     def __post_init__(self):
-        if not 0.0 < self.p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.p}")
+        _check_fraction("top_p", self.p)
 
     def keep(self, z: Array) -> Array:
         return _smallest_prefix(z, -z, self.p)
@@ -158,11 +174,10 @@ class MinP(Truncation):
     """Min-p (Nguyen et al., 2024): the tokens whose probability is at least p times the
     most likely token's, as HF's MinPLogitsWarper (compared in log space)."""
 
-    p: float
+    p: float = dataclasses.field(metadata=TRACED_FIELD)
 
     def __post_init__(self):
-        if not 0.0 < self.p <= 1.0:
-            raise ValueError(f"min_p must be in (0, 1], got {self.p}")
+        _check_fraction("min_p", self.p)
 
     def keep(self, z: Array) -> Array:
         return z >= jnp.max(z, axis=-1, keepdims=True) + jnp.log(self.p)
@@ -174,11 +189,10 @@ class Typical(Truncation):
     closest to the distribution's entropy, in that order, until their mass reaches
     `mass` (the crossing token kept), as HF's TypicalLogitsWarper up to ties."""
 
-    mass: float
+    mass: float = dataclasses.field(metadata=TRACED_FIELD)
 
     def __post_init__(self):
-        if not 0.0 < self.mass <= 1.0:
-            raise ValueError(f"typical_p must be in (0, 1], got {self.mass}")
+        _check_fraction("typical_p", self.mass)
 
     def keep(self, z: Array) -> Array:
         log_probs = jax.nn.log_softmax(z, axis=-1)
@@ -191,28 +205,33 @@ class Typical(Truncation):
 def truncations(top_k: int = NO_TOP_K, top_p: float = NO_TOP_P, min_p: float = NO_MIN_P,
                 typical_p: float = NO_TYPICAL_P) -> tuple[Truncation, ...]:
     """The cuts the methods' hyperparameters name, in HF's order (top-k, top-p, min-p,
-    typical), each only where it is not at its "off" value. ValueError for a bad value."""
+    typical), each only where it is not at its "off" value (a traced value is a cut).
+    ValueError for a bad value."""
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
     cuts = (TopK(top_k) if top_k != NO_TOP_K else None,
-            TopP(top_p) if top_p != NO_TOP_P else None,
-            MinP(min_p) if min_p != NO_MIN_P else None,
-            Typical(typical_p) if typical_p != NO_TYPICAL_P else None)
+            TopP(top_p) if not is_value(top_p, NO_TOP_P) else None,
+            MinP(min_p) if not is_value(min_p, NO_MIN_P) else None,
+            Typical(typical_p) if not is_value(typical_p, NO_TYPICAL_P) else None)
     return tuple(cut for cut in cuts if cut is not None)
 
 
+@functools.partial(register_traced_dataclass, traced=lambda cls: ("temperature", "truncations"))
 @dataclasses.dataclass(frozen=True)
 class Proposal:
     """q(x_t | x_<t), the per-token distribution a token is drawn from: softmax(logits /
     temperature), cut by `truncations` in order and renormalised (log q is the truncated
     density). Temperature 0 is greedy: the argmax, with log q = 0 (a point mass).
-    `log_density` and `sample` are all that the kernels ask of it."""
+    `log_density` and `sample` are all that the kernels ask of it. A pytree: the
+    temperature and the cuts' traced fields are data of the compiled program, except a
+    temperature of concrete 0, which makes the greedy program (`traced_fields`)."""
 
     temperature: float
     truncations: tuple[Truncation, ...] = ()
 
     def __post_init__(self):
-        if not self.temperature >= 0:
+        values = concrete(self.temperature)
+        if values is not None and not np.all(values >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         object.__setattr__(self, "truncations", tuple(self.truncations))
         for cut in self.truncations:
@@ -221,7 +240,7 @@ class Proposal:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_zero(self.temperature)
 
     def log_density(self, logits: Array) -> Array:
         """log q over the vocabulary, [B, V] fp32, -inf outside the truncations (not greedy)."""
@@ -240,9 +259,12 @@ class Proposal:
         return tokens, log_q[jnp.arange(tokens.shape[0]), tokens]
 
 
+@functools.partial(register_traced_dataclass, traced=lambda cls: ("proposal", "lens"))
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
-    """How tokens are drawn (static: part of the compiled program).
+    """How tokens are drawn: a pytree whose children are the proposal and the lens (their
+    temperature and tau are data of the compiled program); everything else is static,
+    part of the program.
 
     proposal: the per-token distribution (`Proposal`: temperature and truncations).
     lens: LensConfig to record collapse depth per token, or None (no probing).
@@ -407,7 +429,7 @@ def initial_active(state: GenState, limit: Array) -> Array:
     return ~state.ended & (state.length < limit)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampler"))
+@functools.partial(jax.jit, static_argnames=("model",))
 def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: Array,
              sampler: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
     """Continue every row from its current length until EOS or `limit` tokens, in one

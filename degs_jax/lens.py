@@ -16,14 +16,15 @@ threshold test `H <= tau` at tau = 0.25 nats must not flip from bf16 rounding.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Optional, Sequence
+import functools
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .tiling import row_tiled
+from .traced_fields import concrete, register_traced_dataclass
 
 Array = jax.Array
 
@@ -79,26 +80,32 @@ def validate_lsub(lsub: Sequence[int], num_layers: Optional[int] = None) -> tupl
     return layers
 
 
-def validate_tau(tau: float) -> float:
-    """Check a concrete collapse threshold (nats): finite and > 0. Returns it as float."""
+def validate_tau(tau: Any) -> Any:
+    """Check a collapse threshold (nats): finite and > 0, every value of an array (a
+    sweep); a traced one is not checked (`traced_fields.concrete`). Returns a single
+    concrete value as a float, anything else as it is."""
+    values = concrete(tau)
+    if values is None:
+        return tau
     try:
-        value = float(tau)
+        values = np.asarray(values, np.float64)
     except (TypeError, ValueError):
         raise ValueError(f"tau must be a positive number of nats, got {tau!r}") from None
-    if not math.isfinite(value) or value <= 0:
+    if not (np.all(np.isfinite(values)) and np.all(values > 0)):
         raise ValueError(f"tau must be a positive finite number of nats, got {tau!r}")
-    return value
+    return float(values) if values.ndim == 0 else tau
 
 
+@functools.partial(register_traced_dataclass, traced=lambda cls: ("tau",))
 @dataclasses.dataclass(frozen=True)
 class LensConfig:
-    """Static lens settings: probed layers L_sub and collapse threshold tau (nats).
+    """Lens settings: probed layers L_sub and collapse threshold tau (nats).
 
-    Frozen and hashable, so it can be a static argument of jitted samplers. The
-    constructor checks what it can without a model (L_sub shape, tau); use
-    `validate_for(num_layers)` or `LensConfig.default(num_layers)` to also check the
-    range. (How the model streams the vocabulary is the model's business:
-    `models.TransformerLM.lens_chunk`.)
+    A pytree whose leaf is tau, data of the compiled program (one program for every
+    threshold; `traced_fields`); L_sub is static, part of it. The constructor checks what
+    it can without a model (L_sub shape, tau); use `validate_for(num_layers)` or
+    `LensConfig.default(num_layers)` to also check the range. (How the model streams the
+    vocabulary is the model's business: `models.TransformerLM.lens_chunk`.)
     """
 
     lsub: tuple[int, ...]

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +58,12 @@ import numpy as np
 
 from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, generate
 from .lens import LensConfig, sequence_depth, span_sum
-from .method import (DEFAULT_ALPHA, DEFAULT_BETA, Answer, Method, RunDetails, method_field, positive_int,
-                     require_lens, validate_alpha, validate_beta)
+from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails, method_field,
+                     positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import fold_in_rows, settle_rows, work_counters
 from .stops import StopAutomaton
+from .traced_fields import is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -77,16 +78,20 @@ REGENERATE_STREAM = 1  # under the step key: the proposal's tokens
 ACCEPT_STREAM = 2  # under the step key: the uniform of the accept test
 
 
+@functools.partial(register_traced_dataclass, traced=lambda cls: ("alpha", "beta", "lens", "truncations"))
 @dataclasses.dataclass(frozen=True)
 class MCMCConfig:
-    """The chain's settings (static: part of the compiled program). The methods build
+    """The chain's settings: a pytree whose leaves are alpha, beta, the lens's tau and the
+    truncations' fractions (top-p, min-p, typical), data of the compiled program (one program for every value, `jax.vmap` over them; a beta of concrete 0 is
+    static, the program without the depth term: `traced_fields`); every other field is
+    static, part of the program. The methods build
     it from the `degs_mcmc` / `power_mcmc` hyperparameters (`MCMCMethod` below), where the
     paper's defaults live. The method checks its values when it is built; this, the
     kernel's own API (tests and benchmarks build it directly), runs the same checks
     (`check_chain_hyperparameters`) and asks for a lens when beta > 0.
 
     alpha: power (proposal temperature 1/alpha), >= 1.
-    beta: weight of D(x); 0 = power sampling (no probing).
+    beta: weight of D(x); 0 = power sampling (no probing): `probed`.
     block_len, num_blocks: the block schedule (max new tokens = block_len · num_blocks).
     mh_steps: MH steps per block.
     lens: layers and tau for D(x) (required when beta > 0).
@@ -119,6 +124,12 @@ class MCMCConfig:
         return self.block_len * self.num_blocks
 
     @property
+    def probed(self) -> bool:
+        """The target has the depth term (and the proposal records d_t): beta is not a
+        concrete 0 (a traced beta may be any value)."""
+        return not is_zero(self.beta)
+
+    @property
     def proposal(self) -> SamplerSpec:
         """The proposal q: temperature 1/alpha, the truncations (the reference's top-k 50
         first under `reference_quirks` where no top-k is given), the lens when beta > 0."""
@@ -126,7 +137,7 @@ class MCMCConfig:
         if self.reference_quirks and not any(isinstance(cut, TopK) for cut in cuts):
             cuts = (TopK(QUIRKS_TOP_K),) + cuts
         return SamplerSpec(Proposal(1.0 / self.alpha, cuts), eos_ids=self.eos_ids,
-                           lens=self.lens if self.beta > 0 else None, stop=self.stop)
+                           lens=self.lens if self.probed else None, stop=self.stop)
 
 
 def check_chain_hyperparameters(chain: Any) -> None:
@@ -149,14 +160,18 @@ class MCMCMethod(Method):
     """
 
     alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha; the proposal "
-                                "samples at temperature 1/alpha (>= 1)")
-    beta: float = method_field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))")
+                                "samples at temperature 1/alpha (>= 1)", traced=True)
+    beta: float = method_field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))",
+                               traced=True)
     block_len: int = method_field(192, "tokens per MCMC block")
     num_blocks: int = method_field(16, "MCMC blocks (max new tokens = block_len · num_blocks)")
     mh_steps: int = method_field(10, "Metropolis-Hastings steps per block")
     n_chains: int = method_field(1, "independent chains per prompt")
     reference_quirks: bool = method_field(False, "reproduce the public power-sampling code's "
                                           "deviations (top-k 50, no cut-index ratio, ...; not exact)")
+
+    smallest_run: ClassVar[Mapping[str, Any]] = dict(block_len=SMALLEST_RUN_TOKENS // 2, num_blocks=2, mh_steps=2,
+                                                     n_chains=2)
 
     def __post_init__(self):
         super().__post_init__()
@@ -165,7 +180,7 @@ class MCMCMethod(Method):
 
     @property
     def probed(self) -> bool:
-        return self.beta > 0
+        return not is_zero(self.beta)
 
     @property
     def pool_size(self) -> int:
@@ -183,9 +198,9 @@ class MCMCMethod(Method):
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> MCMCConfig:
         """The chain kernel's settings for a model with `num_layers` blocks."""
-        return MCMCConfig(alpha=float(self.alpha), beta=float(self.beta), block_len=self.block_len,
+        return MCMCConfig(alpha=self.alpha, beta=self.beta, block_len=self.block_len,
                           num_blocks=self.num_blocks, mh_steps=self.mh_steps,
-                          lens=self.lens_config(num_layers) if self.beta > 0 else None,
+                          lens=self.lens_config(num_layers) if self.probed else None,
                           eos_ids=tuple(eos_ids), truncations=self.truncations(),
                           reference_quirks=bool(self.reference_quirks), stop=stop)
 
@@ -264,7 +279,7 @@ class PowerMCMC(MCMCMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.beta != 0:
+        if not is_zero(self.beta):
             raise ValueError("power_mcmc is the beta = 0 chain; use degs_mcmc for beta > 0")
 
 
@@ -312,7 +327,7 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mcmc
     suffix = functools.partial(span_sum, batch_invariant=batch_invariant)
     log_r = (mcmc.alpha * (suffix(proposal.logp, cut, proposal.length) - suffix(current.logp, cut, x_end))
              + suffix(current.logq, cut, x_end) - suffix(proposal.logq, cut, proposal.length))
-    if mcmc.beta > 0:
+    if mcmc.probed:
         log_r += mcmc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
     if not mcmc.reference_quirks:
         n_x = (current.length - current.prompt_len).astype(jnp.float32)
@@ -383,7 +398,7 @@ class MHState:
     decisions: MHDecisions  # [B, mh_steps]: this block's decisions so far
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mcmc"))
+@functools.partial(jax.jit, static_argnames=("model",))
 def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
              limit: Array, active: Array, mcmc: MCMCConfig) -> tuple[GenState, MHDecisions]:
     """`mcmc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
@@ -443,7 +458,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
             accepts = log_u < log_r
             accept = done & accepts
             log_r_power, depth_delta = log_r, jnp.zeros_like(log_r)
-            if mcmc.beta > 0:  # the power-MCMC decision from the same u
+            if mcmc.probed:  # the power-MCMC decision from the same u
                 log_r_power = ratio(dataclasses.replace(mcmc, beta=0.0))
                 depth_delta = (_depth_score(proposal, model.num_layers)
                                - _depth_score(chain.current, model.num_layers))
@@ -470,7 +485,7 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     return final, chain.decisions
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mcmc"))
+@functools.partial(jax.jit, static_argnames=("model",))
 def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
                mcmc: MCMCConfig) -> tuple[GenState, MHDecisions, Array]:
     """Block `block` for every row: extend with the proposal to EOS or the boundary
@@ -497,7 +512,7 @@ def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block
 # `mcmc_block` with `state` donated, for host loops that replace their state every block
 # (its cache is then updated in place rather than copied; the caller must not touch the
 # state it passed, nor pass arrays that belong to it as other arguments).
-mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model", "mcmc"),
+mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model",),
                               donate_argnames=("state",))
 
 
@@ -512,7 +527,7 @@ class ChainRun:
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mcmc"))
+@functools.partial(jax.jit, static_argnames=("model",))
 def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
                mcmc: MCMCConfig) -> ChainRun:
     """Every block of the chain in one jitted `lax.while_loop` over blocks (stopping when

@@ -1,10 +1,13 @@
-"""A decoding method is a value: one frozen, hashable dataclass per method that holds the
-method's typed hyperparameters (documented per field; `degs ... --help` is generated from
-them) and everything method-specific that the drivers, the batch sizer and the study ask
-of it. This module holds what every method shares: the base class `Method`, the field
-helper, the defaults shared by several methods and the checks of the hyperparameters
-several families take (each lives here once). The methods
-themselves live beside their kernels, one file per family:
+"""A decoding method is a value: one frozen dataclass per method that holds the method's
+typed hyperparameters (documented per field; `degs ... --help` is generated from them)
+and everything method-specific that the drivers, the batch sizer and the study ask of
+it. It is a pytree whose leaves are its numeric hyperparameters (`method_field(
+traced=True)`: alpha, beta, tau, the temperatures, top-p / min-p / typical-p), data of
+the compiled programs it runs, so that a sweep over them compiles once and `jax.vmap`
+over them works; every other field is static, part of the program
+(`degs_jax.traced_fields`). This module holds what every method shares: the base class
+`Method`, the field helper, the defaults shared by several methods and the checks of the
+hyperparameters several families take (each lives here once). The methods themselves live beside their kernels, one file per family:
 
     sampling and reranking   degs_jax.sampling   Greedy, Temperature, BestOfN,
                                                  BestOfNEntropy, DegsRerank
@@ -35,7 +38,8 @@ What a method answers (the drivers never switch on a method's class or name):
   `advance(...)` one unit of work (a decode step of every row, an MCMC block, an SMC
   ESS interval, an SPS block), `prompt_done(carry, settings)` ([prompts] bool; `done` is
   all of it) and `answer(...)`: the final rows and what the method chose (`Answer`).
-  `settings` is what `plan` returned. Every leaf of the carry has a row axis (or, marked
+  `settings` is what `plan` returned (a pytree: its numbers are data of the program).
+  Every leaf of the carry has a row axis (or, marked
   `rows.per_prompt`, a prompt axis), so the host driver can read one prompt's slot out
   and overwrite it with a freshly `init`-ed prompt (`rows.take_slot` / `put_slot`).
   `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`;
@@ -49,14 +53,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .generation import NO_MIN_P, NO_TOP_K, NO_TOP_P, NO_TYPICAL_P, Truncation, truncations
 from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
 from .stops import StopAutomaton, TokenBytes, stop_automaton, validate_stop
+from .traced_fields import concrete, is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -65,15 +71,23 @@ DEFAULT_MAX_NEW_TOKENS = 3072
 DEFAULT_ALPHA = 4.0
 DEFAULT_BETA = 5.0
 DEFAULT_POOL_SIZE = 16
+# The budget of every library method's `Method.smallest_run`: one buffer size for all of
+# them, so that the tests' prefills (prompt + budget slots) compile once.
+SMALLEST_RUN_TOKENS = 6
 
 
-def method_field(default: Any, help: str, *, cli: bool = True, recorded_at_default: bool = True) -> Any:
+def method_field(default: Any, help: str, *, cli: bool = True, recorded_at_default: bool = True,
+                 traced: bool = False, static_at: tuple[float, ...] = ()) -> Any:
     """A dataclass field with its documentation (shown by `degs ... --help`); cli=False
     keeps it out of the command line (Python API only); recorded_at_default=False leaves
     it out of `Method.to_dict` (the run record) while it holds its default, so that a field
     added later does not change the record of a run that does not use it (runs recorded
-    before it existed resume and read back unchanged)."""
-    return dataclasses.field(default=default, metadata={"help": help, "cli": cli,
+    before it existed resume and read back unchanged); traced=True makes it data of the
+    compiled program rather than part of it (`degs_jax.traced_fields`: one program for
+    every value, `jax.vmap` over it; a concrete 0, and the values in `static_at` (its "off"
+    value), stay static)."""
+    return dataclasses.field(default=default, metadata={"help": help, "cli": cli, "traced": traced,
+                                                        "static_at": static_at,
                                                         "recorded_at_default": recorded_at_default})
 
 
@@ -91,22 +105,27 @@ def positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def validate_alpha(alpha: float) -> None:
+def validate_alpha(alpha: Any) -> None:
     """ValueError unless alpha >= 1 (NaN fails): the power of the target p(x)^alpha (the
-    MCMC and SMC proposals sample at temperature 1/alpha <= 1)."""
-    if not alpha >= 1.0:
+    MCMC and SMC proposals sample at temperature 1/alpha <= 1). Every value of an array
+    (a sweep) is checked; a traced value is not (`traced_fields.concrete`)."""
+    values = concrete(alpha)
+    if values is not None and not np.all(values >= 1.0):
         raise ValueError(f"alpha must be >= 1 (the target is p(x)^alpha), got {alpha}")
 
 
-def validate_beta(beta: float) -> None:
-    """ValueError unless beta >= 0 (NaN fails): the weight of D(x); 0 is no probing."""
-    if not beta >= 0.0:
+def validate_beta(beta: Any) -> None:
+    """ValueError unless beta >= 0 (NaN fails): the weight of D(x); 0 is no probing.
+    Checked as alpha is (`validate_alpha`)."""
+    values = concrete(beta)
+    if values is not None and not np.all(values >= 0.0):
         raise ValueError(f"beta must be >= 0, got {beta}")
 
 
-def require_lens(beta: float, lens: Optional[LensConfig]) -> None:
-    """ValueError when beta > 0 and no LensConfig says which layers and tau give D(x)."""
-    if beta > 0 and lens is None:
+def require_lens(beta: Any, lens: Optional[LensConfig]) -> None:
+    """ValueError when beta is not a concrete 0 (so the target has the depth term; a traced
+    beta may be any value) and no LensConfig says which layers and tau give D(x)."""
+    if not is_zero(beta) and lens is None:
         raise ValueError("beta > 0 needs a LensConfig (layers and tau) to compute D(x)")
 
 
@@ -148,33 +167,43 @@ def registered_methods() -> dict[str, type["Method"]]:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """Settings every method takes. Frozen and hashable: usable as a static argument.
+    """Settings every method takes. Frozen and hashable. A pytree
+    (`traced_fields.register_traced_dataclass`): the fields made with
+    `method_field(traced=True)` (alpha, beta, ...) are its leaves, data of the compiled
+    program; every other field is static, part of it (as a static argument's value).
 
     A subclass that sets `method` to a name registers itself under it when it is defined
     (a family of methods, which leaves it empty, does not)."""
 
     method: ClassVar[str] = ""  # the method's name in `decode`, the CLI and run.json
+    # The hyperparameters of the smallest run that still goes through every code path of
+    # the method: a budget of SMALLEST_RUN_TOKENS new tokens, a few rows per prompt. The
+    # library's tests run each registered method at these (tests/test_drivers.py, the batch
+    # invariance and refill tests; the golden writer records a new method at them), so a
+    # new method needs no entry in a test's table. A subclass inherits its parent's.
+    smallest_run: ClassVar[Mapping[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _register(cls)
+        register_traced_dataclass(cls)  # a pytree: its traced fields are data of the program
 
     tau: float = method_field(DEFAULT_TAU, "collapse threshold in nats: d_t is the first probed "
-                              "layer whose logit-lens entropy is <= tau")
+                              "layer whose logit-lens entropy is <= tau", traced=True)
     lsub: Optional[tuple[int, ...]] = method_field(
         None, "probed layers L_sub, comma-separated (default: the grid of docs/design.md §3 for the "
         "model's depth)")
     top_k: int = method_field(NO_TOP_K, "truncate the sampling / proposal distribution to its top_k "
                               "most likely tokens (0 = off; log q is the truncated density)")
     top_p: float = method_field(NO_TOP_P, "nucleus truncation of the sampling / proposal "
-                                "distribution (1.0 = off)")
+                                "distribution (1.0 = off)", traced=True, static_at=(NO_TOP_P,))
     min_p: float = method_field(NO_MIN_P, "min-p truncation of the sampling / proposal distribution: "
                                 "keep the tokens at least min_p times as likely as the most likely "
-                                "one (0 = off)", recorded_at_default=False)
+                                "one (0 = off)", recorded_at_default=False, traced=True)
     typical_p: float = method_field(NO_TYPICAL_P, "locally typical truncation of the sampling / "
                                     "proposal distribution: keep the tokens whose surprisal is closest "
                                     "to the entropy, up to this mass (1.0 = off)",
-                                    recorded_at_default=False)
+                                    recorded_at_default=False, traced=True, static_at=(NO_TYPICAL_P,))
     cache_dtype: Optional[Any] = method_field(None, "KV cache dtype (None: the parameters' dtype)",
                                               cli=False)
     stop: Optional[tuple[str, ...]] = method_field(
@@ -226,8 +255,11 @@ class Method:
 
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> Any:
-        """The kernel's static settings for a model with `num_layers` blocks; `stop`: the
-        compiled stop strings (`stops.stop_automaton`) or None."""
+        """The kernel's settings for a model with `num_layers` blocks; `stop`: the compiled
+        stop strings (`stops.stop_automaton`) or None. A pytree (the drivers pass it to
+        their jitted loops as an argument): a frozen dataclass registered with
+        `traced_fields.register_traced_dataclass`, whose traced fields are data of the
+        program and the rest static (`mcmc.MCMCConfig`)."""
         raise NotImplementedError
 
     def plan(self, model: Any, eos_ids: Sequence[int], token_bytes: Optional[TokenBytes] = None) -> Any:
@@ -242,7 +274,13 @@ class Method:
                 raise ValueError("stop strings need the vocabulary's bytes: pass token_bytes "
                                  "(degs_jax.stops.token_bytes(tokenizer))")
             stop = stop_automaton(self.stop, token_bytes, model.vocab_size)
-        return self.kernel_config(model.num_layers, tuple(int(e) for e in eos_ids), stop)
+        settings = self.kernel_config(model.num_layers, tuple(int(e) for e in eos_ids), stop)
+        for leaf in jax.tree_util.tree_leaves(settings):
+            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
+                raise TypeError(f"{type(self).__name__}.kernel_config returned a {type(leaf).__name__} that is "
+                                "not a pytree of numbers, so the drivers' jitted loops cannot take it: register "
+                                "its class with degs_jax.traced_fields.register_traced_dataclass")
+        return settings
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         """(generated tokens per prompt, sequential decode steps per batch) when nothing
@@ -304,6 +342,9 @@ class Method:
         """On the host, from the final carry (before `answer`, which may consume it): what
         `decode` reports beyond the rows and their scores. None by default."""
         return RunDetails()
+
+
+register_traced_dataclass(Method)
 
 
 @jax.tree_util.register_dataclass

@@ -18,15 +18,17 @@ step of every active row, so `decode_tokens`' loop is `generate`'s, step for ste
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
-from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE, Method,
-                     method_field, positive_int)
+from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
+                     SMALLEST_RUN_TOKENS, Method, method_field, positive_int)
 from .stops import StopAutomaton
+from .traced_fields import concrete
 
 Array = jax.Array
 
@@ -34,6 +36,8 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class SamplingMethod(Method):
     """Methods that sample whole completions (no MCMC)."""
+
+    smallest_run: ClassVar[Mapping[str, Any]] = dict(max_new_tokens=SMALLEST_RUN_TOKENS)
 
     max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
     probe: bool = method_field(True, "record collapse depths d_t while sampling (K/L of a forward "
@@ -97,10 +101,12 @@ class Temperature(SamplingMethod):
 
     method: ClassVar[str] = "temperature"
 
-    temperature: float = method_field(0.25, "sampling temperature (0 = greedy)")
+    temperature: float = method_field(0.25, "sampling temperature (0 = greedy)", traced=True)
+
+    smallest_run: ClassVar[Mapping[str, Any]] = dict(max_new_tokens=SMALLEST_RUN_TOKENS, temperature=1.0)
 
     def temperature_of(self) -> float:
-        return float(self.temperature)
+        return self.temperature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +116,9 @@ class BestOfN(SamplingMethod):
     method: ClassVar[str] = "best_of_n"
 
     n: int = method_field(DEFAULT_POOL_SIZE, "candidates sampled per prompt (the Best-of-N pool)")
-    temperature: float = method_field(1.0, "sampling temperature of the pool")
+    temperature: float = method_field(1.0, "sampling temperature of the pool", traced=True)
+
+    smallest_run: ClassVar[Mapping[str, Any]] = dict(max_new_tokens=SMALLEST_RUN_TOKENS, n=3)
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,7 +129,7 @@ class BestOfN(SamplingMethod):
         return self.n
 
     def temperature_of(self) -> float:
-        return float(self.temperature)
+        return self.temperature
 
     def pool_score(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
         """[rows] the score the answer maximises."""
@@ -149,12 +157,13 @@ class DegsRerank(BestOfN):
     method: ClassVar[str] = "degs_rerank"
 
     alpha: float = method_field(DEFAULT_ALPHA, "likelihood weight of the rerank score "
-                                "alpha·log p(x) + beta·D(x)")
-    beta: float = method_field(DEFAULT_BETA, "collapse-depth weight of the rerank score")
+                                "alpha·log p(x) + beta·D(x)", traced=True)
+    beta: float = method_field(DEFAULT_BETA, "collapse-depth weight of the rerank score", traced=True)
 
     def __post_init__(self):
         super().__post_init__()
-        if not (self.alpha >= 0 and self.beta >= 0):
+        weights = [concrete(self.alpha), concrete(self.beta)]
+        if not all(w is None or np.all(w >= 0) for w in weights):
             raise ValueError("degs_rerank needs alpha >= 0 and beta >= 0")
         if not self.probe:
             raise ValueError("degs_rerank needs probe=True (it ranks by D(x))")

@@ -75,7 +75,7 @@ def token_stats(model: CausalLM, params: Any, tokens: Array, lens: Optional[Lens
                         tuple(layers), C)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "lens", "layers", "C"))
+@functools.partial(jax.jit, static_argnames=("model", "layers", "C"))
 def _token_stats(model: CausalLM, params: Any, tokens: Array, positions: Array, cache: Any,
                  lens: Optional[LensConfig], layers: tuple[int, ...], C: int) -> TokenStats:
     B, T = tokens.shape

@@ -99,7 +99,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -107,12 +107,13 @@ import numpy as np
 
 from .generation import GenState, Proposal, SamplerSpec, Truncation, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
-from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field,
-                     positive_int, require_lens, validate_alpha, validate_beta)
+from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS, Answer, Method,
+                     RunDetails, method_field, positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import copy_rows, fold_in_rows, per_prompt
 from .stops import StopAutomaton
 from .tiling import row_tiled
+from .traced_fields import is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -122,9 +123,13 @@ RESAMPLE_STREAM = 1  # first row key: check c's systematic uniform, fold_in(., c
 CHOICE_STREAM = 2  # first row key: the final draw of the returned particle
 
 
+@functools.partial(register_traced_dataclass, traced=lambda cls: ("alpha", "beta", "lens", "truncations"))
 @dataclasses.dataclass(frozen=True)
 class SMCConfig:
-    """Hyperparameters of Power-SMC / DEGS-SMC (static: part of the compiled program).
+    """Hyperparameters of Power-SMC / DEGS-SMC: a pytree whose leaves are alpha, beta, the
+    lens's tau and the truncations' fractions, data of the compiled program (a beta of concrete 0 is static: the
+    program without the depth term; `traced_fields`); every other field is static, part
+    of the program.
     The methods' defaults (`SMCMethod` below) and their sources are given per
     field; the Power-SMC paper's text was not reachable from here, so its public code
     (ArminAzizi98/Power-SMC: `SMCSamplingConfig`, the MATH500 script `power_samp_math.py`,
@@ -176,9 +181,15 @@ class SMCConfig:
         require_lens(self.beta, self.lens)
 
     @property
+    def probed(self) -> bool:
+        """The target has the depth term (and the proposal records d_t): beta is not a
+        concrete 0 (a traced beta may be any value)."""
+        return not is_zero(self.beta)
+
+    @property
     def proposal(self) -> SamplerSpec:
         return SamplerSpec(Proposal(1.0 / self.alpha, self.truncations), eos_ids=self.eos_ids,
-                           lens=self.lens if self.beta > 0 else None, stop=self.stop)
+                           lens=self.lens if self.probed else None, stop=self.stop)
 
     @property
     def num_checks(self) -> int:
@@ -208,8 +219,9 @@ class SMCMethod(Method):
     particles of max_new_tokens each, side by side (resampling copies rows, no tokens)."""
 
     alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha; the proposal "
-                                "samples at temperature 1/alpha (>= 1)")
-    beta: float = method_field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))")
+                                "samples at temperature 1/alpha (>= 1)", traced=True)
+    beta: float = method_field(DEFAULT_BETA, "weight of D(x) in the target p(x)^alpha·exp(beta·D(x))",
+                               traced=True)
     n_particles: int = method_field(16, "SMC particles per prompt, N (the answer is one drawn by "
                                     "weight)")
     max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
@@ -219,13 +231,16 @@ class SMCMethod(Method):
                                         "ess_threshold · N")
     resample_every: int = method_field(64, "SMC checks the ESS every this many tokens")
 
+    smallest_run: ClassVar[Mapping[str, Any]] = dict(max_new_tokens=SMALLEST_RUN_TOKENS, n_particles=3,
+                                                     resample_every=2, ramp_tokens=3)
+
     def __post_init__(self):
         super().__post_init__()
         check_smc_hyperparameters(self)
 
     @property
     def probed(self) -> bool:
-        return self.beta > 0
+        return not is_zero(self.beta)
 
     @property
     def pool_size(self) -> int:
@@ -234,10 +249,10 @@ class SMCMethod(Method):
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> SMCConfig:
         """The particle kernel's settings for a model with `num_layers` blocks."""
-        return SMCConfig(alpha=float(self.alpha), beta=float(self.beta), n_particles=self.n_particles,
+        return SMCConfig(alpha=self.alpha, beta=self.beta, n_particles=self.n_particles,
                          max_new_tokens=self.max_new_tokens, ramp_tokens=self.ramp_tokens,
                          ess_threshold=float(self.ess_threshold), resample_every=self.resample_every,
-                         lens=self.lens_config(num_layers) if self.beta > 0 else None,
+                         lens=self.lens_config(num_layers) if self.probed else None,
                          eos_ids=tuple(eos_ids), truncations=self.truncations(), stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
@@ -290,7 +305,7 @@ class PowerSMC(SMCMethod):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.beta != 0:
+        if not is_zero(self.beta):
             raise ValueError("power_smc is the beta = 0 sampler; use degs_smc for beta > 0")
 
 
@@ -335,7 +350,7 @@ def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int,
     logp = masked_sum(gen.logp, gen.completion_mask(), batch_invariant)
     r = jnp.where(live, ramp_fraction(gen.length - gen.prompt_len, smc.ramp_tokens), 1.0)
     depth = jnp.zeros_like(logp)
-    if smc.beta > 0:
+    if smc.probed:
         # Known d_t: the scored tokens, less the last one of a live row (not consumed yet).
         last = jnp.arange(gen.max_len)[None] == gen.length[:, None] - 1
         known = gen.completion_mask(scored=True) & ~(live[:, None] & last)
@@ -344,7 +359,7 @@ def log_target(gen: GenState, live: Array, smc: SMCConfig, num_layers: int,
     def combine(terms):  # [n, 3] (log p, r, D) -> [n]
         logp, r, depth = terms[:, 0], terms[:, 1], terms[:, 2]
         out = (1.0 + (smc.alpha - 1.0) * r) * logp
-        return out + smc.beta * r * depth if smc.beta > 0 else out
+        return out + smc.beta * r * depth if smc.probed else out
 
     return _row_tiles(combine, jnp.stack([logp, r, depth], axis=1), batch_invariant)
 
@@ -478,7 +493,7 @@ def smc_interval(model: CausalLM, params: Any, state: SMCState, keys: Array, smc
     return resample(state, need, ancestors, n)
 
 
-smc_steps = jax.jit(smc_interval, static_argnames=("model", "smc"), donate_argnames=("state",))
+smc_steps = jax.jit(smc_interval, static_argnames=("model",), donate_argnames=("state",))
 
 
 def run_smc(model: CausalLM, params: Any, gen: GenState, keys: Array, smc: SMCConfig,

@@ -63,18 +63,21 @@ uses fold_in(fold_in(k, b), CHOICE_STREAM): a prompt's result does not depend on
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Optional
+import functools
+from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .generation import GenState, Proposal, SamplerSpec, _set, decode_step, ends_at, generate
 from .lens import span_sum
-from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, Answer, Method, RunDetails, method_field, positive_int,
-                     validate_alpha)
+from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails,
+                     method_field, positive_int, validate_alpha)
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
 from .stops import StopAutomaton
+from .traced_fields import concrete, register_traced_dataclass
 
 Array = jax.Array
 
@@ -84,9 +87,12 @@ ROLLOUT_STREAM = 1  # rollout m of kept candidate c: fold_in(., c·M + m), then 
 CHOICE_STREAM = 2  # the draw of the block
 
 
+@functools.partial(register_traced_dataclass, traced=lambda cls: ("alpha", "candidate_temperature"))
 @dataclasses.dataclass(frozen=True)
 class SPSConfig:
-    """Hyperparameters of Scalable Power Sampling (static: part of the compiled program).
+    """Hyperparameters of Scalable Power Sampling: a pytree whose leaves are alpha and the
+    candidate temperature, data of the compiled program (`traced_fields`); every other
+    field is static, part of the program.
 
     The method's defaults (`ScalablePower` below): alpha 4 (the paper's T = 1/alpha = 0.25,
     the DEGS paper's Table 1), T = 3072, B = 192, L = 32, K = 8, M = 8, H = 192, jackknife
@@ -153,7 +159,8 @@ def check_sps_hyperparameters(sampler: Any) -> None:
     if sampler.block_len > 1 and sampler.candidates_kept > sampler.candidate_pool:
         raise ValueError(f"candidates_kept ({sampler.candidates_kept}) cannot exceed candidate_pool "
                          f"({sampler.candidate_pool})")
-    if not sampler.candidate_temperature > 0:
+    temperature = concrete(sampler.candidate_temperature)
+    if temperature is not None and not np.all(temperature > 0):
         raise ValueError(f"candidate_temperature must be > 0, got {sampler.candidate_temperature}")
 
 
@@ -164,7 +171,7 @@ class ScalablePower(Method):
 
     method: ClassVar[str] = "scalable_power"
 
-    alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha (>= 1)")
+    alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha (>= 1)", traced=True)
     max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
     block_len: int = method_field(192, "tokens per block, B (1 = the token form)")
     candidate_pool: int = method_field(32, "candidate blocks sampled per block, L")
@@ -175,7 +182,10 @@ class ScalablePower(Method):
                                    "(--no-jackknife: the plain ratio estimate)")
     candidate_temperature: float = method_field(
         1.0, "temperature of the candidate blocks: 1 draws them from p (docs/design.md §4); "
-        "the public SPS ports use 1/alpha (0.25 at alpha 4)")
+        "the public SPS ports use 1/alpha (0.25 at alpha 4)", traced=True)
+
+    smallest_run: ClassVar[Mapping[str, Any]] = dict(max_new_tokens=SMALLEST_RUN_TOKENS, block_len=2, candidate_pool=3,
+                                                     candidates_kept=2, rollouts=2, rollout_horizon=2)
 
     def __post_init__(self):
         super().__post_init__()
@@ -238,11 +248,11 @@ class ScalablePower(Method):
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> SPSConfig:
         """The block sampler's settings (it probes nothing: `num_layers` is unused)."""
-        return SPSConfig(alpha=float(self.alpha), max_new_tokens=self.max_new_tokens,
+        return SPSConfig(alpha=self.alpha, max_new_tokens=self.max_new_tokens,
                          block_len=self.block_len, candidate_pool=self.candidate_pool,
                          candidates_kept=self.candidates_kept, rollouts=self.rollouts,
                          rollout_horizon=self.rollout_horizon, jackknife=bool(self.jackknife),
-                         candidate_temperature=float(self.candidate_temperature), eos_ids=tuple(eos_ids),
+                         candidate_temperature=self.candidate_temperature, eos_ids=tuple(eos_ids),
                          stop=stop)
 
 
@@ -403,7 +413,7 @@ def sps_block_traced(model: CausalLM, params: Any, main: GenState, keys: Array, 
     return new, info
 
 
-sps_block = jax.jit(sps_block_traced, static_argnames=("model", "sps"), donate_argnames=("main",))
+sps_block = jax.jit(sps_block_traced, static_argnames=("model",), donate_argnames=("main",))
 
 
 @jax.tree_util.register_dataclass
@@ -442,4 +452,4 @@ def consume_last(model: CausalLM, params: Any, main: GenState, keys: Array, sps:
                        sps.rollout_spec)[0]
 
 
-_consume_last_donating = jax.jit(consume_last, static_argnames=("model", "sps"), donate_argnames=("main",))
+_consume_last_donating = jax.jit(consume_last, static_argnames=("model",), donate_argnames=("main",))

@@ -30,7 +30,7 @@ import pytest
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, SMC_METHODS, hyperparameters_for
+from degs_jax.hyperparameters import METHODS, SMC_METHODS, field_names, hyperparameters_for, method_classes
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_cache, init_params
 from tiny_models import tiny_config
@@ -128,18 +128,14 @@ def test_without_the_option_the_cpu_is_not_batch_invariant():
 DECODER_EOS = (89,)
 TARGET = [5, 10, 15, 20, 25, 30, 35]  # prompt 0
 OTHERS = [list(np.random.default_rng(0).integers(0, 89, n)) for n in (3, 20, 11, 5, 14, 9, 17)]
-_POOL = dict(max_new_tokens=16, n=3, temperature=1.0)
-_CHAIN = dict(block_len=8, num_blocks=2, mh_steps=3, n_chains=2, alpha=2.0)
-_PARTICLES = dict(max_new_tokens=16, n_particles=4, resample_every=4, ramp_tokens=8, alpha=2.0)
-DECODER_SETTINGS = {
-    "greedy": dict(max_new_tokens=16),
-    "temperature": dict(max_new_tokens=16, temperature=1.0),
-    "best_of_n": _POOL, "best_of_n_entropy": _POOL, "degs_rerank": _POOL,
-    "power_mcmc": _CHAIN, "degs_mcmc": _CHAIN,
-    "power_smc": _PARTICLES, "degs_smc": _PARTICLES,
-    "scalable_power": dict(max_new_tokens=16, block_len=4, candidate_pool=4, candidates_kept=2,
-                           rollouts=2, rollout_horizon=6, alpha=2.0),
-}
+# Each method's smallest run (`Method.smallest_run`), made longer: every field of this
+# table that the method has takes its value here (16 new tokens: 2 MCMC blocks of 8, 2 SPS
+# blocks of 8 with rollouts of 6, 4 SMC checks). A new method needs no entry.
+LONGER = dict(max_new_tokens=16, block_len=8, mh_steps=3, n_particles=4, resample_every=4, ramp_tokens=8,
+              candidate_pool=4, rollout_horizon=6, alpha=2.0, temperature=1.0)
+DECODER_SETTINGS = {m: {**method_classes()[m].smallest_run,
+                        **{name: value for name, value in LONGER.items() if name in field_names(m)}}
+                    for m in METHODS}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 GEN_FIELDS = ("tokens", "logp", "logq", "depth", "final_entropy")
 COUNTERS = ("length", "prompt_len", "ended", "n_generated", "n_forward", "n_probed")

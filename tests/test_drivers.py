@@ -25,23 +25,13 @@ import pytest
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.examples.nnx_lm import tiny_nnx_model
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_classes
+from degs_jax.method import SMALLEST_RUN_TOKENS
 from degs_jax.models import TransformerLM, init_params
 from tiny_models import tiny_config
 
-SIZES = {
-    "greedy": dict(max_new_tokens=5),
-    "temperature": dict(max_new_tokens=5, temperature=1.0),
-    "best_of_n": dict(max_new_tokens=5, n=3),
-    "best_of_n_entropy": dict(max_new_tokens=5, n=3),
-    "degs_rerank": dict(max_new_tokens=5, n=3),
-    "power_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
-    "degs_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
-    "power_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ramp_tokens=3),
-    "degs_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ramp_tokens=3),
-    "scalable_power": dict(max_new_tokens=6, block_len=2, candidate_pool=3, candidates_kept=2, rollouts=2,
-                           rollout_horizon=2),
-}
+# Each method at its own smallest run (`Method.smallest_run`: a new method needs no entry here).
+SIZES = {m: dict(method_classes()[m].smallest_run) for m in METHODS}
 CASES = {**{m: (m, SIZES[m]) for m in METHODS},
          "scalable_power token form": ("scalable_power", dict(SIZES["scalable_power"], block_len=1))}
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2]]
@@ -98,6 +88,15 @@ def of_decoded(decoded, g=None):
          pick(decoded.chosen), pick(decoded.log_p), pick(decoded.final_entropy)))
     return ([tokens[r, start[r]:end[r]].tolist() for r in range(tokens.shape[0])], chosen.tolist(),
             np.stack([log_p, entropy], axis=1))
+
+
+def test_every_method_has_a_smallest_run_of_the_shared_budget():
+    """The tables of test shapes come from the methods: each library method names its
+    smallest run, of SMALLEST_RUN_TOKENS new tokens (one prefill buffer for all of them)."""
+    for method in METHODS:
+        cls = method_classes()[method]
+        assert cls.smallest_run, f"{method} has no smallest_run: the tests would run it at its defaults"
+        assert cls(**cls.smallest_run).max_new_tokens == SMALLEST_RUN_TOKENS, method
 
 
 @pytest.mark.parametrize("model_name, case", PAIRS)

@@ -35,10 +35,12 @@ from test_eval_cli import _count_lines, _records, kill_after_first_record, proce
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 # What the test appends to the page's `degs eval`: a tiny model, 8 new tokens, a pool of 2,
-# one problem per slot, 6 problems (the kill lands with most of them left to do: the prompts
-# of the first 6 DeepMind500 problems share one padded width, so the first problem compiles
-# every program the others, and the resumed run, use).
-CHEAP = ["--model", "{model}", "--max-new-tokens", "8", "--n", "2", "--batch-size", "1", "--limit", "6",
+# one problem per slot, PROBLEMS problems. Once compiled, a problem takes ~6 ms here (60
+# were written within 0.37 s of the first record, measured; with 6 the kill, which the
+# test's poll sends up to 50 ms after the first record and later on a busy machine, once
+# came after the last), so the kill lands with most of them left to do.
+PROBLEMS = 100
+CHEAP = ["--model", "{model}", "--max-new-tokens", "8", "--n", "2", "--batch-size", "1", "--limit", str(PROBLEMS),
          "--no-progress"]
 
 
@@ -103,13 +105,13 @@ def test_the_walk_through_installs_lists_runs_and_resumes_a_users_method(tmp_pat
     out = tmp_path / "runs" / "dm-ep"
     kill_after_first_record(_process(argv), installed, out, tmp_path / "killed.log", cwd=tmp_path)
     first = (out / "results.jsonl").read_bytes()
-    assert 1 <= _count_lines(out / "results.jsonl") < 6  # killed mid-run, with a record written
+    assert 1 <= _count_lines(out / "results.jsonl") < PROBLEMS  # killed mid-run, with a record written
 
     resumed = _degs(argv, installed, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "accuracy" in resumed.stdout
     records = _records(out)
-    assert sorted(r["index"] for r in records) == list(range(6))  # nothing lost, nothing repeated
+    assert sorted(r["index"] for r in records) == list(range(PROBLEMS))  # nothing lost, nothing repeated
     for r in records:  # the method's own statistic of the chosen candidate (gamma 1; float32)
         assert r["extras"]["penalized_score"] == pytest.approx(r["log_p"] - r["final_entropy"], rel=1e-5, abs=1e-5)
     assert (out / "results.jsonl").read_bytes().startswith(first[:first.rindex(b"\n") + 1])

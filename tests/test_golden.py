@@ -32,8 +32,10 @@ What must match, and how closely:
   tests check.
 
 Floats are stored as `float.hex` of their float64 value (float32 and bfloat16 values
-are exact in float64). `python tests/test_golden.py` records the methods the file lacks
-(a new method's cases, the others kept as recorded); after a change that is *meant* to
+are exact in float64). Each entry stores the hyperparameters it was run at (`settings`,
+beside tau), so the tests keep no table of them. `python tests/test_golden.py` records the
+methods the file lacks (a new method's cases, at its `Method.smallest_run`; the others
+kept as recorded); after a change that is *meant* to
 move numbers, `python tests/test_golden.py METHOD ...` (or `--all`) records those again
 (say why in the commit).
 """
@@ -61,7 +63,7 @@ import pytest
 
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_classes
 from degs_jax.models import TransformerLM
 from degs_jax.models import init_params
 from tiny_models import tiny_config
@@ -73,21 +75,6 @@ SEED = 7
 # Small budgets with EOS likely enough that some rows end early (eos_biased): every
 # method's end-of-row bookkeeping is exercised; SMC resamples (threshold 0.9, every
 # 2 tokens), SPS runs several blocks with rollouts.
-SETTINGS = {
-    "greedy": dict(max_new_tokens=6),
-    "temperature": dict(max_new_tokens=6, temperature=1.0),
-    "best_of_n": dict(max_new_tokens=6, n=3),
-    "best_of_n_entropy": dict(max_new_tokens=6, n=3),
-    "degs_rerank": dict(max_new_tokens=6, n=3),
-    "power_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
-    "degs_mcmc": dict(block_len=3, num_blocks=2, mh_steps=2, n_chains=2),
-    "power_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ess_threshold=0.9,
-                      ramp_tokens=4),
-    "degs_smc": dict(max_new_tokens=6, n_particles=3, resample_every=2, ess_threshold=0.9,
-                     ramp_tokens=4),
-    "scalable_power": dict(max_new_tokens=6, block_len=2, candidate_pool=3, candidates_kept=2,
-                           rollouts=2, rollout_horizon=2),
-}
 TRACED = ("temperature", "best_of_n", "degs_mcmc")  # recorded through `decode_tokens` too
 RTOL = 5e-5  # relative tolerance of the floats that are not exact (module docstring)
 ATOL = 1e-6  # absolute tolerance beside it, for floats near 0
@@ -148,9 +135,8 @@ def _plain(value):
     return value
 
 
-def _decode_record(model, params, eos, method) -> dict:
-    result = decode(model, params, PROMPTS, method, keys=_keys(), eos_ids=eos,
-                    **{"tau": TAU, **SETTINGS[method]})
+def _decode_record(model, params, eos, method, settings) -> dict:
+    result = decode(model, params, PROMPTS, method, keys=_keys(), eos_ids=eos, **{"tau": TAU, **settings})
     return _plain({
         "outputs": [{"chosen": next(j for j, c in enumerate(o.candidates) if c is o.chosen),
                      "candidates": [{"tokens": c.tokens, "log_p": c.log_p, "depth": c.depth,
@@ -163,9 +149,9 @@ def _decode_record(model, params, eos, method) -> dict:
     })
 
 
-def _decode_tokens_record(model, params, eos, method) -> dict:
+def _decode_tokens_record(model, params, eos, method, settings) -> dict:
     tokens, lengths = pad_prompts(PROMPTS)
-    config = hyperparameters_for(method, tau=TAU, **SETTINGS[method])
+    config = hyperparameters_for(method, tau=TAU, **settings)
     out = jax.device_get(decode_tokens(model, params, jnp.asarray(tokens), jnp.asarray(lengths), _keys(),
                                        config, eos_ids=tuple(eos)))
     return _plain({"state": {f: getattr(out.state, f) for f in STATE_FIELDS},
@@ -173,11 +159,13 @@ def _decode_tokens_record(model, params, eos, method) -> dict:
                    "depth": out.depth, "final_entropy": out.final_entropy, "chosen": out.chosen})
 
 
-def record(case: str, method: str) -> dict:
+def record(case: str, method: str, settings: dict) -> dict:
+    """The case's record of `method` run at `settings` (its hyperparameters beside tau),
+    stored with it."""
     model, params, eos = _model(case)
-    out = {"decode": _decode_record(model, params, eos, method)}
+    out = {"settings": settings, "decode": _decode_record(model, params, eos, method, settings)}
     if method in CASES[case].traced:
-        out["decode_tokens"] = _decode_tokens_record(model, params, eos, method)
+        out["decode_tokens"] = _decode_tokens_record(model, params, eos, method, settings)
     return out
 
 
@@ -247,7 +235,8 @@ def test_golden_file_covers_every_method(golden):
 
 @pytest.mark.parametrize("case, method", [(c, m) for c, spec in CASES.items() for m in spec.methods])
 def test_decoders_match_the_golden_file(golden, case, method):
-    difference = first_difference(golden[case][method], record(case, method), f"{case}/{method}")
+    recorded = golden[case][method]
+    difference = first_difference(recorded, record(case, method, recorded["settings"]), f"{case}/{method}")
     assert difference is None, f"numbers moved: {difference}"
 
 
@@ -270,15 +259,19 @@ def test_first_difference_tolerates_only_what_a_host_moves():
 
 def updated_golden(recorded: dict, rewrite: Collection[str], record_case=record) -> tuple[dict, list[str]]:
     """The golden file's content with every (case, method) of CASES that `recorded` lacks
-    recorded from the current code, the methods in `rewrite` recorded again, and the others
-    kept as they were (a new method's cases are added without touching the others'); cases
-    and methods no longer in CASES are dropped. Returns (content, "case/method" written)."""
+    recorded from the current code at the method's smallest run (`Method.smallest_run`),
+    the methods in `rewrite` recorded again at the settings they were recorded with, and
+    the others kept as they were (a new method's cases are added without touching the
+    others'); cases and methods no longer in CASES are dropped. Returns (content,
+    "case/method" written)."""
     out, written = {}, []
     for case, spec in CASES.items():
         out[case] = {}
         for method in spec.methods:
-            if method in rewrite or method not in recorded.get(case, {}):
-                out[case][method] = record_case(case, method)
+            known = recorded.get(case, {}).get(method)
+            if method in rewrite or known is None:
+                settings = known["settings"] if known else dict(method_classes()[method].smallest_run)
+                out[case][method] = record_case(case, method, settings)
                 written.append(f"{case}/{method}")
             else:
                 out[case][method] = recorded[case][method]
@@ -288,15 +281,19 @@ def updated_golden(recorded: dict, rewrite: Collection[str], record_case=record)
 def test_golden_writer_adds_without_rewriting():
     """A method missing from the file is recorded; the recorded ones are kept as they are,
     unless named; a method that left CASES is dropped."""
-    fake = lambda case, method: {"new": f"{case}/{method}"}
-    recorded = {case: {m: {"old": m} for m in spec.methods if m != "greedy"} for case, spec in CASES.items()}
+    fake = lambda case, method, settings: {"new": f"{case}/{method}", "settings": settings}
+    recorded = {case: {m: {"old": m, "settings": {"as": "recorded"}} for m in spec.methods if m != "greedy"}
+                for case, spec in CASES.items()}
     recorded["qwen2_float32"]["retired_method"] = {"old": "retired"}
     out, written = updated_golden(recorded, (), fake)
     assert written == ["qwen2_float32/greedy"]
-    assert out["qwen2_float32"]["greedy"] == {"new": "qwen2_float32/greedy"}
-    assert out["qwen2_float32"]["degs_mcmc"] == {"old": "degs_mcmc"} and "retired_method" not in out["qwen2_float32"]
+    assert out["qwen2_float32"]["greedy"] == {"new": "qwen2_float32/greedy", "settings": {"max_new_tokens": 6}}
+    assert out["qwen2_float32"]["degs_mcmc"] == recorded["qwen2_float32"]["degs_mcmc"]
+    assert "retired_method" not in out["qwen2_float32"]
     out, written = updated_golden(recorded, ("degs_mcmc",), fake)
     assert written == ["qwen2_float32/greedy", "qwen2_float32/degs_mcmc", "llama_bfloat16/degs_mcmc"]
+    # recorded again at the settings it was recorded with, not at today's smallest run
+    assert out["qwen2_float32"]["degs_mcmc"] == {"new": "qwen2_float32/degs_mcmc", "settings": {"as": "recorded"}}
 
 
 if __name__ == "__main__":
