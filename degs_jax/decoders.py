@@ -191,9 +191,10 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
     (`jax.vmap(lambda beta: decode_tokens(..., DegsMCMC(beta=beta), ...))(betas)`;
     `degs_jax.traced_fields`), the rest static; eos_ids: static; token_bytes: the
     vocabulary's bytes (`stops.token_bytes(tokenizer)`, static), needed when
-    `config.stop` has stop strings. The buffer holds P + the method's budget slots. Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode
-    steps, MCMC blocks, SMC ESS intervals or SPS blocks, until `done`) and the answer's
-    choice run inside; wrap it in your own `jax.jit` or `jax.vmap` (e.g. over a leading
+    `config.stop` has stop strings. The buffer holds P + the method's budget slots.
+    Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode steps,
+    MCMC blocks, SMC ESS intervals or SPS blocks, until `done`) and the answer's choice
+    run inside; wrap it in your own `jax.jit` or `jax.vmap` (e.g. over a leading
     axis of prompts and keys; under vmap the loop runs until every instance is done,
     finished ones unchanged).
     """

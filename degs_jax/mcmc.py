@@ -82,11 +82,11 @@ ACCEPT_STREAM = 2  # under the step key: the uniform of the accept test
 @dataclasses.dataclass(frozen=True)
 class MCMCConfig:
     """The chain's settings: a pytree whose leaves are alpha, beta, the lens's tau and the
-    truncations' fractions (top-p, min-p, typical), data of the compiled program (one program for every value, `jax.vmap` over them; a beta of concrete 0 is
-    static, the program without the depth term: `traced_fields`); every other field is
-    static, part of the program. The methods build
-    it from the `degs_mcmc` / `power_mcmc` hyperparameters (`MCMCMethod` below), where the
-    paper's defaults live. The method checks its values when it is built; this, the
+    truncations' fractions (top-p, min-p, typical), data of the compiled program (one
+    program for every value, `jax.vmap` over them; a beta of concrete 0 is static, the
+    program without the depth term: `traced_fields`); every other field is static, part of
+    the program. The methods build it from the `degs_mcmc` / `power_mcmc` hyperparameters
+    (`MCMCMethod` below), where the paper's defaults live. The method checks its values when it is built; this, the
     kernel's own API (tests and benchmarks build it directly), runs the same checks
     (`check_chain_hyperparameters`) and asks for a lens when beta > 0.
 

@@ -83,8 +83,8 @@ SPS = dict(max_new_tokens=4, block_len=2, candidate_pool=3, candidates_kept=2, r
     ([DegsRerank(alpha=a, beta=b, n=2, max_new_tokens=4, tau=TAU) for a, b in ((1.0, 1.0), (0.5, 8.0))], {"n": 3}),
     ([ScalablePower(alpha=a, candidate_temperature=t, **SPS) for a, t in ((4.0, 1.0), (2.0, 0.5))],
      {"rollouts": 3}),
-], ids=["degs_mcmc beta tau", "power_mcmc alpha", "degs_smc alpha beta", "temperature", "degs_mcmc top-p min-p typical", "degs_rerank alpha beta",
-        "scalable_power alpha temperature"])
+], ids=["degs_mcmc beta tau", "power_mcmc alpha", "degs_smc alpha beta", "temperature",
+        "degs_mcmc top-p min-p typical", "degs_rerank alpha beta", "scalable_power alpha temperature"])
 def test_a_sweep_traces_its_programs_once(params, traces, sweep, reshaped):
     run(params, sweep[0])
     first = len(traces)
