@@ -1,7 +1,7 @@
 """The package's import graph: layers, the rules between them, no cycles, few lazy imports.
 
     tiling, model protocol, chat  <  models  <  examples  <  statistics
-        <  lens / rows / generation / scoring / method  <  sampling / mcmc / smc / sps
+        <  stop strings / traced fields  <  lens / rows / generation / scoring / method  <  sampling / mcmc / smc / sps
         <  decoders (+ the method registry, hyperparameters)
         <  text API  <  eval  <  analysis / decisions / probe  <  training  <  reproduction  <  CLI
 
@@ -40,7 +40,7 @@ LAYERS = [
     ("models", ("degs_jax.models",)),
     ("examples", ("degs_jax.examples",)),
     ("statistics", ("degs_jax.stats",)),
-    ("stop strings", ("degs_jax.stops",)),
+    ("stop strings / traced fields", ("degs_jax.stops", "degs_jax.traced_fields")),
     ("lens / rows / generation / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
                                                      "degs_jax.scoring", "degs_jax.method")),
     ("sampling / mcmc / smc / sps", ("degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
@@ -53,8 +53,8 @@ LAYERS = [
     ("CLI", ("degs_jax.cli",)),
 ]
 PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
-SAMPLERS = ("degs_jax.stops", "degs_jax.lens", "degs_jax.rows", "degs_jax.generation", "degs_jax.scoring", "degs_jax.method",
-            "degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc",
+SAMPLERS = ("degs_jax.stops", "degs_jax.traced_fields", "degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
+            "degs_jax.scoring", "degs_jax.method", "degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc",
             "degs_jax.sps", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")
 LOCAL_IMPORTS_MAX = 20
 
