@@ -7,8 +7,8 @@ the compiled programs it runs, so that a sweep over them compiles once and `jax.
 over them works; every other field is static, part of the program
 (`degs_jax.traced_fields`). This module holds what every method shares: the base class
 `Method`, the field helper, the defaults shared by several methods and the checks of the
-hyperparameters several families take (each lives here once). The methods themselves
-live beside their kernels, one file per family:
+hyperparameters several families take (each lives here once).
+The methods themselves live beside their kernels, one file per family:
 
     sampling and reranking   degs_jax.sampling   Greedy, Temperature, BestOfN,
                                                  BestOfNEntropy, DegsRerank

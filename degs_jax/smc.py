@@ -127,9 +127,9 @@ CHOICE_STREAM = 2  # first row key: the final draw of the returned particle
 @dataclasses.dataclass(frozen=True)
 class SMCConfig:
     """Hyperparameters of Power-SMC / DEGS-SMC: a pytree whose leaves are alpha, beta, the
-    lens's tau and the truncations' fractions, data of the compiled program (a beta of concrete 0 is static: the
-    program without the depth term; `traced_fields`); every other field is static, part
-    of the program.
+    lens's tau and the truncations' fractions, data of the compiled program (a beta of
+    concrete 0 is static: the program without the depth term; `traced_fields`); every
+    other field is static, part of the program.
     The methods' defaults (`SMCMethod` below) and their sources are given per
     field; the Power-SMC paper's text was not reachable from here, so its public code
     (ArminAzizi98/Power-SMC: `SMCSamplingConfig`, the MATH500 script `power_samp_math.py`,
