@@ -44,7 +44,7 @@ from .model_api import CausalLM
 from .rows import fold_in_rows, rows_at, work_counter
 from .stops import START, STOPPED, StopAutomaton
 from .tiling import row_tiled
-from .traced_fields import concrete, is_value, is_zero, register_traced_dataclass
+from .traced_fields import concrete_values_satisfy, is_value, is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -120,8 +120,7 @@ class Truncation:
 
 def _check_fraction(name: str, value: Any) -> None:
     """ValueError unless every concrete value is in (0, 1] (a traced one is not checked)."""
-    values = concrete(value)
-    if values is not None and not np.all((values > 0.0) & (values <= 1.0)):
+    if not concrete_values_satisfy(value, lambda v: (v > 0.0) & (v <= 1.0)):
         raise ValueError(f"{name} must be in (0, 1], got {value}")
 
 
@@ -230,8 +229,7 @@ class Proposal:
     truncations: tuple[Truncation, ...] = ()
 
     def __post_init__(self):
-        values = concrete(self.temperature)
-        if values is not None and not np.all(values >= 0):
+        if not concrete_values_satisfy(self.temperature, lambda t: t >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         object.__setattr__(self, "truncations", tuple(self.truncations))
         for cut in self.truncations:

@@ -63,7 +63,7 @@ import numpy as np
 from .generation import NO_MIN_P, NO_TOP_K, NO_TOP_P, NO_TYPICAL_P, Truncation, truncations
 from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
 from .stops import StopAutomaton, TokenBytes, stop_automaton, validate_stop
-from .traced_fields import concrete, is_zero, register_traced_dataclass
+from .traced_fields import concrete_values_satisfy, is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -110,16 +110,14 @@ def validate_alpha(alpha: Any) -> None:
     """ValueError unless alpha >= 1 (NaN fails): the power of the target p(x)^alpha (the
     MCMC and SMC proposals sample at temperature 1/alpha <= 1). Every value of an array
     (a sweep) is checked; a traced value is not (`traced_fields.concrete`)."""
-    values = concrete(alpha)
-    if values is not None and not np.all(values >= 1.0):
+    if not concrete_values_satisfy(alpha, lambda a: a >= 1.0):
         raise ValueError(f"alpha must be >= 1 (the target is p(x)^alpha), got {alpha}")
 
 
 def validate_beta(beta: Any) -> None:
     """ValueError unless beta >= 0 (NaN fails): the weight of D(x); 0 is no probing.
     Checked as alpha is (`validate_alpha`)."""
-    values = concrete(beta)
-    if values is not None and not np.all(values >= 0.0):
+    if not concrete_values_satisfy(beta, lambda b: b >= 0.0):
         raise ValueError(f"beta must be >= 0, got {beta}")
 
 

@@ -22,13 +22,12 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
 from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
                      SMALLEST_RUN_TOKENS, Method, method_field, positive_int)
 from .stops import StopAutomaton
-from .traced_fields import concrete
+from .traced_fields import concrete_values_satisfy
 
 Array = jax.Array
 
@@ -162,8 +161,7 @@ class DegsRerank(BestOfN):
 
     def __post_init__(self):
         super().__post_init__()
-        weights = [concrete(self.alpha), concrete(self.beta)]
-        if not all(w is None or np.all(w >= 0) for w in weights):
+        if not all(concrete_values_satisfy(weight, lambda w: w >= 0) for weight in (self.alpha, self.beta)):
             raise ValueError("degs_rerank needs alpha >= 0 and beta >= 0")
         if not self.probe:
             raise ValueError("degs_rerank needs probe=True (it ranks by D(x))")

@@ -68,7 +68,6 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .generation import GenState, Proposal, SamplerSpec, _set, decode_step, ends_at, generate
 from .lens import span_sum
@@ -77,7 +76,7 @@ from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS,
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
 from .stops import StopAutomaton
-from .traced_fields import concrete, register_traced_dataclass
+from .traced_fields import concrete_values_satisfy, register_traced_dataclass
 
 Array = jax.Array
 
@@ -159,8 +158,7 @@ def check_sps_hyperparameters(sampler: Any) -> None:
     if sampler.block_len > 1 and sampler.candidates_kept > sampler.candidate_pool:
         raise ValueError(f"candidates_kept ({sampler.candidates_kept}) cannot exceed candidate_pool "
                          f"({sampler.candidate_pool})")
-    temperature = concrete(sampler.candidate_temperature)
-    if temperature is not None and not np.all(temperature > 0):
+    if not concrete_values_satisfy(sampler.candidate_temperature, lambda t: t > 0):
         raise ValueError(f"candidate_temperature must be > 0, got {sampler.candidate_temperature}")
 
 

@@ -21,9 +21,10 @@ decoding, an argmax). So does a field at another value that switches something o
 its field says so (`{"static_at": (1.0,)}` in its metadata: top-p 1, no nucleus cut).
 Code asks `is_zero(value)` / `is_value(value, off)`, True only for such a concrete value:
 a traced value may be anything, so it gets the general program (beta·ΔD added, tokens
-drawn, the cut made). The checks of a traced field look at concrete values only (`concrete`),
-elementwise for an array (a sweep's values): a value that is traced when the object is
-built (in user code under `jax.vmap`) was checked where it was made, if anywhere.
+drawn, the cut made). The checks of a traced field look at concrete values only
+(`concrete_values_satisfy`), elementwise for an array (a sweep's values): a value that is
+traced when the object is built (in user code under `jax.vmap`) was checked where it was
+made, if anywhere.
 
 A pytree's leaves are what jit traces, so rebuilding one inside a program must not run the
 constructor's checks on traced values: unflattening sets the fields directly.
@@ -44,7 +45,8 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-__all__ = ["is_zero", "is_value", "concrete", "register_traced_dataclass", "traced_field_names"]
+__all__ = ["is_zero", "is_value", "concrete", "concrete_values_satisfy", "register_traced_dataclass",
+           "traced_field_names"]
 
 
 def is_value(value: Any, constant: float) -> bool:
@@ -69,6 +71,13 @@ def concrete(value: Any) -> Optional[np.ndarray]:
     if isinstance(value, jax.core.Tracer):
         return None
     return np.asarray(value)
+
+
+def concrete_values_satisfy(value: Any, condition: Callable[[np.ndarray], Any]) -> bool:
+    """True when `condition` holds for every element of `value`'s concrete value (NaN fails
+    a comparison), or when `value` is traced (not known here, so not checked)."""
+    values = concrete(value)
+    return values is None or bool(np.all(condition(values)))
 
 
 def traced_field_names(cls: type) -> tuple[str, ...]:

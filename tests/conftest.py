@@ -32,9 +32,9 @@ The tests run on the built-in SmolLM2-135M where they need real weights
 four times the work per token; its own tests (test_real_weights, test_gguf_tokenizer)
 name it. Processes a test starts name `--model smollm2-135m` themselves.
 
-JAX sees four host CPU devices, so that test_sharding can build 2x2, 1x4 and 4x1 meshes;
-everything else runs on the first one as usual. The flag must be set before JAX starts its
-backend, and conftest is imported before any test module."""
+XLA's flags for the run (tests/xla_flags.py: four host CPU devices, and compilation
+without LLVM's optimizations) must be set before JAX starts its backend, and conftest is
+imported before any test module."""
 
 import contextlib
 import os
@@ -43,8 +43,9 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
+from xla_flags import with_test_flags
+
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def _free_disk_gib() -> float:

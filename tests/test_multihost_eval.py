@@ -20,6 +20,7 @@ import pytest
 from degs_jax import cli
 from degs_jax.eval.results import ResultStore, accuracy, merge_shards
 from degs_jax.models import loading
+from xla_flags import one_host_device
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +65,10 @@ def setup(tmp_path_factory):
     smollm2.tokenizer.save_pretrained(model)
 
     # gRPC honours proxy variables, which would send the loopback coordinator's traffic
-    # to a proxy; XLA_FLAGS might fake several host devices (one per process is meant).
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla")),
+    # to a proxy; XLA_FLAGS fakes several host devices (one per process is meant).
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update(XLA_FLAGS=one_host_device(os.environ.get("XLA_FLAGS", "")), JAX_PLATFORMS="cpu",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla")),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1")
     return Setup(env, model)
 

@@ -1,0 +1,47 @@
+"""The XLA flags of the test processes, set by conftest.py before JAX starts its backend
+(and inherited by the processes tests start).
+
+HOST_DEVICES: JAX sees four host CPU devices, so that test_sharding can build 2x2, 1x4
+and 4x1 meshes; everything else runs on the first one as usual.
+
+FAST_COMPILE: XLA compiles the tests' programs without LLVM's optimizations, as
+`JAX_DISABLE_MOST_OPTIMIZATIONS=1` does. Compiling is most of a CPU test's time (89% of
+tests/test_decoders.py's, measured with JAX's compile-time events), and these flags cut
+it by about 40% (docs/benchmarks.md, "Test suite"); the compiled code runs somewhat slower,
+which the tests that decode real weights feel. The programs are the same (the same HLO
+from the same code); their floats may round differently from a user's: bfloat16
+entropies of the golden model moved by 1e-3 relative, float32 values within the golden
+file's host tolerance, no token or other discrete outcome. So every test that compares
+two runs compares them compiled alike, and the one that compares numbers with a record
+made at the user's optimization, tests/test_golden.py, computes its records in a process
+of its own without FAST_COMPILE (`users_flags`). DEGS_TESTS_FULL_OPTIMIZATION=1 runs
+the whole suite as a user's process compiles."""
+
+from __future__ import annotations
+
+import os
+
+HOST_DEVICES = "--xla_force_host_platform_device_count=4"
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+FULL_OPTIMIZATION = os.environ.get("DEGS_TESTS_FULL_OPTIMIZATION") == "1"
+
+
+def with_test_flags(flags: str) -> str:
+    """`flags` (a process's XLA_FLAGS) with the test processes' flags added."""
+    return " ".join([flags, HOST_DEVICES, *(() if FULL_OPTIMIZATION else FAST_COMPILE)]).strip()
+
+
+def users_flags(flags: str) -> str:
+    """`flags` without FAST_COMPILE: what a user's process compiles with."""
+    return " ".join(flag for flag in flags.split() if flag not in FAST_COMPILE)
+
+
+def compiles_fast(flags: str) -> bool:
+    return any(flag in FAST_COMPILE for flag in flags.split())
+
+
+def one_host_device(flags: str) -> str:
+    """`flags` without a host device count: a process with one CPU device (as the processes
+    of a multi-process run each are), compiled as this one compiles."""
+    return " ".join(flag for flag in flags.split()
+                    if not flag.startswith("--xla_force_host_platform_device_count"))
