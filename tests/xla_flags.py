@@ -4,18 +4,19 @@
 HOST_DEVICES: JAX sees four host CPU devices, so that test_sharding can build 2x2, 1x4
 and 4x1 meshes; everything else runs on the first one as usual.
 
-FAST_COMPILE: XLA compiles the tests' programs without LLVM's optimizations, as
-`JAX_DISABLE_MOST_OPTIMIZATIONS=1` does. Compiling is most of a CPU test's time (89% of
-tests/test_decoders.py's, measured with JAX's compile-time events), and these flags cut
-it by about 40% (docs/benchmarks.md, "Test suite"); the compiled code runs somewhat slower,
-which the tests that decode real weights feel. The programs are the same (the same HLO
-from the same code); their floats may round differently from a user's: bfloat16
-entropies of the golden model moved by 1e-3 relative, float32 values within the golden
-file's host tolerance, no token or other discrete outcome. So every test that compares
-two runs compares them compiled alike, and the one that compares numbers with a record
-made at the user's optimization, tests/test_golden.py, computes its records in a process
-of its own without FAST_COMPILE (`users_flags`). DEGS_TESTS_FULL_OPTIMIZATION=1 runs
-the whole suite as a user's process compiles."""
+FAST_COMPILE: XLA compiles the tests' programs without LLVM's optimizations (two of the
+options `JAX_DISABLE_MOST_OPTIMIZATIONS=1` sets). Compiling is most of a CPU test's time
+(86% of tests/test_decoders.py's, measured with JAX's compile-time events by
+bench/suite_profile.py), and these flags cut it by 43%; the 135M real-weight tests'
+decoding was not measurably slower (docs/benchmarks.md, "Tests compiled without LLVM's
+optimizations"). The programs are the same (the same HLO from the same code); their floats
+may round differently from a user's: bfloat16 entropies of the golden model moved by 1e-3
+relative, float32 values within the golden file's host tolerance, no token or other
+discrete outcome. So every test that compares two runs compares them compiled alike, and
+the one that compares numbers with a record made at a user's optimization,
+tests/test_golden.py, computes its records in processes of their own without FAST_COMPILE
+(`users_flags`). DEGS_TESTS_FULL_OPTIMIZATION=1 runs the whole suite as a user's process
+compiles."""
 
 from __future__ import annotations
 
