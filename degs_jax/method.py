@@ -109,7 +109,7 @@ def positive_int(name: str, value: Any) -> None:
 def validate_alpha(alpha: Any) -> None:
     """ValueError unless alpha >= 1 (NaN fails): the power of the target p(x)^alpha (the
     MCMC and SMC proposals sample at temperature 1/alpha <= 1). Every value of an array
-    (a sweep) is checked; a traced value is not (`traced_fields.concrete`)."""
+    (a sweep) is checked; a traced value is not (`traced_fields.concrete_values_satisfy`)."""
     if not concrete_values_satisfy(alpha, lambda a: a >= 1.0):
         raise ValueError(f"alpha must be >= 1 (the target is p(x)^alpha), got {alpha}")
 
