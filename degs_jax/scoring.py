@@ -2,9 +2,12 @@
 final-layer entropy and logit-lens entropies at any layers, from one pass through the
 model's step function (`degs_jax.model_api.CausalLM`).
 
-The one teacher-forced path of the package: `degs probe`, the L_sub sweep of the
+The teacher-forced path of the package: `degs probe`, the L_sub sweep of the
 analyses, entropy trajectories (the paper's Figure 1) and `score_candidate` (the pure,
-vmappable statistics of one sequence) all run `token_stats`.
+vmappable statistics of one sequence) all run `token_stats`. The study's layer pass,
+which needs lens entropies at every layer but only at the completions' tokens, runs
+`completion_layer_entropies`: the prompts without the lens, then the completions on
+their cache with it.
 
 Numerics. The sequence runs through the model `positions_per_call` positions at a time
 with a KV cache (a `lax.scan` over position chunks), so the [B, T, V] logits never
@@ -212,6 +215,49 @@ def layer_entropies(model: CausalLM, params: Any, tokens: Array, layers: Sequenc
     """
     return token_stats(model, params, jnp.asarray(tokens, jnp.int32), None,
                        tuple(int(l) for l in layers)).layer_entropy
+
+
+def completion_layer_entropies(model: CausalLM, params: Any, prompts: Array, prompt_lengths: Array,
+                               completions: Array, completion_lengths: Array, layers: Sequence[int]) -> Array:
+    """Logit-lens entropies H_l at each completion token's own position, fp32 nats,
+    shape [K, B, N]: entry [k, b, j] is `layer_entropies`' value at position
+    prompt_lengths[b] + j of the sequence prompt + completion of row b.
+
+    prompts: [B, P] int32, right-padded, with `prompt_lengths` [B]; completions: [B, N]
+    int32, right-padded, with `completion_lengths` [B]; layers: indices in 0..L (K =
+    len(layers)), in the order of the output rows. The prompts run through the model
+    without the lens (their logits are never read, so no unembedding either), then the
+    completions in one call on that cache with it: the lens's vocabulary products run
+    at the N completion positions only, where `layer_entropies` over the whole sequences
+    runs them at every prompt position too (P + N positions, K + 1 products each).
+    Padding runs at a parked position (one past the cache's slots: the model protocol's
+    point 3, it writes nothing); its entries mean nothing. The values equal
+    `layer_entropies`' up to floating-point summation order (cached attention over the
+    prompt, as in generation)."""
+    B, P = prompts.shape
+    N = completions.shape[1]
+    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)[:, None]
+    completion_lengths = jnp.asarray(completion_lengths, jnp.int32)[:, None]
+    parked = P + N
+    # Positions and the empty cache enter the jitted pass as arguments (see `token_stats`).
+    slot = jnp.arange(P, dtype=jnp.int32)[None]
+    prompt_positions = jnp.where(slot < prompt_lengths, slot, parked)
+    offset = jnp.arange(N, dtype=jnp.int32)[None]
+    completion_positions = jnp.where(offset < completion_lengths, prompt_lengths + offset, parked)
+    cache = model.init_cache(B, P + N, params_dtype(params))
+    return _completion_layer_entropies(model, params, jnp.asarray(prompts, jnp.int32), prompt_positions,
+                                       jnp.asarray(completions, jnp.int32), completion_positions, cache,
+                                       tuple(int(l) for l in layers))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "layers"))
+def _completion_layer_entropies(model: CausalLM, params: Any, prompts: Array, prompt_positions: Array,
+                                completions: Array, completion_positions: Array, cache: Any,
+                                layers: tuple[int, ...]) -> Array:
+    with jax.named_scope("prompt_step"):
+        cache = model.step(params, prompts, prompt_positions, cache).cache
+    with jax.named_scope("completion_step"):
+        return model.step(params, completions, completion_positions, cache, layers).layer_entropy
 
 
 class EntropyTrajectory(NamedTuple):

@@ -17,8 +17,9 @@ method; rows end early, late or never) and the Llama-shaped one in bfloat16 (DEG
 Compilation dominates the cost (~1 s of decoding against ~100 s of compiling on CPU),
 so the methods and drivers recorded are the fewest that cover every code path. The
 numbers are a user's: the test session compiles without LLVM's optimizations
-(tests/xla_flags.py), which rounds some bfloat16 values differently, so each case is
-computed in a process of its own compiled as a user's is (`record_as_users_compile`).
+(tests/xla_flags.py), which rounds some bfloat16 values differently, so the records are
+computed in one process of their own compiled as a user's is, once per test run
+(`users_records`).
 
 What must match, and how closely:
 - Everything discrete (tokens, lengths, EOS flags, the chosen candidate, accepted
@@ -46,6 +47,7 @@ move numbers, `python tests/test_golden.py METHOD ...` (or `--all`) records thos
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import json
 import math
@@ -175,19 +177,36 @@ def record(case: str, method: str, settings: dict) -> dict:
     return out
 
 
-def record_as_users_compile(case: str, method: str, settings: dict) -> dict:
-    """`record`, from programs compiled as a user's process compiles them: in this process
-    if it does, else (the test session's fast compilation, tests/xla_flags.py) in a process
-    of its own, which shares the run's persistent compilation cache (tests/conftest.py)."""
+def record_all(golden: dict) -> dict:
+    """Every (case, method) of the golden file recorded again at the settings it was
+    recorded with: {case: {method: record}}."""
+    return {case: {method: record(case, method, golden[case][method]["settings"])
+                   for method in spec.methods if method in golden.get(case, {})}
+            for case, spec in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def users_records(golden):
+    """`record_all`, from programs compiled as a user's process compiles them: in this
+    process if it does, else (the test session's fast compilation, tests/xla_flags.py) in
+    one process of its own (`python tests/test_golden.py --record-all`, whose `__main__`
+    drops the fast flags), which shares the run's persistent compilation cache
+    (tests/conftest.py). The records are computed once per test run: the first xdist
+    worker to need them writes them beside that cache, under a lock another worker
+    waits on before it reads them."""
     flags = os.environ.get("XLA_FLAGS", "")
     if not compiles_fast(flags):
-        return record(case, method, settings)
-    child = subprocess.run(
-        [sys.executable, __file__, "--record", case, method, json.dumps(settings),
-         os.path.join(os.environ["DEGS_JAX_CACHE"], "xla")],
-        env={**os.environ, "XLA_FLAGS": users_flags(flags)}, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr
-    return json.loads(child.stdout)
+        return record_all(golden)
+    cache = Path(os.environ["DEGS_JAX_CACHE"])
+    shared = cache / "golden_records.json"
+    with open(cache / "golden_records.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shared.exists():
+            child = subprocess.run([sys.executable, __file__, "--record-all", str(cache / "xla")],
+                                   capture_output=True, text=True, timeout=900)
+            assert child.returncode == 0, child.stderr
+            shared.write_text(child.stdout)
+    return json.loads(shared.read_text())
 
 
 def first_difference(want, got, path="") -> str | None:
@@ -255,10 +274,8 @@ def test_golden_file_covers_every_method(golden):
 
 
 @pytest.mark.parametrize("case, method", [(c, m) for c, spec in CASES.items() for m in spec.methods])
-def test_decoders_match_the_golden_file(golden, case, method):
-    recorded = golden[case][method]
-    got = record_as_users_compile(case, method, recorded["settings"])
-    difference = first_difference(recorded, got, f"{case}/{method}")
+def test_decoders_match_the_golden_file(golden, users_records, case, method):
+    difference = first_difference(golden[case][method], users_records[case][method], f"{case}/{method}")
     assert difference is None, f"numbers moved: {difference}"
 
 
@@ -324,12 +341,11 @@ if __name__ == "__main__":
     #                                        move their numbers: say why in the commit)
     # python tests/test_golden.py --all      record everything again
     names = sys.argv[1:]
-    if names[:1] == ["--record"]:  # one record on stdout (`record_as_users_compile`)
+    if names[:1] == ["--record-all"]:  # every record on stdout (`users_records`)
         from degs_jax.models.compilation import enable_compilation_cache
 
-        case, method, settings, cache = names[1:]
-        enable_compilation_cache(cache)
-        print(json.dumps(record(case, method, json.loads(settings))))
+        enable_compilation_cache(names[1])
+        print(json.dumps(record_all(json.loads(GOLDEN.read_text()))))
         sys.exit(0)
     rewrite = METHODS if names == ["--all"] else names
     unknown = sorted(set(rewrite) - set(METHODS))

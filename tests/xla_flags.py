@@ -14,8 +14,9 @@ may round differently from a user's: bfloat16 entropies of the golden model move
 relative, float32 values within the golden file's host tolerance, no token or other
 discrete outcome. So every test that compares two runs compares them compiled alike, and
 the one that compares numbers with a record made at a user's optimization,
-tests/test_golden.py, computes its records in processes of their own without FAST_COMPILE
-(`users_flags`). DEGS_TESTS_FULL_OPTIMIZATION=1 runs the whole suite as a user's process
+tests/test_golden.py, computes its records in a process of its own without FAST_COMPILE
+(`users_flags`). test_eval_cli's SIGKILL test starts its `degs` processes without it too:
+they decode real weights batch-invariantly, where the unoptimized code is slow. DEGS_TESTS_FULL_OPTIMIZATION=1 runs the whole suite as a user's process
 compiles."""
 
 from __future__ import annotations

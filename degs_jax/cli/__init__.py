@@ -285,8 +285,13 @@ def interruptible(message: str, grace_s: float = 3.0):
     main thread `grace_s` to unwind (its `except KeyboardInterrupt` prints `message`),
     then prints it itself and ends the process (exit status 130). Everything a run keeps
     is already on disk (results are fsynced per problem), so this is as safe as SIGKILL,
-    which the resumable store is built for. A second Ctrl-C ends it at once. Only in the
-    main thread (elsewhere there are no signals); restores what it replaces."""
+    which the resumable store is built for. A second Ctrl-C ends it at once. A Ctrl-C that
+    lands while the main thread runs a finalizer or a garbage-collector callback (JAX's
+    `_xla_gc_callback`) raises KeyboardInterrupt where Python cannot propagate it: it
+    would print "Exception ignored in ..." with a traceback and carry on; here it prints
+    nothing (`sys.unraisablehook`) and the watcher ends the process after the grace
+    period as above. Only in the main thread (elsewhere there are no signals); restores
+    what it replaces."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
@@ -296,6 +301,13 @@ def interruptible(message: str, grace_s: float = 3.0):
     previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     done, printed = threading.Event(), threading.Lock()
     said = []
+    previous_unraisable_hook = sys.unraisablehook
+
+    def unraisable(report) -> None:
+        if not isinstance(report.exc_value, KeyboardInterrupt):
+            previous_unraisable_hook(report)
+
+    sys.unraisablehook = unraisable
 
     def say() -> None:
         with printed:
@@ -330,6 +342,7 @@ def interruptible(message: str, grace_s: float = 3.0):
         done.set()
         os.write(write_fd, b"\0")  # wakes the watcher at once
         watcher.join()
+        sys.unraisablehook = previous_unraisable_hook
         signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous_handler)
         os.close(read_fd)

@@ -85,7 +85,7 @@ from degs_jax.hyperparameters import hyperparameters_for, method_classes, method
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
 from degs_jax.method import Method
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
-from degs_jax.scoring import layer_entropies
+from degs_jax.scoring import completion_layer_entropies
 
 STUDY_FILE = "study.json"
 LAYERS_FILE = "layers.jsonl"
@@ -826,6 +826,15 @@ def pool_layer_statistics(model, items, *, chat: bool, lsub_sets, tau: float) ->
     return out
 
 
+def padded_length(n: int, bucket: int) -> int:
+    """`n` rounded up to a multiple of `bucket`, or below `bucket` to a power of two: a
+    few compiled shapes, and short lengths (the usual completion in a test, a short
+    prompt) padded by at most half."""
+    if n >= bucket:
+        return -(-n // bucket) * bucket
+    return min(bucket, 1 << max(0, n - 1).bit_length())
+
+
 def sequence_layer_statistics(lm, params, sequences, *, lsub_sets, tau: float,
                               row_budget: Optional[int] = None,
                               bucket: int = LENGTH_BUCKET) -> list[dict]:
@@ -833,13 +842,15 @@ def sequence_layer_statistics(lm, params, sequences, *, lsub_sets, tau: float,
     0..L over the completion's scored tokens and D(x) under each probe set of
     ``lsub_sets`` with threshold ``tau``, for the ``CausalLM`` ``lm`` with ``params``.
 
-    One teacher-forced forward per sequence (prompt + completion, right-padded to a
-    multiple of ``bucket``, as many per call as fit in ``row_budget`` lens rows, default
-    LENS_ROW_BUDGET) through :func:`degs_jax.scoring.layer_entropies`. Scored tokens are the
-    completion's, its final EOS excluded when ``ended``, each read at its own position
-    (docs/design.md §3) — the tokens and positions :func:`degs_jax.scoring.score_sequences` and
-    generation score. Returns ``{"n_scored", "entropy": [L+1] (None if nothing is
-    scored), "D": [one per set]}`` per sequence, in order.
+    Sequences of similar lengths run together (as many per call as fit in ``row_budget``
+    lens rows at their padded length, default LENS_ROW_BUDGET) through
+    :func:`degs_jax.scoring.completion_layer_entropies`: the prompts without the lens,
+    then the scored tokens with it, each right-padded to ``padded_length`` (bounding
+    recompiles). Scored tokens are the completion's, its final EOS excluded when
+    ``ended``, each read at its own position (docs/design.md §3) — the tokens and
+    positions :func:`degs_jax.scoring.score_sequences` and generation score. Returns
+    ``{"n_scored", "entropy": [L+1] (None if nothing is scored), "D": [one per set]}``
+    per sequence, in order.
     """
     row_budget = LENS_ROW_BUDGET if row_budget is None else row_budget
     L = lm.num_layers
@@ -853,13 +864,18 @@ def sequence_layer_statistics(lm, params, sequences, *, lsub_sets, tau: float,
         rows = max(1, row_budget // (len(layers) * width))
         group = [s for s in seqs[k:k + rows] if s[1].size <= width]  # a prefix: sorted
         k += len(group)
-        tokens = np.zeros((rows, width), np.int32)  # fixed rows per width: one compile
-        mask = np.zeros((rows, width), bool)
+        # fixed rows per width (fewer compilations); the scored tokens only: a final EOS
+        # has no entropy read, and nothing comes after it
+        prompts = np.zeros((rows, padded_length(max(first for _, _, first, _ in group), bucket)), np.int32)
+        scored = np.zeros((rows, padded_length(max(1, max(n for _, _, _, n in group)), bucket)), np.int32)
+        prompt_lengths, scored_lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         for r, (_, toks, first, n) in enumerate(group):
-            tokens[r, :toks.size] = toks
-            mask[r, first:first + n] = True
-        # [L+1, rows, width]; positions 0..width-1 (padding after the real tokens)
-        entropy = np.asarray(layer_entropies(lm, params, tokens, layers))
+            prompts[r, :first], scored[r, :n] = toks[:first], toks[first:first + n]
+            prompt_lengths[r], scored_lengths[r] = first, n
+        mask = np.arange(scored.shape[1])[None] < scored_lengths[:, None]
+        # [L+1, rows, scored.shape[1]]: each scored token's entropies at its own position
+        entropy = np.asarray(completion_layer_entropies(lm, params, prompts, prompt_lengths, scored,
+                                                        scored_lengths, layers))
         depths = [np.asarray(sequence_depth(collapse_depth(entropy[list(s)], s, L, tau), mask, L))
                   for s in lsub_sets]
         for r, (i, _, _, n) in enumerate(group):
