@@ -57,11 +57,12 @@ import sys
 from pathlib import Path
 from typing import Collection
 
-from xla_flags import HOST_DEVICES, compiles_fast, users_flags
+from xla_flags import HOST_DEVICES, compiles_fast, one_host_device, users_flags
 
 if __name__ == "__main__":  # the test session's CPU devices (tests/xla_flags.py), on CPU,
     # compiled as a user's process compiles
-    os.environ["XLA_FLAGS"] = " ".join([users_flags(os.environ.get("XLA_FLAGS", "")), HOST_DEVICES])
+    os.environ["XLA_FLAGS"] = " ".join([one_host_device(users_flags(os.environ.get("XLA_FLAGS", ""))),
+                                        HOST_DEVICES])
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax

@@ -33,17 +33,23 @@ def with_test_flags(flags: str) -> str:
     return " ".join([flags, HOST_DEVICES, *(() if FULL_OPTIMIZATION else FAST_COMPILE)]).strip()
 
 
+def _without(flags: str, dropped) -> str:
+    """`flags` (a process's XLA_FLAGS) without the flags for which `dropped(flag)` holds."""
+    return " ".join(flag for flag in flags.split() if not dropped(flag))
+
+
 def users_flags(flags: str) -> str:
     """`flags` without FAST_COMPILE: what a user's process compiles with."""
-    return " ".join(flag for flag in flags.split() if flag not in FAST_COMPILE)
+    return _without(flags, lambda flag: flag in FAST_COMPILE)
 
 
 def compiles_fast(flags: str) -> bool:
+    """Whether `flags` hold FAST_COMPILE (the test session's, unless
+    DEGS_TESTS_FULL_OPTIMIZATION=1)."""
     return any(flag in FAST_COMPILE for flag in flags.split())
 
 
 def one_host_device(flags: str) -> str:
     """`flags` without a host device count: a process with one CPU device (as the processes
     of a multi-process run each are), compiled as this one compiles."""
-    return " ".join(flag for flag in flags.split()
-                    if not flag.startswith("--xla_force_host_platform_device_count"))
+    return _without(flags, lambda flag: flag.startswith("--xla_force_host_platform_device_count"))
