@@ -75,6 +75,25 @@ def test_streamed_entropy_matches_naive_softmax(arch, tie, chunk):
         np.asarray(out.lens.entropy), atol=1e-5, rtol=0)
 
 
+def test_token_stats_in_position_chunks_equals_one_call():
+    """`token_stats` over 13 positions in calls of 4 (a scan carrying the KV cache, the last
+    call padded) gives the statistics of one call over all 13, up to float summation order
+    (cached attention against one uncached pass): log p, H_L and the lens entropies within
+    1e-5 nats, d_t equal wherever no probed entropy lies within 1e-4 of tau."""
+    cfg = tiny_config("Qwen2ForCausalLM")
+    model, params = TransformerLM(cfg), sharp_params(cfg)
+    tokens, _ = tokens_positions(cfg, B=2, T=13)
+    lcfg = lens.LensConfig(lsub=(1, 2, 3), tau=2.0)
+    one, chunked = (jax.device_get(scoring.token_stats(model, params, tokens, lcfg, lcfg.lsub, chunk=chunk))
+                    for chunk in (None, 4))
+    for field in ("logp", "final_entropy", "layer_entropy"):
+        np.testing.assert_allclose(getattr(chunked, field), getattr(one, field), atol=1e-5, rtol=0,
+                                   err_msg=field)
+    near = (np.abs(one.layer_entropy - lcfg.tau) < 1e-4).any(0)
+    assert len(set(one.depth[~near].tolist())) > 1 and near.mean() < 0.5  # the comparison has teeth
+    np.testing.assert_array_equal(chunked.depth[~near], one.depth[~near])
+
+
 def engineered_rows(V=97, spike_height=6.0):
     """Rows of logits [6, V]: the maximum in the first chunk, in the last (remainder)
     chunk and mid-vocabulary; flat; one-hot past exp underflow (H = 0, p_top1 = 1)."""
