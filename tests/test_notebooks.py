@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from xla_flags import decoding_flags
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -36,8 +38,10 @@ def test_stored_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     # The kernel inherits the environment: the session's converted-weights cache
-    # ($DEGS_JAX_CACHE, set by conftest), CPU JAX, and this interpreter's site-packages.
+    # ($DEGS_JAX_CACHE, set by conftest), CPU JAX, and this interpreter's site-packages; its
+    # XLA compiles with XLA's fusion emitters (the notebooks decode SmolLM2: tests/xla_flags.py).
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", decoding_flags(os.environ.get("XLA_FLAGS", "")))
     monkeypatch.setenv("DEGS_JAX_NOTEBOOK_QUICK", "1")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # a notebook's tempfile work dirs go with tmp_path
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])

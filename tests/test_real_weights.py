@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 import degs_jax.models.transformer as transformer_module
 from degs_jax.models import forward, init_cache
@@ -106,20 +106,29 @@ def _greedy(params, cfg, ids: np.ndarray, n: int):
     return prompt_logits, tokens
 
 
+def _hf_greedy(hf, ids: np.ndarray, n: int):
+    """`_greedy` with transformers' model and its own KV cache: the prompt's logits [T, V]
+    from one forward, then `n` argmax tokens one step at a time (no EOS, no length
+    constraints: what `generate` does greedily, without running the prompt a second time)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf(torch.from_numpy(ids)[None], use_cache=True)
+        prompt_logits = out.logits[0].numpy().copy()  # our own array: the model can go after
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return prompt_logits, tokens
+
+
 def test_logits_and_greedy_match_transformers(loads):
     torch = pytest.importorskip("torch")
     _, ours, cache = loads
     path = loading.builtin_gguf(ours.name, cache)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = _prompt_ids(ours.tokenizer)
-    with torch.no_grad():
-        want = hf(torch.from_numpy(ids)[None]).logits[0].numpy()
-        # No EOS and no length constraints: exactly NEW_TOKENS argmax steps, like ours.
-        gen = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
-                               pad_token_id=ours.cfg.pad_token_id or 0)
-        hf_tokens = hf.generate(torch.from_numpy(ids)[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                generation_config=gen)[0, len(ids):].tolist()
-    want = want.copy()  # our own array: the model and its last output can go now
+    want, hf_tokens = _hf_greedy(hf, ids, NEW_TOKENS)
     del hf
     gc.collect()
     got, our_tokens = _greedy(ours.params, ours.cfg, ids, NEW_TOKENS)
@@ -259,9 +268,11 @@ def test_decision_records_equal_a_direct_recomputation(loads):
     eos = set(model.eos_ids)
     # x and x' of every row in one uncached forward (one compilation): right padding does
     # not change earlier positions under causal attention.
+    # The probed layers end at the last (SmolLM2's L_sub): its residuals give log p too.
+    assert lens.lsub[-1] == cfg.num_layers
     both = np.concatenate([np.asarray(state.tokens), np.asarray(proposal.tokens)])
     residuals = forward(params, cfg, jnp.asarray(both), jnp.broadcast_to(jnp.arange(both.shape[1]), both.shape),
-                        capture=(*lens.lsub, cfg.num_layers)).residuals  # [K + 1, 2B, S, D]
+                        capture=lens.lsub).residuals  # [K, 2B, S, D]
 
     def scored(row: int, length: int, prompt_len: int):
         """Per completion token t of `both[row]`: log p and log q (float64), d_t (None for
@@ -270,8 +281,8 @@ def test_decision_records_equal_a_direct_recomputation(loads):
         h = res / np.sqrt((res * res).mean(-1, keepdims=True) + cfg.rms_norm_eps) * norm
         z = h @ w_u.T
         z -= z.max(-1, keepdims=True)
-        logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))  # [K + 1, N + 1, V]
-        entropy = -(np.exp(logp_all[:-1]) * logp_all[:-1]).sum(-1)  # [K, N + 1] at the probed layers
+        logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))  # [K, N + 1, V]
+        entropy = -(np.exp(logp_all) * logp_all).sum(-1)  # [K, N + 1] at the probed layers
         sharp = alpha * z[-1]  # the proposal: temperature 1 / alpha, no truncation
         sharp -= sharp.max(-1, keepdims=True)
         logq_all = sharp - np.log(np.exp(sharp).sum(-1, keepdims=True))
