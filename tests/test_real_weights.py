@@ -111,13 +111,17 @@ def _hf_greedy(hf, ids: np.ndarray, n: int):
     from one forward, then `n` argmax tokens one step at a time (no EOS, no length
     constraints: what `generate` does greedily, without running the prompt a second time)."""
     import torch
+    from transformers import DynamicCache
 
+    # The cache goes in by position (its keyword was renamed in transformers 5) and is
+    # filled in place.
+    cache = DynamicCache()
     with torch.no_grad():
-        out = hf(torch.from_numpy(ids)[None], use_cache=True)
+        out = hf(torch.from_numpy(ids)[None], None, None, cache, use_cache=True)
         prompt_logits = out.logits[0].numpy().copy()  # our own array: the model can go after
         tokens = [int(out.logits[0, -1].argmax())]
         for _ in range(n - 1):
-            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            out = hf(torch.tensor([[tokens[-1]]]), None, None, cache, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
     return prompt_logits, tokens
 

@@ -9,20 +9,21 @@ options `JAX_DISABLE_MOST_OPTIMIZATIONS=1` sets) and with its older loop emitter
 fusions (LOOP_EMITTERS) instead of the MLIR fusion emitters. Compiling is most of a CPU
 test's time (86% of tests/test_decoders.py's, measured with JAX's compile-time events by
 bench/suite_profile.py): the first two flags cut it by 43%, the loop emitters by 43% of
-the rest (docs/benchmarks.md, "Tests compiled without LLVM's optimizations" and "The
-loop emitters"). The loop emitters' code runs slower where the work is decoding real
-weights (a 135M decode loop 1.5x), so the processes tests start to do mostly that (the
-notebooks' kernels) compile without them (`decoding_flags`).
+the rest (docs/benchmarks.md, "Tests compiled without LLVM's optimizations" and "The loop
+emitters"). The loop emitters' code runs slower where the work is decoding real weights (a
+135M-shape decode 1.4x, bench/loop_emitters.py), so the processes tests start to do mostly
+that (the notebooks' kernels) compile without them (`decoding_flags`).
 
 The programs are the same (the same HLO from the same code); their floats may round
 differently from a user's (measured with the first two flags: bfloat16 entropies of the
 golden model moved by 1e-3 relative, float32 values within the golden file's host
-tolerance, no token or other discrete outcome). So every test that compares two runs compares them compiled alike, and the one
-that compares numbers with a record made at a user's optimization, tests/test_golden.py,
-computes its records in a process of its own without FAST_COMPILE (`users_flags`).
-test_eval_cli's SIGKILL test starts its `degs` processes without it too: they decode real
-weights batch-invariantly, where the unoptimized code is slow.
-DEGS_TESTS_FULL_OPTIMIZATION=1 runs the whole suite as a user's process compiles."""
+tolerance, no token or other discrete outcome). So every test that compares two runs
+compares them compiled alike, and the one that compares numbers with a record made at a
+user's optimization, tests/test_golden.py, computes its records in a process of its own
+without FAST_COMPILE (`users_flags`). test_eval_cli's SIGKILL test starts its `degs`
+processes without it too: they decode real weights batch-invariantly, where the
+unoptimized code is slow. DEGS_TESTS_FULL_OPTIMIZATION=1 runs the whole suite as a user's
+process compiles."""
 
 from __future__ import annotations
 
