@@ -16,10 +16,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-WITHOUT_LLVM_OPTIMIZATIONS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-CONFIGURATIONS = {"fusion emitters": WITHOUT_LLVM_OPTIMIZATIONS,
-                  "loop emitters": WITHOUT_LLVM_OPTIMIZATIONS + " --xla_cpu_use_fusion_emitters=false"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from xla_flags import FAST_COMPILE, decoding_flags  # noqa: E402  (the suite's flags, one home)
+
+CONFIGURATIONS = {"fusion emitters": decoding_flags(" ".join(FAST_COMPILE)),
+                  "loop emitters": " ".join(FAST_COMPILE)}
 
 
 def measure(args) -> dict:
