@@ -161,11 +161,12 @@ def mcmc_rows(model: Enumerated, steps: list[int], chains: int, seed: int):
             mc = config.kernel_config(model.cfg.num_layers, (EOS,))
             keys = jax.random.split(jax.random.key(seed), chains)
             run = run_chains(lm, model.params, prefilled(model, chains), keys, mc)
-            index = completion_index(*jax.device_get((run.state.tokens, run.state.length)))
+            chains = run.chains()
+            index = completion_index(*jax.device_get((chains.tokens, chains.length)))
             emit(dict(part="mcmc", method=method, alpha=ALPHA, beta=beta, **shape, chains=chains,
                       tv=tv(histogram(index, len(pi)), pi), tv_noise=histogram_noise(pi, chains),
                       acceptance=float(np.asarray(run.decisions.accepted).sum() / (np.asarray(run.ran).sum() * mc.mh_steps)),
-                      forwards=float(np.asarray(run.state.n_forward).mean())), OUT_NAME)
+                      forwards=float(np.asarray(chains.n_forward).mean())), OUT_NAME)
 
 
 def sps_rows(model: Enumerated, settings: list[tuple[int, int, int]], answers: int, chunk: int, seed: int):

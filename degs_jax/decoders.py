@@ -25,9 +25,9 @@ Two drivers, same tokens for the same per-prompt keys:
   `Candidate` records, with what the method reports (`Method.run_details`). With
   `slots`, or as `decode_stream`, it batches continuously: a fixed number of prompt slots,
   and when a slot's prompt is done (`Method.prompt_done`) its answer is read from the
-  slot's rows alone and the next waiting prompt, prefilled and `init`-ed on its own, is
-  written over them (`rows.take_slot` / `put_slot`, the carry donated: no other row's
-  cache is copied, nothing is recompiled). Each prompt keeps its own keys and every
+  slot's rows alone and the next waiting prompts, prefilled together and `init`-ed, are
+  written over the free slots (`rows.take_slot` / `put_slots`, the carry donated: no other
+  row's cache is copied, nothing is recompiled; the other rows go on where they were). Each prompt keeps its own keys and every
   counter of its phase is per row, so with a batch-invariant model a prompt's answer is
   bitwise the one it gets alone, whatever the schedule (tests/test_refill.py);
 - `decode_tokens`: prefill, the kernel (`run_kernel`: `advance` in one `lax.while_loop`
@@ -53,7 +53,7 @@ from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS,
 from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .method import Method, positive_int
 from .model_api import CausalLM, params_dtype
-from .rows import put_slot, repeat_rows, take_slot, work_totals
+from .rows import put_slots, repeat_rows, take_slot, work_totals
 from .stops import TokenBytes
 
 Array = jax.Array
@@ -193,7 +193,7 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
     vocabulary's bytes (`stops.token_bytes(tokenizer)`, static), needed when
     `config.stop` has stop strings. The buffer holds P + the method's budget slots.
     Prefill, the method's kernel (one `lax.while_loop` of its `advance`: decode steps,
-    MCMC blocks, SMC ESS intervals or SPS blocks, until `done`) and the answer's choice
+    SMC ESS intervals or SPS blocks, until `done`) and the answer's choice
     run inside; wrap it in your own `jax.jit` or `jax.vmap` (e.g. over a leading
     axis of prompts and keys; under vmap the loop runs until every instance is done,
     finished ones unchanged).
@@ -219,11 +219,11 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
 
 
 # The host driver calls the method's `advance` in jitted chunks of an adaptive number of
-# advances (decode steps, MCMC blocks, SMC ESS intervals, SPS blocks), each chunk aiming
+# advances (decode steps, SMC ESS intervals, SPS blocks), each chunk aiming
 # at CHUNK_SECONDS of device time: short enough that Ctrl-C (delivered when a call
 # returns) and the progress bar respond within about a second, long enough that the
-# per-call host round trip is negligible. The first chunk is one advance (an MCMC block
-# or an SPS block may take seconds); the count doubles while calls are fast.
+# per-call host round trip is negligible. The first chunk is one advance (an SPS block
+# may take seconds); the count doubles while calls are fast.
 CHUNK_SECONDS = 0.5
 FIRST_CHUNK_ADVANCES = 1
 MAX_CHUNK_ADVANCES = 1024
@@ -231,18 +231,22 @@ MAX_CHUNK_ADVANCES = 1024
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("carry",))
 def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_advances: Array,
-                  method: Method, settings: Any, watch: Optional[Array] = None) -> tuple[Any, Array, Array]:
+                  method: Method, settings: Any, watch: Optional[Array] = None,
+                  admit_at: Optional[Array] = None) -> tuple[Any, Array, Array]:
     """At most `max_advances` (int32 scalar, traced: any chunk size runs the same compiled
     program) calls of `method.advance`, stopping early at `method.done`, in one
     `lax.while_loop`: chained calls run `decode_tokens`' loop, advance for advance.
-    watch: optional [prompts] bool: also stop as soon as a watched prompt is done (the
-    refill's slots that hold an unfinished prompt). `carry` is donated (do not use it
-    afterwards, nor pass arrays that belong to it as other arguments). Returns (carry,
-    prompt_done: [prompts] bool `method.prompt_done`, progress: `method.progress`)."""
+    watch: optional [prompts] bool, the refill's slots that hold an unfinished prompt;
+    then also stop as soon as `admit_at` (int32 scalar, traced) of them are done (the
+    refill's admission: `decode_stream`). `carry` is donated (do not use it afterwards,
+    nor pass arrays that belong to it as other arguments). Returns (carry, prompt_done:
+    [prompts] bool `method.prompt_done`, progress: `method.progress`)."""
     def more(loop):
         carry, count = loop
         prompt_done = method.prompt_done(carry, settings)
-        stop = jnp.all(prompt_done) if watch is None else jnp.all(prompt_done) | jnp.any(prompt_done & watch)
+        stop = jnp.all(prompt_done)
+        if watch is not None:
+            stop |= jnp.sum(prompt_done & watch) >= admit_at
         return (count < max_advances) & ~stop
 
     def body(loop):
@@ -398,10 +402,10 @@ def _method_fields(candidate_fields: Optional[list[dict[str, Any]]], row: int) -
 
 def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, prompts: Sequence[Sequence[int]],
                  keys: Array, width: int, max_len: int) -> tuple[Any, Array]:
-    """(carry, row keys) of prompts freshly prefilled into buffers of `max_len` slots and
-    `init`-ed: the refill's first batch, and each prompt it refills a slot with. Prompts
-    are right-padded to `width` (the run's longest prompt, bucketed), so one prefill
-    program serves every refill whatever the admitted prompt's length."""
+    """(carry, row keys) of prompts freshly prefilled together into buffers of `max_len`
+    slots and `init`-ed: the refill's first batch, and each admission. Prompts are
+    right-padded to `width` (the run's longest prompt, bucketed), so one prefill program
+    serves every admission of the same number of prompts whatever their lengths."""
     tokens, lengths = pad_prompts(prompts)
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     cache_dtype = config.cache_dtype or params_dtype(params)
@@ -413,26 +417,42 @@ def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, pr
     return config.init(model, params, state, row_key, settings), row_key
 
 
+# Admission (`decode_stream`): a chunk of the method's work stops early once this fraction
+# of the slots (at least one) is free while prompts wait; after every chunk the waiting
+# prompts are admitted into every free slot together, prefilled in one call whose prompt
+# count is bucketed to a power of two (few compiled prefills). A free slot therefore idles
+# for at most one chunk (about CHUNK_SECONDS), and a run pays one prefill call per
+# admission rather than per prompt.
+ADMIT_FRACTION = 1 / 8
+
+
+def admission_size(free: int, slots: int) -> int:
+    """Prompts prefilled by an admission into `free` slots: the next power of two, at most `slots`."""
+    return min(1 << (free - 1).bit_length(), slots)
+
+
 def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], method: str | Method, *,
                   keys: Array, eos_ids: Sequence[int], slots: int, progress: bool = False,
                   token_bytes: Optional[TokenBytes] = None, **hyperparameters) -> Iterator[tuple[int, Output]]:
     """Continuous batching: decode `prompts` through `slots` prompt slots (each of the
     method's `pool_size` rows), yielding (prompt index, Output) as each prompt finishes,
     in the order they finish; the generator's return value is the seconds spent
-    (prefill: the first batch's; decode: the rest, refills' prefills included; total).
+    (prefill: the first batch's; decode: the rest, admissions' prefills included; total).
 
     The first `slots` prompts are prefilled together; then the method's `advance` runs in
-    chunks (`advance_chunk`) that stop as soon as a slot's prompt is done
-    (`Method.prompt_done`). That slot's rows are read out alone (`rows.take_slot`: its
-    answer, `Method.run_details` and scores come from its rows only), and the next
-    waiting prompt, prefilled and `init`-ed on its own, overwrites them in place
-    (`rows.put_slot`, the carry donated; one compiled program for every slot). Buffers
-    hold the longest prompt of the whole run (padded as `pad_prompts` does) plus the
-    method's budget, so every prompt fits every slot. keys: [len(prompts)] PRNG keys, one
-    per prompt (a prompt's rows use `split(keys[i], n)` whatever its slot: with a
-    batch-invariant model its Output is bitwise the one `decode` gives it alone). Each
-    Output carries its own `counters`. progress: a bar of finished prompts. token_bytes: as
-    `decode`'s (stop strings).
+    chunks (`advance_chunk`, each aiming at CHUNK_SECONDS) that also stop once
+    ADMIT_FRACTION of the slots are done (`Method.prompt_done`) while prompts wait. Each
+    done slot's rows are read out alone (`rows.take_slot`: its answer, `Method.run_details`
+    and scores come from its rows only), and the waiting prompts, prefilled together and
+    `init`-ed, overwrite the free slots in place (`rows.put_slots`, the carry donated; one
+    compiled program for every choice of slots). The other slots' rows go on where they
+    were: with a method whose rows are at their own phase (MCMC: each row at its own block
+    and MH step, `mcmc.chain_step`), no prompt waits for another. Buffers hold the longest
+    prompt of the whole run (padded as `pad_prompts` does) plus the method's budget, so
+    every prompt fits every slot. keys: [len(prompts)] PRNG keys, one per prompt (a
+    prompt's rows use `split(keys[i], n)` whatever its slot: with a batch-invariant model
+    its Output is bitwise the one `decode` gives it alone). Each Output carries its own
+    `counters`. progress: a bar of finished prompts. token_bytes: as `decode`'s (stop strings).
     """
     config = as_method(method, hyperparameters)
     positive_int("slots", slots)
@@ -442,6 +462,7 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     width = tokens.shape[1]
     max_len = width + config.max_new_tokens
     slots = min(slots, len(prompts))
+    admit_at = max(1, round(ADMIT_FRACTION * slots))
 
     t0 = time.perf_counter()
     carry, row_key = _fresh_carry(model, params, config, settings, prompts[:slots], keys[:slots], width,
@@ -455,11 +476,14 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     while any(h is not None for h in holding):
         watch = np.array([h is not None for h in holding])
         started = time.perf_counter()
+        # With no prompt waiting a done slot need not stop the chunk: it is read out after it.
         carry, prompt_done, _ = advance_chunk(model, params, carry, row_key, jnp.int32(advances), config, settings,
-                                              jnp.asarray(watch))
+                                              jnp.asarray(watch),
+                                              jnp.int32(admit_at if waiting < len(prompts) else slots + 1))
         prompt_done = np.asarray(jax.device_get(prompt_done))
         advances = next_chunk(advances, time.perf_counter() - started)
-        for slot in np.flatnonzero(prompt_done & watch):
+        free = np.flatnonzero(prompt_done & watch)
+        for slot in free:
             index, rows = holding[slot], slice(slot * n, (slot + 1) * n)
             sub_keys = row_key[rows]
             sub = take_slot(carry, jnp.int32(slot), n)
@@ -467,16 +491,23 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
             answer = config.answer(model, params, sub, sub_keys, settings)
             (output,) = _outputs(model, config, answer.state, answer, details)
             output.counters = {**work_totals(answer.state), **details.counters}
-            if waiting < len(prompts):
-                fresh, fresh_keys = _fresh_carry(model, params, config, settings, prompts[waiting:waiting + 1],
-                                                 keys[waiting:waiting + 1], width, max_len)
-                carry = put_slot(carry, jnp.int32(slot), fresh, n)
-                row_key = row_key.at[rows].set(fresh_keys)
-                holding[slot], waiting = waiting, waiting + 1
-            else:
-                holding[slot] = None
+            holding[slot] = None
             bar.update(1)
             yield index, output
+        admitted = list(range(waiting, min(waiting + len(free), len(prompts))))
+        if admitted:
+            size = admission_size(len(admitted), slots)
+            padded = admitted + admitted[-1:] * (size - len(admitted))  # (the padding writes nothing)
+            fresh, fresh_keys = _fresh_carry(model, params, config, settings, [prompts[i] for i in padded],
+                                             keys[np.asarray(padded)], width, max_len)
+            targets = np.full(size, slots, np.int32)  # past the last slot: dropped
+            targets[:len(admitted)] = free[:len(admitted)]
+            carry = put_slots(carry, jnp.asarray(targets), fresh, n)
+            target_rows = (targets[:, None] * n + np.arange(n)[None]).reshape(-1)
+            row_key = row_key.at[jnp.asarray(target_rows)].set(fresh_keys, mode="drop")
+            for slot, index in zip(free, admitted):
+                holding[slot] = index
+            waiting += len(admitted)
     bar.close()
     t2 = time.perf_counter()
     return dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0)

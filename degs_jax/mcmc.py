@@ -12,9 +12,18 @@ and below: or the first stop string, `degs_jax.stops`, an end of the same kind),
 
 with whole-suffix sums of the per-token values stored when each token was generated
 (see `log_acceptance_ratio` for why these stored values make the ratio exact).
-All rows (problems x chains) run in one batch; the MH steps of a block are one jitted
-`lax.while_loop` of decode steps in which every row runs its own steps (`mh_steps`),
-carrying an `MHState`. The model is a `degs_jax.model_api.CausalLM`.
+The kernel is built from named parts (`ChainKernel`: the cut rule with its ratio term, the
+regeneration's extent with the suffix the ratio sums, the accept rule), so the exact chain
+and the public reference code's (`REFERENCE_KERNEL`) are two values of one program.
+
+Rows at their own pace: all rows (problems x chains) run in one batch, and every row is at
+its own block and MH step (`ChainRows`, the carry). One loop iteration (`chain_step`) is one
+decode step of every row's running proposal (the block's extension, or an MH step's
+regeneration); a row whose proposal ends is decided there and starts its next step, its
+next block or, when its chain is finished, nothing, at once. No row waits for another:
+the batch's work is its rows' work, and a prompt slot whose chains are finished takes the
+next prompt (`decoders.decode_stream`) while the other rows go on. The model is a
+`degs_jax.model_api.CausalLM`.
 
 Randomness: every draw of chain r derives from its key k_r by `fold_in` (counter-based,
 so a chain's draws do not depend on the batch it runs in):
@@ -56,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, generate
+from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step
 from .lens import LensConfig, sequence_depth, span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails, method_field,
                      positive_int, require_lens, validate_alpha, validate_beta)
@@ -67,15 +76,94 @@ from .traced_fields import is_zero, register_traced_dataclass
 
 Array = jax.Array
 
-# Reference-code behaviour reproduced by `reference_quirks=True`.
-QUIRKS_TOP_K = 50
-
 # PRNG stream tags (module docstring). Changing any of them changes every chain's draws.
 EXTENSION_STREAM = 0  # under the block key: the extension to the block boundary
 FIRST_MH_STREAM = 1  # under the block key: MH step s uses FIRST_MH_STREAM + s
 CUT_STREAM = 0  # under the step key: the cut index m
 REGENERATE_STREAM = 1  # under the step key: the proposal's tokens
 ACCEPT_STREAM = 2  # under the step key: the uniform of the accept test
+
+
+# ---------------------------------------------------------------- the kernel's parts
+#
+# An MH kernel variant is a value (`ChainKernel`) made of named parts, each a frozen
+# dataclass (static: part of the compiled program): the cut rule paired with its term in
+# log r, the regeneration's extent paired with the suffix of x that log r sums, and the
+# accept rule. The exact chain of docs/design.md §4 is `EXACT_KERNEL`; the public reference
+# code's deviations are `REFERENCE_KERNEL` (`reference_quirks=True`), a value like any other.
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformCut:
+    """The cut rule: m ~ Uniform{0..n_x - 1} over the current completion's positions (EOS
+    included; the prompt is frozen), paired with its term in log r: the reverse move draws
+    m from the n_x' positions of x', so the ratio of the cut-index probabilities is
+    log n_x - log n_x'. with_ratio=False leaves that term out (the reference code; not exact)."""
+
+    with_ratio: bool = True
+
+    def draw(self, keys: Array, n_x: Array) -> Array:
+        """[B] int32 cuts in completion positions from [B] keys and lengths n_x (>= 1 drawn from 1)."""
+        return jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(keys, n_x)
+
+    def log_ratio(self, n_x: Array, n_y: Array) -> Array:
+        """[B] fp32: the cut rule's term in log r for completions of n_x (x) and n_y (x') tokens."""
+        if not self.with_ratio:
+            return jnp.zeros(n_x.shape, jnp.float32)
+        return jnp.log(n_x.astype(jnp.float32)) - jnp.log(n_y.astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class ToBlockBoundary:
+    """The regeneration's extent: a proposal regenerates from the cut to EOS or the block
+    boundary (not capped at the current length), and log r sums the whole suffixes of both
+    states. capped_at_current=True is the reference code: proposals capped at x's length,
+    and x's suffix truncated to the proposal's length in log r (not exact)."""
+
+    capped_at_current: bool = False
+
+    def limit(self, current: GenState, boundary: Array) -> Array:
+        """[B] int32: the length a proposal from `current` may reach in a block ending at `boundary`."""
+        return current.length if self.capped_at_current else boundary
+
+    def current_end(self, current: GenState, proposal: GenState) -> Array:
+        """[B] int32: the end of x's suffix that log r sums."""
+        if self.capped_at_current:
+            return jnp.minimum(current.length, proposal.length)
+        return current.length
+
+
+@dataclasses.dataclass(frozen=True)
+class MetropolisAccept:
+    """The accept rule: accept x' when log u < log r (probability min(1, r)), u uniform
+    from the step's ACCEPT_STREAM key."""
+
+    def log_u(self, keys: Array) -> Array:
+        """[B] fp32 log u from [B] accept keys."""
+        return jnp.log(jax.vmap(jax.random.uniform)(keys))
+
+    def accepts(self, log_u: Array, log_r: Array) -> Array:
+        return log_u < log_r
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainKernel:
+    """An MH kernel variant: its cut rule (with its ratio term), the regeneration's extent
+    (with the suffix the ratio sums), the accept rule, and the top-k applied to the
+    proposal when no top-k is given (0: none). Static: one compiled program per variant."""
+
+    cut: UniformCut = UniformCut()
+    extent: ToBlockBoundary = ToBlockBoundary()
+    accept: MetropolisAccept = MetropolisAccept()
+    default_top_k: int = 0
+
+
+# The chain of docs/design.md §4, and the public reference implementation of power sampling
+# (top-k 50, proposals capped at the current length, no cut-index ratio, the current suffix
+# truncated to the proposal's length), for side-by-side runs.
+EXACT_KERNEL = ChainKernel()
+REFERENCE_KERNEL = ChainKernel(cut=UniformCut(with_ratio=False), extent=ToBlockBoundary(capped_at_current=True),
+                               default_top_k=50)
 
 
 @functools.partial(register_traced_dataclass, traced=lambda cls: ("alpha", "beta", "lens", "truncations"))
@@ -86,9 +174,9 @@ class MCMCConfig:
     program for every value, `jax.vmap` over them; a beta of concrete 0 is static, the
     program without the depth term: `traced_fields`); every other field is static, part of
     the program. The methods build it from the `degs_mcmc` / `power_mcmc` hyperparameters
-    (`MCMCMethod` below), where the paper's defaults live. The method checks its values when it is built; this, the
-    kernel's own API (tests and benchmarks build it directly), runs the same checks
-    (`check_chain_hyperparameters`) and asks for a lens when beta > 0.
+    (`MCMCMethod` below), where the paper's defaults live. The method checks its values when
+    it is built; this, the kernel's own API (tests and benchmarks build it directly), runs the
+    same checks (`check_chain_hyperparameters`) and asks for a lens when beta > 0.
 
     alpha: power (proposal temperature 1/alpha), >= 1.
     beta: weight of D(x); 0 = power sampling (no probing): `probed`.
@@ -99,9 +187,8 @@ class MCMCConfig:
     stop: compiled stop strings that end a completion like EOS (`stops.stop_automaton`), or None.
     truncations: optional cuts of the proposal (`generation.Truncation`: top-k, top-p,
       min-p, typical, or a user's own; log q is then the truncated density); () = none.
-    reference_quirks: reproduce the public reference implementation (top-k 50,
-      proposals capped at the current length, no cut-index ratio, current suffix
-      truncated to the proposal's length) for side-by-side runs. Not exact.
+    kernel: the MH kernel variant (`ChainKernel`): `EXACT_KERNEL`, or `REFERENCE_KERNEL`
+      to reproduce the public reference implementation side by side (not exact).
     """
 
     alpha: float
@@ -112,12 +199,14 @@ class MCMCConfig:
     lens: Optional[LensConfig] = None
     eos_ids: tuple[int, ...] = ()
     truncations: tuple[Truncation, ...] = ()
-    reference_quirks: bool = False
+    kernel: ChainKernel = EXACT_KERNEL
     stop: Optional[StopAutomaton] = None
 
     def __post_init__(self):
         check_chain_hyperparameters(self)
         require_lens(self.beta, self.lens)
+        if not isinstance(self.kernel, ChainKernel):
+            raise TypeError(f"MCMCConfig.kernel is a ChainKernel (EXACT_KERNEL, REFERENCE_KERNEL), got {self.kernel!r}")
 
     @property
     def max_new_tokens(self) -> int:
@@ -131,11 +220,11 @@ class MCMCConfig:
 
     @property
     def proposal(self) -> SamplerSpec:
-        """The proposal q: temperature 1/alpha, the truncations (the reference's top-k 50
-        first under `reference_quirks` where no top-k is given), the lens when beta > 0."""
+        """The proposal q: temperature 1/alpha, the truncations (the kernel's default top-k
+        first where no top-k is given: the reference's 50), the lens when beta > 0."""
         cuts = self.truncations
-        if self.reference_quirks and not any(isinstance(cut, TopK) for cut in cuts):
-            cuts = (TopK(QUIRKS_TOP_K),) + cuts
+        if self.kernel.default_top_k and not any(isinstance(cut, TopK) for cut in cuts):
+            cuts = (TopK(self.kernel.default_top_k),) + cuts
         return SamplerSpec(Proposal(1.0 / self.alpha, cuts), eos_ids=self.eos_ids,
                            lens=self.lens if self.probed else None, stop=self.stop)
 
@@ -202,7 +291,7 @@ class MCMCMethod(Method):
                           num_blocks=self.num_blocks, mh_steps=self.mh_steps,
                           lens=self.lens_config(num_layers) if self.probed else None,
                           eos_ids=tuple(eos_ids), truncations=self.truncations(),
-                          reference_quirks=bool(self.reference_quirks), stop=stop)
+                          kernel=REFERENCE_KERNEL if self.reference_quirks else EXACT_KERNEL, stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         b, l, t = self.num_blocks, self.block_len, self.mh_steps
@@ -215,19 +304,20 @@ class MCMCMethod(Method):
         blocks = max(1, -(-n_tokens // self.block_len))
         return sum(self.block_len + self.mh_steps * k * self.block_len / 2 for k in range(1, blocks + 1))
 
-    # Kernel: the carry is `ChainRun`, `advance` one block (`mcmc_block`) of every chain.
+    # Kernel: the carry is `ChainRows` (every row at its own block and MH step), `advance`
+    # one decode step of every row's running proposal (`chain_step`).
 
-    def init(self, model, params, state: GenState, keys: Array, settings: MCMCConfig) -> "ChainRun":
-        return start_chains(state, settings)
+    def init(self, model, params, state: GenState, keys: Array, settings: MCMCConfig) -> "ChainRows":
+        return start_chains(state, keys, settings)
 
-    def advance(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> "ChainRun":
-        return chains_block(model, params, carry, keys, settings)
+    def advance(self, model, params, carry: "ChainRows", keys: Array, settings: MCMCConfig) -> "ChainRows":
+        return chain_step(model, params, carry, keys, settings)
 
-    def prompt_done(self, carry: "ChainRun", settings: MCMCConfig) -> Array:
-        return jnp.all(~chain_running(carry, settings).reshape(-1, self.pool_size), axis=1)
+    def prompt_done(self, carry: "ChainRows", settings: MCMCConfig) -> Array:
+        return jnp.all(chain_finished(carry, settings).reshape(-1, self.pool_size), axis=1)
 
-    def answer(self, model, params, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> Answer:
-        return Answer(state=carry.state, accepted=carry.decisions.accepted_steps(),
+    def answer(self, model, params, carry: "ChainRows", keys: Array, settings: MCMCConfig) -> Answer:
+        return Answer(state=carry.chains(), accepted=carry.decisions.accepted_steps(),
                       depth_decided=carry.decisions.depth_decided_steps(), ran=carry.ran,
                       decisions=carry.decisions)
 
@@ -236,10 +326,11 @@ class MCMCMethod(Method):
     def progress_total(self, settings: MCMCConfig) -> int:
         return self.num_blocks
 
-    def progress(self, carry: "ChainRun") -> Array:
-        return jnp.max(carry.block)
+    def progress(self, carry: "ChainRows") -> Array:
+        """Blocks completed by the row furthest behind (a finished chain counts them all)."""
+        return jnp.min(carry.blocks_done)
 
-    def run_details(self, model, carry: "ChainRun", keys: Array, settings: MCMCConfig) -> RunDetails:
+    def run_details(self, model, carry: "ChainRows", keys: Array, settings: MCMCConfig) -> RunDetails:
         """Per row, over every block it ran: the acceptance rate, the depth-decided decisions
         and the decision records (`decision_lists`)."""
         decisions, ran = jax.device_get((carry.decisions, carry.ran))
@@ -290,8 +381,9 @@ class DegsMCMC(MCMCMethod):
     method: ClassVar[str] = "degs_mcmc"
 
 
-def _depth_score(state: GenState, num_layers: int) -> Array:
-    return sequence_depth(state.depth, state.completion_mask(scored=True), num_layers)
+def _rows_first(mask: Array, ndim: int) -> Array:
+    """[B] bool reshaped to broadcast against [B, ...] of `ndim` dimensions."""
+    return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
 def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mcmc: MCMCConfig,
@@ -312,36 +404,37 @@ def log_acceptance_ratio(current: GenState, proposal: GenState, cut: Array, mcmc
        A stop string is matched from the completion's start, and a regeneration resumes
        the automaton from the state stored after x_{m-1} (`generation.advance_stop`), so
        whether a token ends the sequence depends on its prefix alone, as for EOS.
-    2. log n_x - log n_x' is the ratio of the cut-index probabilities: m is uniform
-       over the n_x completion positions of x for the forward move and over the n_x'
-       positions of x' for the reverse one.
+    2. The cut rule's term (`UniformCut.log_ratio`: log n_x - log n_x') is the ratio of the
+       cut-index probabilities: m is uniform over the n_x completion positions of x for
+       the forward move and over the n_x' positions of x' for the reverse one.
     3. Per-token values depend only on earlier tokens: log p(x_t | x_<t), log q and the
        collapse depth d_t (from the residuals at position t under causal attention) of
        the shared prefix x_<m are the same in x and x', so whole-suffix sums are the
        differences of the full sums, and D(x') from stored values is exactly D(x').
-    `reference_quirks` breaks 1 and 2 on purpose (see MCMCConfig).
+    `REFERENCE_KERNEL` breaks 1 and 2 on purpose (see `ChainKernel`).
     """
-    x_end = current.length
-    if mcmc.reference_quirks:
-        x_end = jnp.minimum(current.length, proposal.length)
+    kernel = mcmc.kernel
+    x_end = kernel.extent.current_end(current, proposal)
     suffix = functools.partial(span_sum, batch_invariant=batch_invariant)
     log_r = (mcmc.alpha * (suffix(proposal.logp, cut, proposal.length) - suffix(current.logp, cut, x_end))
              + suffix(current.logq, cut, x_end) - suffix(proposal.logq, cut, proposal.length))
     if mcmc.probed:
         log_r += mcmc.beta * (_depth_score(proposal, num_layers) - _depth_score(current, num_layers))
-    if not mcmc.reference_quirks:
-        n_x = (current.length - current.prompt_len).astype(jnp.float32)
-        n_y = (proposal.length - proposal.prompt_len).astype(jnp.float32)
-        log_r += jnp.log(n_x) - jnp.log(n_y)
-    return log_r
+    return log_r + kernel.cut.log_ratio(current.length - current.prompt_len, proposal.length - proposal.prompt_len)
+
+
+def _depth_score(state: GenState, num_layers: int) -> Array:
+    """The target statistic D(x) of every row, from the stored d_t."""
+    return sequence_depth(state.depth, state.completion_mask(scored=True), num_layers)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MHDecisions:
-    """Every MH decision (module docstring, "Decision records"): one entry per row and
-    MH step, [B, mh_steps] per field in a block ([B, num_blocks, mh_steps] over a chain);
-    a step a row did not run (it had ended before the block) holds zeros."""
+    """Every MH decision (module docstring, "Decision records"): one entry per row, block
+    and MH step, [B, num_blocks, mh_steps] per field over a chain ([B, mh_steps] for one
+    block: `mcmc_block`, `mh_steps`); a step a row did not run (it had ended before the
+    block) holds zeros."""
 
     accepted: Array  # bool: the proposal was accepted (log u < log r)
     depth_decided: Array  # bool: accepting with and without beta·ΔD differ for this u
@@ -360,12 +453,19 @@ class MHDecisions:
         return cls(**{f.name: jnp.zeros(shape, kinds.get(f.name, jnp.float32))
                       for f in dataclasses.fields(cls)})
 
-    def record(self, step: Array, decided: Array, **values: Array) -> "MHDecisions":
-        """These [B, mh_steps] records with step `step[b]` of each row b in `decided` set
-        to `values` ([B] per field, every field given)."""
-        at = decided[:, None] & (jnp.arange(self.accepted.shape[-1])[None] == step[:, None])
-        return MHDecisions(**{name: jnp.where(at, values[name][:, None].astype(old.dtype), old)
+    def record(self, block: Array, step: Array, decided: Array, **values: Array) -> "MHDecisions":
+        """These [B, num_blocks, mh_steps] records with entry (block[b], step[b]) of each row
+        b in `decided` set to `values` ([B] per field, every field given)."""
+        rows = jnp.arange(block.shape[0])
+        at = (rows, jnp.where(decided, block, self.accepted.shape[1]), step)  # (out of range: dropped)
+        return MHDecisions(**{name: old.at[at].set(values[name].astype(old.dtype), mode="drop")
                               for name, old in vars(self).items()})
+
+    def at_block(self, block: Array, ran: Array) -> "MHDecisions":
+        """[B, mh_steps] records of block block[b] of each row b, zeros where not ran[b]."""
+        rows = jnp.arange(block.shape[0])
+        index = jnp.minimum(block, self.accepted.shape[1] - 1)
+        return jax.tree.map(lambda every: jnp.where(_rows_first(ran, every.ndim - 1), every[rows, index], 0), self)
 
     def accepted_steps(self) -> Array:
         """int32 [...]: accepted steps, summed over the last (step) axis."""
@@ -383,130 +483,218 @@ def null_move(current: GenState, proposal: GenState, cut: Array) -> Array:
     return (current.length == proposal.length) & ~jnp.any(differs, axis=1)
 
 
+# ---------------------------------------------------------------- the per-row loop
+
+# A row's `ChainRows.step` while its proposal extends the block to its boundary; the MH
+# steps that follow are 0 .. mh_steps - 1 (EXTENDING + 1 is the first).
+EXTENDING = -1
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class MHState:
-    """The carry of `mh_steps`' loop: a chain and its running proposal, per row."""
+class ChainRows:
+    """The MCMC kernel's carry: every row's chain x, its running proposal x', and where the
+    row is in its own schedule. Rows are independent: each is at its own block and MH step,
+    and one loop iteration (`chain_step`) is one decode step of every row's proposal.
+
+    A row always has a proposal running until its chain is finished: the block's extension
+    (from x's end to the boundary, always taken) or an MH step's regeneration (from the
+    cut, accepted or rejected). The proposal lives in a second state whose row equals x
+    except past the cut of the running proposal; when a proposal ends both rows are made
+    equal again (`rows.settle_rows`: row copies of the cache)."""
 
     current: GenState  # the chain x
-    proposal: GenState  # x': equal to x except past the cut of a running proposal
-    generating: Array  # [B] bool: the row's proposal is still drawing tokens
-    step: Array  # [B] int32: MH steps finished in this block
-    cut: Array  # [B] int32: slot of the running proposal's cut m (prompt_len + m)
-    proposal_limit: Array  # [B] int32: length the running proposal may reach
+    proposal: GenState  # x': equal to x except past the cut of the running proposal
+    block: Array  # [B] int32: the row's block; num_blocks once its chain is finished
+    step: Array  # [B] int32: EXTENDING, or the MH step whose proposal runs
+    cut: Array  # [B] int32: the slot the running proposal started from (prompt_len + m; x's length for the extension)
+    limit: Array  # [B] int32: the length the running proposal may reach
     proposal_keys: Array  # [B] PRNG keys of the running proposal's tokens
-    decisions: MHDecisions  # [B, mh_steps]: this block's decisions so far
+    decisions: MHDecisions  # [B, num_blocks, mh_steps]: every MH decision
+    ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
+
+    @property
+    def blocks_done(self) -> Array:
+        """[B] int32: blocks the row has completed (num_blocks once finished)."""
+        return self.block
+
+    def chains(self) -> GenState:
+        """The chains x with every row's work counters (the proposal state's: the decode
+        steps of every proposal, accepted or not, and of the extensions)."""
+        return dataclasses.replace(self.current, **work_counters(self.proposal))
+
+
+def chain_finished(rows: ChainRows, mcmc: MCMCConfig) -> Array:
+    """[B] bool: the row's chain is finished (it ended, or ran its last block)."""
+    return rows.block >= mcmc.num_blocks
+
+
+def block_boundary(state: GenState, block: Array, mcmc: MCMCConfig) -> Array:
+    """[B] int32: the total length at which block `block` of each row ends."""
+    return jnp.minimum(state.prompt_len + (block + 1) * mcmc.block_len, state.max_len)
+
+
+def _begin_proposals(rows: ChainRows, starting: Array, cut: Array, limit: Array, keys: Array) -> ChainRows:
+    """The rows in `starting` start a proposal from slot `cut` that may reach `limit`,
+    drawing its tokens with `keys` (per position: `generation.decode_step`)."""
+    proposal = dataclasses.replace(rows.proposal, length=jnp.where(starting, cut, rows.proposal.length),
+                                   ended=rows.proposal.ended & ~starting)
+    pick = lambda new, old: jnp.where(starting, new, old)
+    return dataclasses.replace(rows, proposal=proposal, cut=pick(cut, rows.cut), limit=pick(limit, rows.limit),
+                               proposal_keys=pick(keys, rows.proposal_keys))
+
+
+def _mark_ran(rows: ChainRows, starting: Array, mcmc: MCMCConfig) -> ChainRows:
+    """`ran` set for the block `rows.block` of the rows in `starting`."""
+    at = (jnp.arange(rows.block.shape[0]), jnp.where(starting, rows.block, mcmc.num_blocks))  # (out of range: dropped)
+    return dataclasses.replace(rows, ran=rows.ran.at[at].set(True, mode="drop"))
+
+
+def begin_extension(rows: ChainRows, starting: Array, keys: Array, mcmc: MCMCConfig) -> ChainRows:
+    """The rows in `starting` begin their block `rows.block`: the proposal extends x from its
+    end to the block boundary with the block's EXTENSION_STREAM keys. keys: [B] chain keys."""
+    rows = _mark_ran(dataclasses.replace(rows, step=jnp.where(starting, EXTENDING, rows.step)), starting, mcmc)
+    return _begin_proposals(rows, starting, rows.current.length, block_boundary(rows.current, rows.block, mcmc),
+                            fold_in_rows(keys, rows.block, EXTENSION_STREAM))
+
+
+def _step_keys(keys: Array, rows: ChainRows) -> Array:
+    """[B] keys of each row's MH step `rows.step` in its block `rows.block`."""
+    return fold_in_rows(keys, rows.block, FIRST_MH_STREAM + rows.step)
+
+
+def begin_mh_step(rows: ChainRows, starting: Array, keys: Array, mcmc: MCMCConfig) -> ChainRows:
+    """The rows in `starting` begin MH step `rows.step` of block `rows.block`: draw the cut
+    (the kernel's cut rule, CUT_STREAM), then regenerate from it (REGENERATE_STREAM) up to
+    the kernel's extent. keys: [B] chain keys."""
+    step_keys = _step_keys(keys, rows)
+    current = rows.current
+    cut = current.prompt_len + mcmc.kernel.cut.draw(fold_in_rows(step_keys, CUT_STREAM),
+                                                    current.length - current.prompt_len)
+    # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
+    limit = mcmc.kernel.extent.limit(current, block_boundary(current, rows.block, mcmc))
+    return _begin_proposals(rows, starting, cut, limit, fold_in_rows(step_keys, REGENERATE_STREAM))
+
+
+def _decide(rows: ChainRows, proposal: GenState, decided: Array, keys: Array, mcmc: MCMCConfig,
+            model: CausalLM) -> tuple[Array, MHDecisions]:
+    """The MH decision of the rows in `decided` (their proposal has just ended): ([B] bool
+    accept, the decision records with theirs written at (block, step))."""
+    kernel = mcmc.kernel
+    log_u = kernel.accept.log_u(fold_in_rows(_step_keys(keys, rows), ACCEPT_STREAM))
+    ratio = lambda config: log_acceptance_ratio(rows.current, proposal, rows.cut, config, model.num_layers,
+                                                model.batch_invariant)
+    log_r = ratio(mcmc)
+    accepts = kernel.accept.accepts(log_u, log_r)
+    log_r_power, depth_delta = log_r, jnp.zeros_like(log_r)
+    if mcmc.probed:  # the power-MCMC decision from the same u
+        log_r_power = ratio(dataclasses.replace(mcmc, beta=0.0))
+        depth_delta = _depth_score(proposal, model.num_layers) - _depth_score(rows.current, model.num_layers)
+    current = rows.current
+    decisions = rows.decisions.record(
+        rows.block, rows.step, decided, accepted=decided & accepts,
+        depth_decided=accepts != kernel.accept.accepts(log_u, log_r_power),
+        log_ratio_power=log_r_power, depth_delta=depth_delta, log_u=log_u,
+        null_move=null_move(current, proposal, rows.cut), cut=rows.cut - current.prompt_len,
+        current_suffix=current.length - rows.cut, proposal_suffix=proposal.length - rows.cut)
+    return decided & accepts, decisions
+
+
+def chain_step(model: CausalLM, params: Any, rows: ChainRows, keys: Array, mcmc: MCMCConfig,
+               until: Optional[Array] = None) -> ChainRows:
+    """One decode step of every running row's proposal, then, for each row whose proposal
+    ended (EOS, a stop string or its limit), the row's next phase at once:
+
+    - an extension ended: it is the chain (always taken); MH step 0 begins;
+    - an MH step's regeneration ended: accept or reject (the kernel's accept rule on log r
+      from stored per-token values, `log_acceptance_ratio`), recorded in `decisions`; the
+      next MH step begins, or after the last one the block ends: the chain is finished if
+      it ended (EOS or a stop string) or ran its last block, otherwise the next block's
+      extension begins.
+
+    So no row waits for another: a row's draws depend only on its key, its block, its step
+    and the position (module docstring), never on where the other rows are, and the chain
+    is the one of running its blocks one after another alone. until: [B] int32 or a
+    scalar: rows past this block pause (`mcmc_block`, `mh_steps`: one block); None: none.
+    keys: [B] chain keys. Traceable (the MCMC methods' `advance`)."""
+    running = ~chain_finished(rows, mcmc)
+    if until is not None:
+        running &= rows.block <= until
+    with jax.named_scope("propose"):
+        proposal, still = decode_step(model, params, rows.proposal, running, rows.limit, rows.proposal_keys,
+                                      rows.cut, mcmc.proposal)
+    ended = running & ~still
+    extended = ended & (rows.step == EXTENDING)
+    with jax.named_scope("accept_reject"):
+        accept, decisions = _decide(rows, proposal, ended & ~extended, keys, mcmc, model)
+        # Both states take the ended row (the proposal's if extended or accepted); the
+        # proposal keeps the work counters (work on rejected proposals counts).
+        current, proposal = settle_rows(rows.current, proposal, ended, extended | accept)
+    step = jnp.where(ended, rows.step + 1, rows.step)
+    block_over = ended & (step == mcmc.mh_steps)
+    finished = block_over & (current.ended | (rows.block + 1 >= mcmc.num_blocks))
+    rows = dataclasses.replace(rows, current=current, proposal=proposal, decisions=decisions,
+                               block=jnp.where(block_over, jnp.where(finished, mcmc.num_blocks, rows.block + 1),
+                                               rows.block),
+                               step=step)
+    rows = begin_mh_step(rows, ended & ~block_over, keys, mcmc)
+    return begin_extension(rows, block_over & ~finished, keys, mcmc)
+
+
+def _rows_at(state: GenState, keys: Array, mcmc: MCMCConfig, block: Array | int, active: Array) -> ChainRows:
+    """The carry of chains at `state` whose `active` rows are at block `block` (a scalar or
+    one per row), nothing begun yet; the other rows are finished and never move."""
+    B = state.length.shape[0]
+    block = jnp.broadcast_to(jnp.asarray(block, jnp.int32), (B,))
+    return ChainRows(current=state, proposal=jax.tree.map(jnp.copy, state),
+                     block=jnp.where(active, block, mcmc.num_blocks), step=jnp.full((B,), EXTENDING, jnp.int32),
+                     cut=state.length, limit=state.length, proposal_keys=keys,
+                     decisions=MHDecisions.zeros((B, mcmc.num_blocks, mcmc.mh_steps)),
+                     ran=jnp.zeros((B, mcmc.num_blocks), bool))
+
+
+def start_chains(state: GenState, keys: Array, mcmc: MCMCConfig, block: Array | int = 0,
+                 active: Optional[Array] = None) -> ChainRows:
+    """The carry of chains at `state` (freshly prefilled rows, or chains after earlier
+    blocks) that begin block `block` (a scalar or one per row) with its extension; rows
+    not `active` (default: every row that has not ended) are finished and never move.
+    keys: [B] chain keys."""
+    active = ~state.ended if active is None else active
+    return begin_extension(_rows_at(state, keys, mcmc, block, active), active, keys, mcmc)
+
+
+def _run_rows(model: CausalLM, params: Any, rows: ChainRows, keys: Array, mcmc: MCMCConfig,
+              until: Optional[Array] = None) -> ChainRows:
+    """`chain_step` in one `lax.while_loop` until no row is running (none past `until`)."""
+    def running(rows):
+        on = ~chain_finished(rows, mcmc)
+        return jnp.any(on if until is None else on & (rows.block <= until))
+
+    return jax.lax.while_loop(running, lambda rows: chain_step(model, params, rows, keys, mcmc, until), rows)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
-             limit: Array, active: Array, mcmc: MCMCConfig) -> tuple[GenState, MHDecisions]:
-    """`mcmc.mh_steps` MH steps on every active row, in one jitted `lax.while_loop`.
-
-    limit: [B] the block boundary (total length) proposals regenerate up to;
-    active: [B] rows that move (others are left untouched). keys: [B] chain keys;
-    streams as in the module docstring. Returns (state, decisions: `MHDecisions`
-    [B, mh_steps], among them whether each step was accepted and whether the depth term
-    beta·ΔD decided it, i.e. accepting with and without it differ for the same u; never
-    when beta = 0; module docstring). `state` is not donated.
-
-    Rows advance independently: every loop iteration is one decode step of every row's
-    proposal; a row whose proposal ends (EOS or the boundary) is accepted or rejected
-    there and starts its next step at once, so no row idles until the batch's longest
-    regeneration of the same step is done. The proposal lives in a second state whose
-    rows equal the current chain's except past the cut of a running proposal; after a
-    decision both rows are made equal again (row copies of the cache). A row's draws
-    depend only on its key, the block and its step, so the chain is the one of running
-    the steps in lock-step (or the row alone).
-    """
-    proposal_sampler = mcmc.proposal
-    block_keys = fold_in_rows(keys, block)
-
-    def step_keys(step: Array) -> Array:
-        return fold_in_rows(block_keys, FIRST_MH_STREAM + step)
-
-    def begin(chain: MHState, starting: Array) -> MHState:
-        """Start step `chain.step` of the rows in `starting`: draw the cut, truncate the proposal."""
-        keys_now = step_keys(chain.step)
-        n_x = chain.current.length - chain.current.prompt_len
-        m = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, jnp.maximum(n, 1)))(
-            fold_in_rows(keys_now, CUT_STREAM), n_x)
-        # cut < current.length <= the proposal's limit: every proposal draws >= 1 token.
-        new_cut = chain.current.prompt_len + m
-        new_limit = chain.current.length if mcmc.reference_quirks else limit
-        proposal = dataclasses.replace(
-            chain.proposal, length=jnp.where(starting, new_cut, chain.proposal.length),
-            ended=chain.proposal.ended & ~starting)
-        return dataclasses.replace(
-            chain, proposal=proposal, cut=jnp.where(starting, new_cut, chain.cut),
-            proposal_limit=jnp.where(starting, new_limit, chain.proposal_limit),
-            proposal_keys=jnp.where(starting, fold_in_rows(keys_now, REGENERATE_STREAM),
-                                    chain.proposal_keys),
-            generating=chain.generating | starting)
-
-    def body(chain: MHState) -> MHState:
-        with jax.named_scope("propose"):
-            proposal, still = decode_step(model, params, chain.proposal, chain.generating,
-                                          chain.proposal_limit, chain.proposal_keys, chain.cut, proposal_sampler)
-        done = chain.generating & ~still
-        with jax.named_scope("accept_reject"):
-            accept_keys = fold_in_rows(step_keys(chain.step), ACCEPT_STREAM)
-            log_u = jnp.log(jax.vmap(jax.random.uniform)(accept_keys))
-            ratio = lambda config: log_acceptance_ratio(chain.current, proposal, chain.cut, config,
-                                                        model.num_layers, model.batch_invariant)
-            log_r = ratio(mcmc)
-            accepts = log_u < log_r
-            accept = done & accepts
-            log_r_power, depth_delta = log_r, jnp.zeros_like(log_r)
-            if mcmc.probed:  # the power-MCMC decision from the same u
-                log_r_power = ratio(dataclasses.replace(mcmc, beta=0.0))
-                depth_delta = (_depth_score(proposal, model.num_layers)
-                               - _depth_score(chain.current, model.num_layers))
-            decisions = chain.decisions.record(
-                chain.step, done, accepted=accept, depth_decided=accepts != (log_u < log_r_power),
-                log_ratio_power=log_r_power, depth_delta=depth_delta, log_u=log_u,
-                null_move=null_move(chain.current, proposal, chain.cut),
-                cut=chain.cut - chain.current.prompt_len, current_suffix=chain.current.length - chain.cut,
-                proposal_suffix=proposal.length - chain.cut)
-            # Both states take the decided row; the proposal keeps the work counters (work
-            # on rejected proposals counts in the compute accounting).
-            current, proposal = settle_rows(chain.current, proposal, done, accept)
-        step = chain.step + done
-        chain = MHState(current=current, proposal=proposal, generating=chain.generating & still,
-                        step=step, cut=chain.cut, proposal_limit=chain.proposal_limit,
-                        proposal_keys=chain.proposal_keys, decisions=decisions)
-        return begin(chain, done & (step < mcmc.mh_steps))
-
-    chain = MHState(current=state, proposal=state, generating=jnp.zeros_like(active),
-                    step=jnp.zeros(active.shape, jnp.int32), cut=state.length, proposal_limit=state.length,
-                    proposal_keys=keys, decisions=MHDecisions.zeros((active.shape[0], mcmc.mh_steps)))
-    chain = jax.lax.while_loop(lambda c: jnp.any(c.generating), body, begin(chain, active))
-    final = dataclasses.replace(chain.current, **work_counters(chain.proposal))
-    return final, chain.decisions
+def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array, mcmc: MCMCConfig) -> ChainRows:
+    """Every block of every chain in one jitted `lax.while_loop` of decode steps (each row
+    at its own pace: `chain_step`), from freshly prefilled rows. Jit- and vmap-able (under
+    vmap the loop runs until every instance is done; finished ones are left unchanged).
+    `state` is not donated; the chains with their counters are `.chains()`."""
+    return _run_rows(model, params, start_chains(state, keys, mcmc), keys, mcmc)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def mcmc_block(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array,
                mcmc: MCMCConfig) -> tuple[GenState, MHDecisions, Array]:
-    """Block `block` for every row: extend with the proposal to EOS or the boundary
-    (block + 1)·block_len, then `mcmc.mh_steps` MH steps.
-
-    state: GenState of B chains (not donated: the caller may keep using it; see
-    `mcmc_block_donating`); keys: [B] chain keys (a row's randomness depends only on its
-    key, the block and the step); block: int32, a scalar or one per row (rows of refilled
-    prompts are at different blocks; a row at num_blocks does not move). Returns (state,
-    decisions [B, mh_steps] (`mh_steps`), active [B] bool: rows that ran this block, i.e.
-    had not ended before it).
-    """
+    """Block `block` alone for every row (a scalar or one per row): extend with the proposal
+    to EOS or the boundary (block + 1)·block_len, then `mcmc.mh_steps` MH steps, each row at
+    its own pace (`chain_step`; rows past the block pause). A composable piece: chaining
+    it over blocks gives `run_chains`' chains. Rows that have ended, or are at num_blocks,
+    do not move. Returns (state with its work counters, decisions [B, mh_steps], active
+    [B] bool: the rows that ran the block). `state` is not donated (`mcmc_block_donating`)."""
+    block = jnp.broadcast_to(jnp.asarray(block, jnp.int32), state.length.shape)
     active = ~state.ended & (block < mcmc.num_blocks)
-    boundary = jnp.minimum(state.prompt_len + (block + 1) * mcmc.block_len, state.max_len)
-    limit = jnp.where(active, boundary, state.length)
-    with jax.named_scope("extend"):
-        state = generate(model, params, state, limit, fold_in_rows(keys, block, EXTENSION_STREAM),
-                         mcmc.proposal)
-    with jax.named_scope("mh_steps"):
-        state, decisions = mh_steps(model, params, state, keys, block, limit, active, mcmc)
-    return state, decisions, active
+    rows = _run_rows(model, params, start_chains(state, keys, mcmc, block, active), keys, mcmc, until=block)
+    return rows.chains(), rows.decisions.at_block(block, active), active
 
 
 # `mcmc_block` with `state` donated, for host loops that replace their state every block
@@ -516,53 +704,16 @@ mcmc_block_donating = jax.jit(mcmc_block.__wrapped__, static_argnames=("model",)
                               donate_argnames=("state",))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class ChainRun:
-    """The carry of `run_chains`' loop over blocks, and its result."""
-
-    state: GenState
-    block: Array  # [B] int32: blocks the row has run (its phase: the blocks' keys and boundaries)
-    decisions: MHDecisions  # [B, num_blocks, mh_steps]: every MH decision (`mh_steps`)
-    ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
-
-
 @functools.partial(jax.jit, static_argnames=("model",))
-def run_chains(model: CausalLM, params: Any, state: GenState, keys: Array,
-               mcmc: MCMCConfig) -> ChainRun:
-    """Every block of the chain in one jitted `lax.while_loop` over blocks (stopping when
-    every row has ended): the traceable counterpart of a host loop over `mcmc_block`,
-    with the same draws. Jit- and vmap-able (under vmap the loop runs until every
-    instance is done; finished ones are left unchanged). `state` is not donated."""
-    return jax.lax.while_loop(lambda run: chains_continue(run, mcmc),
-                              lambda run: chains_block(model, params, run, keys, mcmc), start_chains(state, mcmc))
-
-
-def start_chains(state: GenState, mcmc: MCMCConfig) -> ChainRun:
-    """`run_chains`' carry before its first block."""
-    B = state.length.shape[0]
-    return ChainRun(state=state, block=jnp.zeros((B,), jnp.int32),
-                    decisions=MHDecisions.zeros((B, mcmc.num_blocks, mcmc.mh_steps)),
-                    ran=jnp.zeros((B, mcmc.num_blocks), bool))
-
-
-def chain_running(run: ChainRun, mcmc: MCMCConfig) -> Array:
-    """[B] bool: the row has a block left and has not ended."""
-    return (run.block < mcmc.num_blocks) & ~run.state.ended
-
-
-def chains_continue(run: ChainRun, mcmc: MCMCConfig) -> Array:
-    """bool scalar: some row has a block left and has not ended."""
-    return jnp.any(chain_running(run, mcmc))
-
-
-def chains_block(model: CausalLM, params: Any, run: ChainRun, keys: Array, mcmc: MCMCConfig) -> ChainRun:
-    """The next block of every chain (`mcmc_block`, each row at its own block), recorded
-    in the carry (a row past its last block records nothing)."""
-    with jax.named_scope("block"):
-        state, decisions, active = mcmc_block(model, params, run.state, keys, run.block, mcmc)
-    rows = jnp.arange(run.block.shape[0])
-    return ChainRun(state=state, block=jnp.minimum(run.block + 1, mcmc.num_blocks),
-                    decisions=jax.tree.map(lambda every, block: every.at[rows, run.block].set(block, mode="drop"),
-                                           run.decisions, decisions),
-                    ran=run.ran.at[rows, run.block].set(active, mode="drop"))
+def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: Array, active: Array,
+             mcmc: MCMCConfig) -> tuple[GenState, MHDecisions]:
+    """`mcmc.mh_steps` MH steps of block `block` on every active row, from chains already
+    extended to the block (a warm start at given states: the exactness tests), each row at
+    its own pace in one jitted `lax.while_loop` (`chain_step`). Proposals regenerate up to
+    the block's boundary (`block_boundary`). Returns (state with its work counters,
+    decisions [B, mh_steps]); inactive rows are left untouched. `state` is not donated."""
+    block = jnp.broadcast_to(jnp.asarray(block, jnp.int32), state.length.shape)
+    rows = _rows_at(state, keys, mcmc, block, active)
+    rows = _mark_ran(dataclasses.replace(rows, step=jnp.zeros_like(rows.step)), active, mcmc)
+    rows = _run_rows(model, params, begin_mh_step(rows, active, keys, mcmc), keys, mcmc, until=block)
+    return rows.chains(), rows.decisions.at_block(block, active)

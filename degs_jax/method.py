@@ -36,13 +36,13 @@ What a method answers (the drivers never switch on a method's class or name):
 - its kernel, over the method's own named state (a registered dataclass pytree, the
   carry of the drivers' loop): `init(model, params, state, keys, settings)` from the
   prefilled rows (`pool_size` consecutive rows per prompt) and their row keys,
-  `advance(...)` one unit of work (a decode step of every row, an MCMC block, an SMC
-  ESS interval, an SPS block), `prompt_done(carry, settings)` ([prompts] bool; `done` is
-  all of it) and `answer(...)`: the final rows and what the method chose (`Answer`).
+  `advance(...)` one unit of work (a decode step of every row: the sampling methods and
+  MCMC, whose rows are each at their own block and MH step; an SMC ESS interval, an SPS
+  block), `prompt_done(carry, settings)` ([prompts] bool; `done` is all of it) and `answer(...)`: the final rows and what the method chose (`Answer`).
   `settings` is what `plan` returned (a pytree: its numbers are data of the program).
   Every leaf of the carry has a row axis (or, marked
   `rows.per_prompt`, a prompt axis), so the host driver can read one prompt's slot out
-  and overwrite it with a freshly `init`-ed prompt (`rows.take_slot` / `put_slot`).
+  and overwrite it with a freshly `init`-ed prompt (`rows.take_slot` / `put_slots`).
   `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`;
 - for the host driver (`decoders.decode`, which calls `advance` in jitted chunks):
   `progress(carry)` (traced: units done), `progress_total(settings)` and `progress_unit`
@@ -311,7 +311,7 @@ class Method:
 
     def prompt_done(self, carry: Any, settings: Any) -> Array:
         """[prompts] bool: nothing is left to do for the prompt (its `pool_size` rows).
-        Every counter of a row's phase (MCMC block, SMC step, SPS block) is per row, so the
+        Every counter of a row's phase (MCMC block and MH step, SMC step, SPS block) is per row, so the
         prompts of one carry may be at different phases (the host driver's refill)."""
         raise NotImplementedError
 
@@ -333,8 +333,8 @@ class Method:
         raise NotImplementedError
 
     def progress(self, carry: Any) -> Array:
-        """int32 scalar: units of work done by the furthest row (traced; the host reads it
-        once per call)."""
+        """int32 scalar: units of work done, never decreasing, `progress_total` at the end of
+        a run where nothing ends early (traced; the host reads it once per call)."""
         raise NotImplementedError
 
     def run_details(self, model: Any, carry: Any, keys: Array, settings: Any) -> "RunDetails":

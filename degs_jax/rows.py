@@ -18,8 +18,8 @@ operations need no list of field names:
   data and which are static is declared on the fields themselves.
 
 A method's carry (the drivers' loop state) is a dataclass of such fields, some of them
-states themselves: `take_slot` and `put_slot` read and overwrite the n rows (and one
-per-prompt entry) of one prompt slot of a whole carry, recursing into nested states
+states themselves: `take_slot` and `put_slots` read and overwrite the n rows (and one
+per-prompt entry) of prompt slots of a whole carry, recursing into nested states
 (the host driver's refill, `decoders.decode_stream`).
 
 Every operation is row-wise data movement (gathers, selects, scatters): no arithmetic, so
@@ -255,13 +255,16 @@ def take_slot(carry, slot: Array, n: int):
 
 
 @functools.partial(jax.jit, static_argnames=("n",), donate_argnames=("carry",))
-def put_slot(carry, slot: Array, sub, n: int):
-    """`carry` with prompt slot `slot` (int32 scalar, traced: one compiled program for
-    every slot) overwritten by `sub`, a carry of one prompt (n rows): every leaf, caches
-    and work counters included, so nothing of the slot's previous prompt is left. `carry`
-    is donated and updated in place (the other rows are not copied)."""
-    return _map_slot(lambda a, b, axis, per_prompt: jax.lax.dynamic_update_slice_in_dim(
-        a, b, slot if per_prompt else slot * n, axis), carry, sub)
+def put_slots(carry, slots: Array, sub, n: int):
+    """`carry` with prompt slot slots[j] overwritten by prompt j of `sub` (a carry of
+    len(slots) prompts, n rows each) for every j: every leaf, caches and work counters
+    included, so nothing of a slot's previous prompt is left. slots: [k] int32 (traced: one
+    compiled program for every choice of slots); an entry past the carry's last slot
+    writes nothing (the padding of a bucketed admission). `carry` is donated and updated
+    in place (the other rows are not copied)."""
+    rows = (slots[:, None] * n + jnp.arange(n)[None]).reshape(-1)
+    return _map_slot(lambda a, b, axis, per_prompt: a.at[(slice(None),) * axis + (slots if per_prompt else rows,)]
+                     .set(b, mode="drop"), carry, sub)
 
 
 def fold_in_rows(keys: Array, *tags: int | Array) -> Array:

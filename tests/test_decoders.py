@@ -28,7 +28,8 @@ from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC
                                       resolve_hyperparameters)
 from degs_jax.generation import GenState, Proposal, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig, sequence_depth
-from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, FIRST_MH_STREAM, REGENERATE_STREAM, MCMCConfig,
+from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, EXACT_KERNEL, FIRST_MH_STREAM, REFERENCE_KERNEL, REGENERATE_STREAM,
+                           MCMCConfig,
                            log_acceptance_ratio, mcmc_block, mh_steps)
 from degs_jax.models import TransformerLM
 from degs_jax.models import KVCache, init_params
@@ -401,7 +402,7 @@ def test_mh_proposals_cross_the_current_eos(eos_model):
     keys = jax.random.split(jax.random.key(2), B)
     state = generate(TransformerLM(cfg), params, state, limit, keys, mc.proposal)
     active = jnp.arange(B) < B - 2  # the last two rows sit out
-    after, decisions = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    after, decisions = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), active, mc)
     accepted = decisions.accepted_steps()
     eos = cfg.eos_token_ids[0]
     for b in range(B):
@@ -440,7 +441,7 @@ def test_decision_records_are_the_step_redone_by_hand(model):
     limit = state.prompt_len + mc.block_len
     keys = jax.random.split(jax.random.key(4), B)
     state = generate(lm, params, state, limit, keys, mc.proposal)
-    _, decisions = mh_steps(lm, params, state, keys, jnp.int32(0), limit, jnp.ones((B,), bool), mc)
+    _, decisions = mh_steps(lm, params, state, keys, jnp.int32(0), jnp.ones((B,), bool), mc)
     accepted, depth_decided = decisions.accepted_steps(), decisions.depth_decided_steps()
 
     step_keys = fold_in_rows(keys, 0, FIRST_MH_STREAM)  # block 0, step 0
@@ -521,7 +522,7 @@ def test_log_acceptance_ratio_by_hand(model, quirks):
     y = hand_state(lp_y, lq_y, d_y, lengths_y, [Pl] * 2, ended_y, S)
     alpha, beta = 3.0, 2.0
     mc = MCMCConfig(alpha=alpha, beta=beta, block_len=S, num_blocks=1, mh_steps=1, lens=LENS,
-                    reference_quirks=quirks)
+                    kernel=REFERENCE_KERNEL if quirks else EXACT_KERNEL)
     got = np.asarray(log_acceptance_ratio(x, y, jnp.asarray(cut, jnp.int32), mc, cfg.num_layers))
 
     def D(d, n, ended):

@@ -28,7 +28,7 @@ import pytest
 from degs_jax import mcmc as mcmc_mod
 from degs_jax.generation import MinP, Proposal, Typical, pad_prompts, prefill
 from degs_jax.lens import LensConfig, collapse_depth, span_sum
-from degs_jax.mcmc import MCMCConfig, mcmc_block, mh_steps
+from degs_jax.mcmc import EXACT_KERNEL, REFERENCE_KERNEL, MCMCConfig, mcmc_block, mh_steps
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params
 from degs_jax.rows import repeat_rows
@@ -191,7 +191,7 @@ def run_from_target(cfg, params, mc, seqs, pi, seed=0, ends=ends_at_eos):
     keys = jax.random.split(jax.random.key(seed + 1), N_CHAINS)
     limit = jnp.full((N_CHAINS,), len(PROMPT) + BLOCK, jnp.int32)
     active = jnp.ones((N_CHAINS,), bool)
-    state, decisions = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), limit, active, mc)
+    state, decisions = mh_steps(TransformerLM(cfg), params, state, keys, jnp.int32(0), active, mc)
     return _completions(state), np.asarray(decisions.accepted_steps())
 
 
@@ -230,7 +230,8 @@ CASES = {
 
 def _mc(tau, beta, steps, quirks=False, stop=None):
     return MCMCConfig(alpha=4.0, beta=beta, block_len=BLOCK, num_blocks=1, mh_steps=steps,
-                      lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,), reference_quirks=quirks, stop=stop)
+                      lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,),
+                      kernel=REFERENCE_KERNEL if quirks else EXACT_KERNEL, stop=stop)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

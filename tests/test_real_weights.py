@@ -255,7 +255,7 @@ def test_decision_records_equal_a_direct_recomputation(loads):
     limit = state.prompt_len + chain.block_len
     keys = jax.random.split(jax.random.key(11), B)
     state = generate(lm, params, state, limit, keys, chain.proposal)
-    _, decisions = mh_steps(lm, params, state, keys, jnp.int32(0), limit, jnp.ones((B,), bool), chain)
+    _, decisions = mh_steps(lm, params, state, keys, jnp.int32(0), jnp.ones((B,), bool), chain)
     record = jax.device_get(jax.tree.map(lambda field: field[:, 0], decisions))
 
     step_keys = fold_in_rows(keys, 0, FIRST_MH_STREAM)  # block 0, step 0: the hand's proposal

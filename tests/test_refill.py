@@ -22,6 +22,7 @@ import pytest
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_stream
 from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.mcmc import ChainRows, MCMCMethod
 from degs_jax.stops import TokenBytes
 from test_batch_invariance import DECODER_EOS, DECODER_SETTINGS, _bits, _model
 
@@ -51,18 +52,26 @@ def test_refill_equals_one_prompt_at_a_time(case, monkeypatch):
     model, params = _model("float32")
     config = hyperparameters_for(method, **settings)
     plan = config.plan(model, DECODER_EOS)
-    mid_run = []  # per refill: another watched slot was not done
-    put = decoders.put_slot
+    mid_run = []  # per admitted prompt: another watched slot was not done
+    phases = []  # MCMC, per admission: the blocks of the rows of the other slots that are not done
+    put = decoders.put_slots
 
-    def watching_put(carry, slot, sub, n):
+    def watching_put(carry, slots, sub, n):
         done = np.asarray(config.prompt_done(carry, plan))
-        mid_run.append(bool((~np.delete(done, int(slot))).any()))
-        return put(carry, slot, sub, n)
+        targets = [int(s) for s in np.asarray(slots) if s < len(done)]
+        others = np.setdiff1d(np.arange(len(done)), targets)
+        mid_run.extend([bool((~done[others]).any())] * len(targets))
+        if isinstance(carry, ChainRows):
+            running = np.repeat(~done, n) & np.isin(np.arange(len(done) * n) // n, others)
+            phases.append(np.asarray(carry.block)[running])
+        return put(carry, slots, sub, n)
 
-    monkeypatch.setattr(decoders, "put_slot", watching_put)
+    monkeypatch.setattr(decoders, "put_slots", watching_put)
     result = decode(model, params, PROMPTS, config, keys=KEYS, eos_ids=DECODER_EOS, slots=SLOTS)
     assert len(mid_run) == len(PROMPTS) - SLOTS
     assert any(mid_run), "no slot was refilled while the other was mid-run"
+    if isinstance(config, MCMCMethod):  # an admitted chain starts at block 0 beside chains past it
+        assert any((blocks >= 1).any() for blocks in phases), "no prompt was admitted beside a chain past block 0"
     totals = {}
     for index, output in enumerate(result.outputs):
         alone, counters = _alone(case, index)

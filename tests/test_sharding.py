@@ -144,8 +144,8 @@ def test_decode_step_and_mh_steps_move_no_weights_or_cache():
             if fn is generate:
                 spec = SamplerSpec(Proposal(1.0), eos_ids=(95,), lens=lens)
                 return generate.lower(TransformerLM(cfg), sharded, state, limit, keys, spec).compile().as_text()
-            return mh_steps.lower(TransformerLM(cfg), sharded, state, keys, jnp.int32(0), limit,
-                                  jnp.ones((B,), bool), mc).compile().as_text()
+            return mh_steps.lower(TransformerLM(cfg), sharded, state, keys, jnp.int32(0), jnp.ones((B,), bool),
+                                  mc).compile().as_text()
 
     B = 8
     sizes = _collective_sizes(compiled(generate, B))
