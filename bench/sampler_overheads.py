@@ -66,7 +66,7 @@ def bench_chunks(args, cfg, params):
     empty = []
     for i in range(args.empty_calls + 1):
         t = time.perf_counter()
-        carry, done, progress = decoders.advance_chunk(model, params, carry, keys, jnp.int32(0), method, spec)
+        carry, done, progress, _ = decoders.advance_chunk(model, params, carry, keys, jnp.int32(0), method, spec)
         jax.device_get((done, progress))
         if i:  # the first call compiles
             empty.append(time.perf_counter() - t)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -240,7 +240,8 @@ def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_adv
     then also stop as soon as `admit_at` (int32 scalar, traced) of them are done (the
     refill's admission: `decode_stream`). `carry` is donated (do not use it afterwards,
     nor pass arrays that belong to it as other arguments). Returns (carry, prompt_done:
-    [prompts] bool `method.prompt_done`, progress: `method.progress`)."""
+    [prompts] bool `method.prompt_done`, progress: `method.progress`, advances: int32, the
+    calls of `advance` run)."""
     def more(loop):
         carry, count = loop
         prompt_done = method.prompt_done(carry, settings)
@@ -253,8 +254,8 @@ def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_adv
         carry, count = loop
         return method.advance(model, params, carry, keys, settings), count + 1
 
-    carry, _ = jax.lax.while_loop(more, body, (carry, jnp.int32(0)))
-    return carry, method.prompt_done(carry, settings), method.progress(carry)
+    carry, count = jax.lax.while_loop(more, body, (carry, jnp.int32(0)))
+    return carry, method.prompt_done(carry, settings), method.progress(carry), count
 
 
 def next_chunk(advances: int, elapsed: float) -> int:
@@ -277,8 +278,8 @@ def advance_on_host(model: CausalLM, params: Any, carry: Any, keys: Array, metho
     advances = FIRST_CHUNK_ADVANCES
     while True:
         started = time.perf_counter()
-        carry, prompt_done, progress = advance_chunk(model, params, carry, keys, jnp.int32(advances), method,
-                                                     settings)
+        carry, prompt_done, progress, _ = advance_chunk(model, params, carry, keys, jnp.int32(advances), method,
+                                                        settings)
         prompt_done, progress = jax.device_get((prompt_done, progress))
         if on_progress is not None:
             on_progress(int(progress))
@@ -401,11 +402,14 @@ def _method_fields(candidate_fields: Optional[list[dict[str, Any]]], row: int) -
 
 
 def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, prompts: Sequence[Sequence[int]],
-                 keys: Array, width: int, max_len: int) -> tuple[Any, Array]:
+                 keys: Array, width: int, max_len: int,
+                 saved: Sequence[Optional[Mapping[str, np.ndarray]]] = ()) -> tuple[Any, Array]:
     """(carry, row keys) of prompts freshly prefilled together into buffers of `max_len`
-    slots and `init`-ed: the refill's first batch, and each admission. Prompts are
-    right-padded to `width` (the run's longest prompt, bucketed), so one prefill program
-    serves every admission of the same number of prompts whatever their lengths."""
+    slots and `init`-ed: the refill's first batch, and each admission; a prompt with a
+    snapshot (`saved[i]`, from `Method.checkpoint`) is then resumed from it
+    (`Method.resume`). Prompts are right-padded to `width` (the run's longest prompt,
+    bucketed), so one prefill program serves every admission of the same number of
+    prompts whatever their lengths."""
     tokens, lengths = pad_prompts(prompts)
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     cache_dtype = config.cache_dtype or params_dtype(params)
@@ -414,7 +418,10 @@ def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, pr
     if config.pool_size > 1:
         state = repeat_rows(state, config.pool_size)
     row_key = row_keys(keys, config.pool_size)
-    return config.init(model, params, state, row_key, settings), row_key
+    carry = config.init(model, params, state, row_key, settings)
+    if any(snapshot is not None for snapshot in saved):
+        carry = config.resume(model, params, carry, row_key, settings, saved)
+    return carry, row_key
 
 
 # Admission (`decode_stream`): a chunk of the method's work stops early once this fraction
@@ -433,11 +440,15 @@ def admission_size(free: int, slots: int) -> int:
 
 def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], method: str | Method, *,
                   keys: Array, eos_ids: Sequence[int], slots: int, progress: bool = False,
-                  token_bytes: Optional[TokenBytes] = None, **hyperparameters) -> Iterator[tuple[int, Output]]:
+                  token_bytes: Optional[TokenBytes] = None,
+                  resume: Optional[Mapping[int, Mapping[str, np.ndarray]]] = None,
+                  on_checkpoint: Optional[Callable[[int, dict[str, np.ndarray]], Any]] = None,
+                  **hyperparameters) -> Iterator[tuple[int, Output]]:
     """Continuous batching: decode `prompts` through `slots` prompt slots (each of the
     method's `pool_size` rows), yielding (prompt index, Output) as each prompt finishes,
     in the order they finish; the generator's return value is the seconds spent
-    (prefill: the first batch's; decode: the rest, admissions' prefills included; total).
+    (prefill: the first batch's; decode: the rest, admissions' prefills included; total)
+    and `advances`, the method's `advance` calls run (MCMC: decode steps).
 
     The first `slots` prompts are prefilled together; then the method's `advance` runs in
     chunks (`advance_chunk`, each aiming at CHUNK_SECONDS) that also stop once
@@ -453,6 +464,12 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     prompt's rows use `split(keys[i], n)` whatever its slot: with a batch-invariant model
     its Output is bitwise the one `decode` gives it alone). Each Output carries its own
     `counters`. progress: a bar of finished prompts. token_bytes: as `decode`'s (stop strings).
+
+    Checkpoints, for methods that have them (`Method.checkpoint_versions`; MCMC: a chain's
+    state after each block): after every chunk, on_checkpoint(prompt index, snapshot) is
+    called for each unfinished prompt whose rows' snapshot was renewed (`Method.checkpoint`:
+    named host arrays, to store); resume: {prompt index: snapshot}, prompts that go on from
+    a stored snapshot rather than from the start (`Method.resume`).
     """
     config = as_method(method, hyperparameters)
     positive_int("slots", slots)
@@ -463,25 +480,41 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     max_len = width + config.max_new_tokens
     slots = min(slots, len(prompts))
     admit_at = max(1, round(ADMIT_FRACTION * slots))
+    resume = dict(resume or {})
+
+    def fresh(indices: Sequence[int]) -> tuple[Any, Array]:
+        return _fresh_carry(model, params, config, settings, [prompts[i] for i in indices],
+                            keys[np.asarray(indices)], width, max_len, [resume.get(i) for i in indices])
 
     t0 = time.perf_counter()
-    carry, row_key = _fresh_carry(model, params, config, settings, prompts[:slots], keys[:slots], width,
-                                  max_len)
+    carry, row_key = fresh(list(range(slots)))
     jax.block_until_ready(row_key)
     t1 = time.perf_counter()
     holding: list[Optional[int]] = list(range(slots))  # the prompt each slot decodes (None: none left)
     waiting = slots  # the next prompt to admit
+    versions = config.checkpoint_versions(carry)
+    checkpointing = on_checkpoint is not None and versions is not None
+    saved_versions = np.asarray(jax.device_get(versions)) if checkpointing else None
     bar = tqdm(total=len(prompts), desc=config.method, unit="prompt", disable=not progress)
-    advances = FIRST_CHUNK_ADVANCES
+    advances, total_advances = FIRST_CHUNK_ADVANCES, 0
     while any(h is not None for h in holding):
         watch = np.array([h is not None for h in holding])
         started = time.perf_counter()
         # With no prompt waiting a done slot need not stop the chunk: it is read out after it.
-        carry, prompt_done, _ = advance_chunk(model, params, carry, row_key, jnp.int32(advances), config, settings,
-                                              jnp.asarray(watch),
-                                              jnp.int32(admit_at if waiting < len(prompts) else slots + 1))
-        prompt_done = np.asarray(jax.device_get(prompt_done))
+        carry, prompt_done, _, ran = advance_chunk(model, params, carry, row_key, jnp.int32(advances), config,
+                                                   settings, jnp.asarray(watch),
+                                                   jnp.int32(admit_at if waiting < len(prompts) else slots + 1))
+        prompt_done, ran, versions = jax.device_get(
+            (prompt_done, ran, config.checkpoint_versions(carry) if checkpointing else None))
+        prompt_done = np.asarray(prompt_done)
+        total_advances += int(ran)
         advances = next_chunk(advances, time.perf_counter() - started)
+        if checkpointing:
+            for slot in np.flatnonzero(watch & ~prompt_done):
+                rows = slice(slot * n, (slot + 1) * n)
+                if (versions[rows] != saved_versions[rows]).any():
+                    on_checkpoint(holding[slot], config.checkpoint(carry, rows))
+            saved_versions = np.asarray(versions)
         free = np.flatnonzero(prompt_done & watch)
         for slot in free:
             index, rows = holding[slot], slice(slot * n, (slot + 1) * n)
@@ -498,19 +531,20 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
         if admitted:
             size = admission_size(len(admitted), slots)
             padded = admitted + admitted[-1:] * (size - len(admitted))  # (the padding writes nothing)
-            fresh, fresh_keys = _fresh_carry(model, params, config, settings, [prompts[i] for i in padded],
-                                             keys[np.asarray(padded)], width, max_len)
+            new, new_keys = fresh(padded)
             targets = np.full(size, slots, np.int32)  # past the last slot: dropped
             targets[:len(admitted)] = free[:len(admitted)]
-            carry = put_slots(carry, jnp.asarray(targets), fresh, n)
+            carry = put_slots(carry, jnp.asarray(targets), new, n)
             target_rows = (targets[:, None] * n + np.arange(n)[None]).reshape(-1)
-            row_key = row_key.at[jnp.asarray(target_rows)].set(fresh_keys, mode="drop")
+            row_key = row_key.at[jnp.asarray(target_rows)].set(new_keys, mode="drop")
             for slot, index in zip(free, admitted):
                 holding[slot] = index
             waiting += len(admitted)
+            if checkpointing:  # (a resumed prompt's snapshot is stored already)
+                saved_versions = np.asarray(jax.device_get(config.checkpoint_versions(carry)))
     bar.close()
     t2 = time.perf_counter()
-    return dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0)
+    return dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0, advances=total_advances)
 
 
 def _collect(stream: Iterator[tuple[int, Output]], config: Method) -> DecodeResult:
@@ -520,7 +554,7 @@ def _collect(stream: Iterator[tuple[int, Output]], config: Method) -> DecodeResu
         try:
             index, output = next(stream)
         except StopIteration as finished:
-            seconds = finished.value
+            seconds = {name: finished.value[name] for name in ("prefill", "decode", "total")}
             break
         outputs[index] = output
     counters: dict[str, int] = {}

@@ -458,6 +458,32 @@ def loop_step(model: CausalLM, params: Any, loop: GenerationLoop, limit: Array, 
     return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
 
 
+def replay_cache(model: CausalLM, params: Any, state: GenState, start: Array,
+                 lens_layers: tuple[int, ...] = ()) -> GenState:
+    """`state` with every row's cache rewritten at slots start .. length - 1 by decode steps
+    that consume the stored tokens one at a time, as the steps that generated them did
+    (`decode_step`: the token at slot n is consumed at position n by the model's step of
+    one token per row, with the same `lens_layers`), and nothing else changed: no token is
+    drawn and no statistic or work counter is written. A row with start >= length is left
+    as it is. A chain resumed from its stored tokens (`mcmc`) rebuilds its cache this way
+    rather than by a prefill, whose multi-token kernels round differently: with a
+    batch-invariant model the cache is then bitwise the one the chain had. start: [B] int32."""
+    B, S = state.tokens.shape
+    rows = jnp.arange(B)
+
+    def body(loop):
+        n, cache = loop
+        active = n < state.length
+        consumed = state.tokens[rows, jnp.clip(n, 0, S - 1)][:, None]
+        # Inactive rows write their KV to slot S, which the model drops (model_api contract 3).
+        out = model.step(params, consumed, jnp.where(active, n, S)[:, None], cache, lens_layers)
+        return n + 1, out.cache
+
+    _, cache = jax.lax.while_loop(lambda loop: jnp.any(loop[0] < state.length), body,
+                                  (jnp.asarray(start, jnp.int32), state.cache))
+    return dataclasses.replace(state, cache=cache)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "cache_dtype", "stop_states"))
 def prefill(model: CausalLM, params: Any, prompts: Array, prompt_len: Array,
             max_len: int, cache_dtype=jnp.bfloat16, stop_states: bool = False) -> GenState:

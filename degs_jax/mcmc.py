@@ -59,18 +59,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step
+from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, replay_cache
 from .lens import LensConfig, sequence_depth, span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails, method_field,
                      positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
-from .rows import fold_in_rows, settle_rows, work_counters
+from .rows import fold_in_rows, select_rows, settle_rows, work_counters
 from .stops import StopAutomaton
 from .traced_fields import is_zero, register_traced_dataclass
 
@@ -321,6 +321,50 @@ class MCMCMethod(Method):
                       depth_decided=carry.decisions.depth_decided_steps(), ran=carry.ran,
                       decisions=carry.decisions)
 
+    # Checkpoints: a row's snapshot is renewed each time one of its blocks ends.
+
+    def checkpoint_versions(self, carry: "ChainRows") -> Array:
+        return carry.saved.block
+
+    def checkpoint(self, carry: "ChainRows", rows: slice) -> dict[str, np.ndarray]:
+        """Rows `rows`' snapshots (`ChainSnapshot`) with their decision records of the blocks
+        they had completed, as named host arrays; [rows, S] fields cut after the longest."""
+        arrays = _snapshot_arrays(carry, rows)
+        end = int(arrays["length"].max())
+        return {name: value[:, :end] if name in _TOKEN_AXIS_FIELDS else value for name, value in arrays.items()}
+
+    def resume(self, model, params, carry: "ChainRows", keys: Array, settings: MCMCConfig,
+               saved: Sequence[Optional[Mapping[str, np.ndarray]]]) -> "ChainRows":
+        """The chains of the prompts with a snapshot (`saved[i]` for prompt i of the carry,
+        from `checkpoint`) restored (`restore_chains`): each goes on with the block after the
+        last one it completed, its cache rebuilt from its tokens."""
+        n = self.pool_size
+        arrays = _snapshot_arrays(carry, slice(None))
+        S = arrays["tokens"].shape[1]
+        mask = np.zeros(len(arrays["length"]), bool)
+        for prompt, snapshot in enumerate(saved):
+            if snapshot is None:
+                continue
+            if set(snapshot) != set(arrays):
+                raise ValueError(f"a stored chain snapshot has the fields {sorted(snapshot)}, this run's chains "
+                                 f"{sorted(arrays)}: it was written by another version or configuration")
+            rows = slice(prompt * n, (prompt + 1) * n)
+            for name, value in snapshot.items():
+                target = arrays[name][rows]
+                width = value.shape[1] if name in _TOKEN_AXIS_FIELDS else None
+                if value.shape[:1] != target.shape[:1] or (width is None and value.shape != target.shape) \
+                        or (width is not None and width > S):
+                    raise ValueError(f"a stored chain snapshot's {name} has shape {value.shape}; this run's chains "
+                                     f"hold {target.shape}")
+                if width is None:
+                    target[...] = value
+                else:
+                    target[:, :width] = value
+            mask[rows] = True
+        if not mask.any():
+            return carry
+        return restore_chains(model, params, carry, keys, settings, arrays, jnp.asarray(mask))
+
     progress_unit: ClassVar[str] = "block"
 
     def progress_total(self, settings: MCMCConfig) -> int:
@@ -492,6 +536,43 @@ EXTENDING = -1
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class ChainSnapshot:
+    """Every row's chain as it was when its last block ended: what a killed run resumes
+    from (`MCMCMethod.checkpoint` / `resume`). The token-level fields of the chain x and
+    its work counters, no cache (a resumed chain rebuilds it: `generation.replay_cache`);
+    its decision records are those of `ChainRows.decisions` for the blocks before `block`,
+    which no later step changes. The keys need no state: every draw is keyed by the
+    chain's key, block, step and position (module docstring)."""
+
+    tokens: Array  # [B, S] int32
+    logp: Array  # [B, S] fp32
+    logq: Array  # [B, S] fp32
+    depth: Array  # [B, S] int32
+    final_entropy: Array  # [B, S] fp32
+    stop_state: Optional[Array]  # [B, S] int32, or None without stop strings
+    length: Array  # [B] int32
+    ended: Array  # [B] bool
+    n_generated: Array  # [B] int32 (the work counters, as `GenState`'s)
+    n_forward: Array
+    n_probed: Array
+    block: Array  # [B] int32: blocks the chain had completed (num_blocks: finished); 0: none yet
+
+    # The fields taken from the chain's GenState (the rest: `block`).
+    STATE_FIELDS: ClassVar[tuple[str, ...]] = ("tokens", "logp", "logq", "depth", "final_entropy", "stop_state",
+                                               "length", "ended", "n_generated", "n_forward", "n_probed")
+
+    @classmethod
+    def of(cls, chains: GenState, block: Array) -> "ChainSnapshot":
+        return cls(**{name: getattr(chains, name) for name in cls.STATE_FIELDS}, block=block)
+
+    def renewed(self, chains: GenState, block: Array, where: Array) -> "ChainSnapshot":
+        """This snapshot with the rows in `where` taken from `chains` at `block` blocks done."""
+        return jax.tree.map(lambda new, old: jnp.where(_rows_first(where, old.ndim), new, old),
+                            ChainSnapshot.of(chains, block), self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class ChainRows:
     """The MCMC kernel's carry: every row's chain x, its running proposal x', and where the
     row is in its own schedule. Rows are independent: each is at its own block and MH step,
@@ -512,6 +593,7 @@ class ChainRows:
     proposal_keys: Array  # [B] PRNG keys of the running proposal's tokens
     decisions: MHDecisions  # [B, num_blocks, mh_steps]: every MH decision
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
+    saved: ChainSnapshot  # every row as its last completed block left it (a killed run resumes there)
 
     @property
     def blocks_done(self) -> Array:
@@ -633,10 +715,10 @@ def chain_step(model: CausalLM, params: Any, rows: ChainRows, keys: Array, mcmc:
     step = jnp.where(ended, rows.step + 1, rows.step)
     block_over = ended & (step == mcmc.mh_steps)
     finished = block_over & (current.ended | (rows.block + 1 >= mcmc.num_blocks))
-    rows = dataclasses.replace(rows, current=current, proposal=proposal, decisions=decisions,
-                               block=jnp.where(block_over, jnp.where(finished, mcmc.num_blocks, rows.block + 1),
-                                               rows.block),
-                               step=step)
+    block = jnp.where(block_over, jnp.where(finished, mcmc.num_blocks, rows.block + 1), rows.block)
+    saved = rows.saved.renewed(dataclasses.replace(current, **work_counters(proposal)), block, block_over)
+    rows = dataclasses.replace(rows, current=current, proposal=proposal, decisions=decisions, block=block,
+                               step=step, saved=saved)
     rows = begin_mh_step(rows, ended & ~block_over, keys, mcmc)
     return begin_extension(rows, block_over & ~finished, keys, mcmc)
 
@@ -650,7 +732,9 @@ def _rows_at(state: GenState, keys: Array, mcmc: MCMCConfig, block: Array | int,
                      block=jnp.where(active, block, mcmc.num_blocks), step=jnp.full((B,), EXTENDING, jnp.int32),
                      cut=state.length, limit=state.length, proposal_keys=keys,
                      decisions=MHDecisions.zeros((B, mcmc.num_blocks, mcmc.mh_steps)),
-                     ran=jnp.zeros((B, mcmc.num_blocks), bool))
+                     ran=jnp.zeros((B, mcmc.num_blocks), bool),
+                     # (copies: the carry is donated whole, and no buffer may be in it twice)
+                     saved=jax.tree.map(jnp.copy, ChainSnapshot.of(state, jnp.where(active, block, mcmc.num_blocks))))
 
 
 def start_chains(state: GenState, keys: Array, mcmc: MCMCConfig, block: Array | int = 0,
@@ -717,3 +801,50 @@ def mh_steps(model: CausalLM, params: Any, state: GenState, keys: Array, block: 
     rows = _mark_ran(dataclasses.replace(rows, step=jnp.zeros_like(rows.step)), active, mcmc)
     rows = _run_rows(model, params, begin_mh_step(rows, active, keys, mcmc), keys, mcmc, until=block)
     return rows.chains(), rows.decisions.at_block(block, active)
+
+
+def _snapshot_arrays(rows: ChainRows, select: slice) -> dict[str, np.ndarray]:
+    """The snapshots of rows `select` as named host arrays (writable copies): the
+    `ChainSnapshot` fields, `ran` and `decisions.<field>` of the blocks completed."""
+    saved, decisions, ran = jax.device_get(jax.tree.map(lambda a: a[select], (rows.saved, rows.decisions, rows.ran)))
+    done = np.arange(ran.shape[1])[None] < saved.block[:, None]  # [rows, num_blocks]
+    arrays = {name: np.array(value) for name, value in vars(saved).items() if value is not None}
+    arrays["ran"] = ran & done
+    for name, value in vars(decisions).items():
+        arrays[f"decisions.{name}"] = np.where(done[..., None], value, np.zeros_like(value))
+    return arrays
+
+
+# `ChainSnapshot` fields whose last axis is the buffer's slots (a stored snapshot keeps the
+# slots up to its longest chain; a resumed run's buffers may be longer).
+_TOKEN_AXIS_FIELDS = frozenset({"tokens", "logp", "logq", "depth", "final_entropy", "stop_state"})
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("rows",))
+def restore_chains(model: CausalLM, params: Any, rows: ChainRows, keys: Array, mcmc: MCMCConfig,
+                   saved: Mapping[str, Array], mask: Array) -> ChainRows:
+    """`rows` (freshly started chains) with the rows in `mask` restored from `saved` (the
+    named arrays of `MCMCMethod.checkpoint`, [B, ...] with the buffer's S slots): the
+    chain's tokens, per-token statistics, stop states, length and work counters, its
+    decision records and blocks done; its cache rebuilt from its tokens by decode steps
+    (`generation.replay_cache`, not counted as work: the records are those of a run that
+    was never stopped); then, unless finished, the next block's extension begins as it did
+    when the snapshot was taken. `rows` is donated."""
+    current = rows.current
+    fields = {name: jnp.where(_rows_first(mask, saved[name].ndim), saved[name], getattr(current, name))
+              for name in ChainSnapshot.STATE_FIELDS if getattr(current, name) is not None}
+    current = dataclasses.replace(current, **fields)
+    block = jnp.where(mask, saved["block"], rows.block)
+    finished = block >= mcmc.num_blocks
+    lens_layers = mcmc.proposal.lens.lsub if mcmc.probed else ()
+    # From the last prompt token: the first decode step of the chain consumed it (and wrote
+    # its slot again), as every later step consumed the token it had drawn.
+    current = replay_cache(model, params, current, jnp.where(mask & ~finished, current.prompt_len - 1,
+                                                             current.length), lens_layers)
+    decisions = MHDecisions(**{name: jnp.where(_rows_first(mask, old.ndim), saved[f"decisions.{name}"], old)
+                               for name, old in vars(rows.decisions).items()})
+    rows = dataclasses.replace(rows, current=current, proposal=select_rows(mask, current, rows.proposal),
+                               block=block, decisions=decisions,
+                               ran=jnp.where(_rows_first(mask, 2), saved["ran"], rows.ran),
+                               saved=rows.saved.renewed(current, block, mask))
+    return begin_extension(rows, mask & ~finished, keys, mcmc)

@@ -324,6 +324,28 @@ class Method:
         `decode`, where it may donate the carry to its own jitted work (SPS's token form)."""
         raise NotImplementedError
 
+    # Checkpoints (`decoders.decode_stream`'s `on_checkpoint` / `resume`; `degs eval` stores
+    # them in its run directory): a method whose rows reach points it can resume from says
+    # so here; by default a killed run's unfinished prompts start again.
+
+    def checkpoint_versions(self, carry: Any) -> Optional[Array]:
+        """[rows] int32 (traced): how far each row's resumable snapshot is (it grows each
+        time the snapshot is renewed; 0: nothing to resume from yet), or None: the method's
+        prompts cannot resume mid-way."""
+        return None
+
+    def checkpoint(self, carry: Any, rows: slice) -> dict[str, np.ndarray]:
+        """On the host: the snapshot of rows `rows` (one prompt's) as named arrays, what
+        `resume` takes back (a run directory stores it)."""
+        raise NotImplementedError(f"{type(self).__name__} has checkpoint_versions but no checkpoint")
+
+    def resume(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any,
+               saved: Sequence[Optional[Mapping[str, np.ndarray]]]) -> Any:
+        """On the host: a freshly `init`-ed carry of some prompts with prompt i restored from
+        `saved[i]` (a `checkpoint`, or None: it starts afresh), so its run goes on from
+        there: with a batch-invariant model, as if it had never stopped."""
+        raise NotImplementedError(f"{type(self).__name__} has checkpoint_versions but no resume")
+
     # What the host driver shows and reports (`decoders.decode`).
 
     progress_unit: ClassVar[str] = "step"  # what `progress` counts (the progress bar's unit)

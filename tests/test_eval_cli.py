@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -229,14 +230,16 @@ def test_refuses_a_different_configuration(degs, tmp_path):
 
 
 def _eval_cmd(out):
-    # Three deepmind500 problems through 2 refilled slots (the default schedule): a record
-    # is written as each problem finishes and its slot takes problem 2, so a kill right
-    # after the first result line lands with problems in flight, one of them in a refilled
-    # slot (compilations are cached on disk for the later processes). Batch-invariant: a
-    # problem's record does not depend on which problems shared its batch.
+    # Three deepmind500 problems through 2 refilled slots (the default schedule), DEGS-MCMC
+    # chains of 4 blocks of 8 tokens: a record is written as each problem finishes and its
+    # slot takes problem 2, and a chain's snapshot after each block is in checkpoints/, so a
+    # kill right after the first result line with a snapshot present lands with problems in
+    # flight, one of them past its first block (compilations are cached on disk for the
+    # later processes). Batch-invariant: a problem's record does not depend on which
+    # problems shared its batch, nor on whether its chain was stopped and resumed.
     return [sys.executable, "-m", "degs_jax.cli", "eval", "--benchmark", "deepmind500", "--limit", "3",
-            "--method", "temperature", "--temperature", "1.0", "--seed", "7", "--out", str(out),
-            "--batch-size", "2", "--batch-invariant", "--model", "smollm2-135m", *TINY]
+            "--method", "degs_mcmc", "--block-len", "8", "--num-blocks", "4", "--mh-steps", "2", "--seed", "7",
+            "--out", str(out), "--batch-size", "2", "--batch-invariant", "--model", "smollm2-135m", "--no-progress"]
 
 
 def _count_lines(path):
@@ -253,15 +256,16 @@ def process_env(tmp_path, **more):
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **more)
 
 
-def kill_after_first_record(cmd, env, out, log_path, **popen):
+def kill_after_first_record(cmd, env, out, log_path, also=lambda: True, **popen):
     """Run `cmd` (a `degs eval` into `out`) and SIGKILL it as soon as its first record is
-    in out/results.jsonl; assert that it was killed that way (else show its log)."""
+    in out/results.jsonl (and `also()` holds); assert that it was killed that way (else
+    show its log)."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, **popen)
         deadline = time.monotonic() + 400
         try:
             while proc.poll() is None and time.monotonic() < deadline:
-                if _count_lines(out / "results.jsonl") >= 1:
+                if _count_lines(out / "results.jsonl") >= 1 and also():
                     os.kill(proc.pid, signal.SIGKILL)
                     break
                 time.sleep(0.05)
@@ -273,15 +277,23 @@ def kill_after_first_record(cmd, env, out, log_path, **popen):
 
 
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    """Killed with a record written and a chain mid-way (a snapshot in checkpoints/): the
+    rerun skips the finished problem, goes on with the stopped chain from its last
+    completed block (run.json says which and from where), and every record equals an
+    uninterrupted run's, decision records included; no snapshot is left."""
     # Compiled as a user's processes are (tests/xla_flags.py): these three decode real
     # weights batch-invariantly, which the unoptimized code runs slowly enough to cost more
     # than the faster compilation saves (the test took 84 s instead of 103 s, measured).
     env = process_env(tmp_path, XLA_FLAGS=users_flags(os.environ.get("XLA_FLAGS", "")))
     killed, reference = tmp_path / "killed", tmp_path / "reference"
-    kill_after_first_record(_eval_cmd(killed), env, killed, tmp_path / "killed.log")
+    snapshots = killed / "checkpoints"
+    kill_after_first_record(_eval_cmd(killed), env, killed, tmp_path / "killed.log",
+                            also=lambda: any(snapshots.glob("*.npz")))
     results = killed / "results.jsonl"
     assert 1 <= _count_lines(results) < 3  # killed mid-run, with a result written
     written = {r["id"] for r in _records(killed)}
+    stopped = {urllib.parse.unquote(path.stem) for path in snapshots.glob("*.npz")} - written
+    assert stopped, "no chain was stopped mid-way"
 
     for out in (killed, reference):  # resume the killed run; then an uninterrupted one
         done = subprocess.run(_eval_cmd(out), env=env, capture_output=True, text=True, timeout=400)
@@ -296,10 +308,12 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert written <= set(ids)
     assert ids == [r["id"] for r in uninterrupted]
     for field in ("completion", "correct", "extracted", "n_tokens", "log_p", "D", "generated_tokens",
-                  "forward_tokens"):
-        assert [r[field] for r in resumed] == [r[field] for r in uninterrupted], field
+                  "forward_tokens", "probed_token_layers", "acceptance", "mh_decisions"):
+        assert [r.get(field) for r in resumed] == [r.get(field) for r in uninterrupted], field
     invocations = json.loads((killed / "run.json").read_text())["invocations"]
     assert len(invocations) == 2 and all(i["refill"] for i in invocations)
+    assert set(invocations[1]["resumed"]) == stopped and min(invocations[1]["resumed"].values()) >= 1
+    assert not any(snapshots.glob("*")), "a finished run left snapshots behind"
     assert json.loads((killed / "summary.json").read_text())["accuracy"] == \
         json.loads((reference / "summary.json").read_text())["accuracy"]
 

@@ -102,7 +102,8 @@ def test_stream_yields_prompts_as_they_finish():
         seen.append(index)
         assert output.counters["generated_tokens"] == len(output.chosen.tokens)
     assert sorted(seen) == list(range(len(PROMPTS)))
-    assert set(seconds) == {"prefill", "decode", "total"} and seconds["total"] >= seconds["decode"] > 0
+    assert set(seconds) == {"prefill", "decode", "total", "advances"} and seconds["total"] >= seconds["decode"] > 0
+    assert seconds["advances"] >= 4  # a greedy advance is one decode step: at least the 4 tokens
 
 
 def test_refill_needs_one_key_per_prompt():
@@ -150,3 +151,73 @@ def test_refill_with_stop_strings_equals_one_prompt_at_a_time(method):
             assert _bits(got[name]) == _bits(want[name]), f"prompt {index}: {name} differs from the prompt alone"
         ended += sum(c.ended for c in output.candidates)
     assert ended > 0, "no completion ended at the stop: the check is vacuous"
+
+
+# Checkpoints (issue 57): an MCMC chain's state after each block is what a killed run resumes
+# from. Four blocks of 8, so that chains are stopped after a block with blocks still to run.
+CHAIN = dict(DECODER_SETTINGS["degs_mcmc"], num_blocks=4)
+
+
+class Killed(Exception):
+    pass
+
+
+def _stream(prompts, keys, **kwargs):
+    """Every (index, Output) of a `decode_stream` of degs_mcmc, and its returned stats."""
+    model, params = _model("float32")
+    stream = decode_stream(model, params, prompts, "degs_mcmc", keys=keys, eos_ids=DECODER_EOS, slots=SLOTS,
+                           **CHAIN, **kwargs)
+    outputs = {}
+    while True:
+        try:
+            index, output = next(stream)
+        except StopIteration as finished:
+            return outputs, finished.value
+        outputs[index] = output
+
+
+def test_a_killed_chain_resumes_from_its_last_block_as_if_never_stopped():
+    """A run stopped as soon as some chain has completed 2 of its 4 blocks (the kill: an
+    exception from `on_checkpoint`, so nothing after it runs), then resumed with the last
+    snapshot of every unfinished prompt, gives every prompt the Output of a run never
+    stopped, bitwise: tokens, scores, decision records, acceptance and work counters (the
+    replay that rebuilds a resumed chain's cache is not counted as work). The resumed run
+    takes fewer decode steps than the same prompts started afresh."""
+    uninterrupted, _ = _stream(PROMPTS, KEYS)
+    snapshots = {}
+
+    def store(index, snapshot):
+        snapshots[index] = snapshot
+        if snapshot["block"].min() >= 2 and (snapshot["block"] < CHAIN["num_blocks"]).any():
+            raise Killed
+
+    finished = {}
+    stream = decode_stream(*_model("float32"), PROMPTS, "degs_mcmc", keys=KEYS, eos_ids=DECODER_EOS, slots=SLOTS,
+                           on_checkpoint=store, **CHAIN)
+    with pytest.raises(Killed):
+        for index, output in stream:
+            finished[index] = output
+    left = [i for i in range(len(PROMPTS)) if i not in finished]
+    stopped = {i: snapshots[i] for i in left if i in snapshots}
+    assert any(s["block"].min() >= 2 for s in stopped.values()), "no chain was stopped past block 1"
+    prompts, keys = [PROMPTS[i] for i in left], KEYS[np.asarray(left)]
+    resumed, resumed_stats = _stream(prompts, keys, resume={left.index(i): s for i, s in stopped.items()})
+    _, restarted_stats = _stream(prompts, keys)
+    assert resumed_stats["advances"] < restarted_stats["advances"], (resumed_stats, restarted_stats)
+    for position, index in enumerate(left):
+        got, want = dataclasses.asdict(resumed[position]), dataclasses.asdict(uninterrupted[index])
+        for name in want:
+            assert _bits(got[name]) == _bits(want[name]), f"prompt {index}: {name} differs from the run never stopped"
+    for index, output in finished.items():
+        assert _bits(dataclasses.asdict(output)) == _bits(dataclasses.asdict(uninterrupted[index]))
+
+
+def test_a_snapshot_of_another_configuration_is_refused():
+    """A stored snapshot whose decision records have another shape (a run of other MH steps)
+    is one ValueError naming the field, not a wrong chain."""
+    snapshots = {}
+    _stream(PROMPTS[:SLOTS], KEYS[:SLOTS], on_checkpoint=lambda index, snapshot: snapshots.setdefault(index, snapshot))
+    index, snapshot = next(iter(snapshots.items()))
+    wrong = dict(snapshot, **{"decisions.accepted": snapshot["decisions.accepted"][..., :1]})
+    with pytest.raises(ValueError, match="decisions.accepted"):
+        _stream(PROMPTS[:SLOTS], KEYS[:SLOTS], resume={index: wrong})

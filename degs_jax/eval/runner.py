@@ -24,7 +24,11 @@ different batch compositions.
 Resuming: rerunning the same command skips the problems already in ``results.jsonl``;
 a directory whose ``run.json`` has a different configuration is refused, and so is one
 whose stored files a resume cannot use (:func:`check_run_directory`: the store's rules
-in :mod:`degs_jax.eval.results`).
+in :mod:`degs_jax.eval.results`). With refill, a problem that was in flight goes on from
+its last snapshot (an MCMC chain from its last completed block, not its first token):
+``checkpoints/`` holds one per in-flight problem (:mod:`degs_jax.eval.checkpoints`), and
+the invocation records which problems it resumed and from which block (``resumed``);
+with ``--batch-invariant`` the resumed records equal those of a run never stopped.
 
 HumanEval: the completions are model-written programs, graded in the sandbox
 (:mod:`degs_jax.eval.sandbox`); where it cannot create namespaces the run is refused
@@ -89,6 +93,7 @@ from degs_jax.batching import choose_batch_size, describe_batch_choice, peak_mem
 from degs_jax.decoders import decode, decode_stream
 from degs_jax.eval import sandbox
 from degs_jax.eval.benchmarks import Problem, canonical_name, load_benchmark
+from degs_jax.eval.checkpoints import CheckpointStore
 from degs_jax.eval.graders import RULES_VERSION, Grader, pass_at_k
 from degs_jax.eval.processes import (ProcessGroup, barrier, failures_published, process_group,
                                      raise_if_peer_failed, share, shared)
@@ -405,19 +410,27 @@ def _record_peak_memory(out: Path, run: dict) -> None:
 
 def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, method: Method,
                   eos, grader: Grader, chat: bool,
-                  keep_candidates: bool, tuned_lens=None, slots: Optional[int] = None):
+                  keep_candidates: bool, tuned_lens=None, slots: Optional[int] = None,
+                  checkpoints: Optional[CheckpointStore] = None):
     """Decode ``(index, problem)`` pairs with the problems' own keys and yield each
     problem's graded record: in order, as one batch (slots None), or through ``slots``
     refilled slots as each problem finishes (``decode_stream``; its ``decode_s`` is the
-    wall-clock since the previous one finished)."""
+    wall-clock since the previous one finished). checkpoints (with slots): the problems'
+    snapshots are stored there as they are renewed, and a problem with one goes on from
+    it (``degs_jax.eval.checkpoints``)."""
     prompts = [problem_prompt_ids(p, model.tokenizer, chat) for _, p in batch]
     keys = jax.numpy.stack([problem_key(seed, i) for i, _ in batch])
     t0 = time.perf_counter()
     lm, params = with_tuned_lens(model.lm, model.params, tuned_lens)
     vocabulary = token_bytes(model.tokenizer) if method.stop else None
     if slots is not None:
+        resume, on_checkpoint = {}, None
+        if checkpoints is not None:
+            resume = {position: snapshot for position, (_, problem) in enumerate(batch)
+                      if (snapshot := checkpoints.load(problem.id)) is not None}
+            on_checkpoint = lambda position, snapshot: checkpoints.save(batch[position][1].id, snapshot)
         for position, output in decode_stream(lm, params, prompts, method, keys=keys, eos_ids=eos, slots=slots,
-                                              token_bytes=vocabulary):
+                                              token_bytes=vocabulary, resume=resume, on_checkpoint=on_checkpoint):
             index, problem = batch[position]
             decode_s = time.perf_counter() - t0
             yield _record(model, problem, index, output, None, 1, decode_s, model.lm.num_layers, grader, chat,
@@ -440,13 +453,21 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batc
         run = _prepare_run_dir(out, config, invocation)
         merge_shards(store, _shards(out))  # an interrupted multi-process run's records
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
+        checkpoints = CheckpointStore(out)
+        checkpoints.discard(p.id for _, p in selected if store.is_done(p.id))
+        if refill:  # the chains a killed run left mid-way, and the blocks they go on from
+            run["invocations"][-1]["resumed"] = {p.id: int(snapshot["block"].min()) for _, p in todo
+                                                 if (snapshot := checkpoints.load(p.id)) is not None}
+            write_json(out / RUN_FILE, run)
         bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
                    desc=bar_label, disable=not progress, file=sys.stderr)
         # refill: one stream of every problem left through batch_size slots
         batches = ([todo] if todo else []) if refill else [todo[start:start + batch_size] for start in range(0, len(todo), batch_size)]
         for batch in batches:
-            for finished, record in enumerate(decode_batch(batch, slots=batch_size if refill else None), start=1):
+            for finished, record in enumerate(decode_batch(batch, slots=batch_size if refill else None,
+                                                           checkpoints=checkpoints if refill else None), start=1):
                 store.append(record)
+                checkpoints.remove(record["id"])
                 bar.update(1)
                 if finished % batch_size == 0 or finished == len(batch):
                     bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}")
