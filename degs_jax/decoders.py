@@ -27,9 +27,11 @@ Two drivers, same tokens for the same per-prompt keys:
   and when a slot's prompt is done (`Method.prompt_done`) its answer is read from the
   slot's rows alone and the next waiting prompts, prefilled together and `init`-ed, are
   written over the free slots (`rows.take_slot` / `put_slots`, the carry donated: no other
-  row's cache is copied, nothing is recompiled; the other rows go on where they were). Each prompt keeps its own keys and every
-  counter of its phase is per row, so with a batch-invariant model a prompt's answer is
-  bitwise the one it gets alone, whatever the schedule (tests/test_refill.py);
+  row's cache is copied, nothing is recompiled; the other rows go on where they were).
+  Each prompt keeps its own keys and every counter of its phase is per row, so with a
+  batch-invariant model a prompt's answer is bitwise the one it gets alone, whatever the
+  schedule (tests/test_refill.py); a method with checkpoints (MCMC: a chain after each
+  block) also hands out its prompts' snapshots and resumes prompts from them;
 - `decode_tokens`: prefill, the kernel (`run_kernel`: `advance` in one `lax.while_loop`
   until `done`, then `answer`) and the choice of the answer in one jitted program, for
   `jit` / `vmap` in user code (e.g. inside an RL rollout step).
@@ -232,7 +234,7 @@ MAX_CHUNK_ADVANCES = 1024
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("carry",))
 def advance_chunk(model: CausalLM, params: Any, carry: Any, keys: Array, max_advances: Array,
                   method: Method, settings: Any, watch: Optional[Array] = None,
-                  admit_at: Optional[Array] = None) -> tuple[Any, Array, Array]:
+                  admit_at: Optional[Array] = None) -> tuple[Any, Array, Array, Array]:
     """At most `max_advances` (int32 scalar, traced: any chunk size runs the same compiled
     program) calls of `method.advance`, stopping early at `method.done`, in one
     `lax.while_loop`: chained calls run `decode_tokens`' loop, advance for advance.

@@ -231,14 +231,14 @@ def test_refuses_a_different_configuration(degs, tmp_path):
 
 def _eval_cmd(out):
     # Three deepmind500 problems through 2 refilled slots (the default schedule), DEGS-MCMC
-    # chains of 4 blocks of 8 tokens: a record is written as each problem finishes and its
+    # chains of 3 blocks of 6 tokens: a record is written as each problem finishes and its
     # slot takes problem 2, and a chain's snapshot after each block is in checkpoints/, so a
     # kill right after the first result line with a snapshot present lands with problems in
     # flight, one of them past its first block (compilations are cached on disk for the
     # later processes). Batch-invariant: a problem's record does not depend on which
     # problems shared its batch, nor on whether its chain was stopped and resumed.
     return [sys.executable, "-m", "degs_jax.cli", "eval", "--benchmark", "deepmind500", "--limit", "3",
-            "--method", "degs_mcmc", "--block-len", "8", "--num-blocks", "4", "--mh-steps", "2", "--seed", "7",
+            "--method", "degs_mcmc", "--block-len", "6", "--num-blocks", "3", "--mh-steps", "1", "--seed", "7",
             "--out", str(out), "--batch-size", "2", "--batch-invariant", "--model", "smollm2-135m", "--no-progress"]
 
 
