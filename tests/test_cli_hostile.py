@@ -335,3 +335,54 @@ def test_unsandboxed_grading_opt_in_labels_every_result(degs, tmp_path, monkeypa
 ])
 def test_ctrl_c_says_how_to_resume(argv, message):
     assert cli.interrupted_message(cli.build_parser().parse_args(argv)) == message
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_hostile_humaneval_programs_cost_one_failed_verdict_each(degs, tmp_path, monkeypatch,
+                                                                 mode):
+    """Issue 58, through `degs eval`: the programs that stopped evaluations for good (a
+    forged isolation report with terminal escapes, calls on the grading process's limits,
+    priority and affinity, a scratch tree too deep to remove recursively; the in-process
+    guards removed) are failed verdicts with a printable reason, the run finishes with
+    exit status 0, valid files and no escape printed, and a resume grades the next problem."""
+    from test_sandbox_hostile import (DEEP_SCRATCH, FORGED_UNISOLATED, REACH_OTHERS,
+                                      REACH_OTHERS_RESULT, kernel_layers_only)
+    from degs_jax.eval.benchmarks import load_benchmark
+
+    flags = []
+    if mode == "process":
+        monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
+        flags = [sandbox.UNSAFE_FLAG]
+    kernel_layers_only(monkeypatch)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    problems = load_benchmark("humaneval")
+    completions = ["    pass\nexec(" + repr(source) + ")\n"
+                   for source in (FORGED_UNISOLATED, REACH_OTHERS, DEEP_SCRATCH)]
+    completions.append(problems[3].answer)  # the resume's problem: its reference solution
+    given = iter(completions)
+    monkeypatch.setattr("degs_jax.eval.runner._completion_text", lambda *a: next(given))
+    out = tmp_path / "run"
+    command = ["eval", "--benchmark", "humaneval", "--method", "greedy", "--max-new-tokens", "1",
+               "--batch-size", "3", "--no-progress", "--out", out, *flags]
+    rc, stdout, err, _ = degs(*command, "--limit", "3")
+    assert rc == 0, err
+    assert "\x1b" not in stdout + err and "\x07" not in stdout + err
+    records = {r["completion"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    details = [records[c]["grade_detail"] for c in completions[:3]]
+    assert details[0].startswith("failed: the sandbox's kernel layers were not applied: "
+                                 "\\x1b]0;owned\\x07\\x1b[2J"), details
+    assert details[1] == REACH_OTHERS_RESULT and details[2] == "failed: AssertionError: ", details
+    assert not any(r["correct"] for r in records.values())
+    rc, stdout, err, _ = degs(*command, "--limit", "4")
+    assert rc == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"]["n"] == 4 and summary["accuracy"]["correct"] == 1, summary
+    assert os.listdir(tmp_path / "tmp") == []  # every scratch directory removed
+
+
+def test_error_lines_print_no_control_character():
+    """A message carrying text from a file or a program (terminal escapes, a bell, a lone
+    surrogate) is printed with those characters escaped."""
+    assert cli.one_line(ValueError("bad \x1b]0;owned\x07\x1b[2J\ud800 ΔD\nnext")) == \
+        "bad \\x1b]0;owned\\x07\\x1b[2J\\ud800 ΔD next"
