@@ -46,7 +46,7 @@ START = 0  # the automaton's state before the first completion token
 
 def validate_stop(stop: Any) -> Optional[tuple[str, ...]]:
     """`stop` as a tuple of stop strings (None stays None): ValueError unless every one is
-    a non-empty string."""
+    a non-empty string of valid UTF-8 text (no lone surrogate)."""
     if stop is None:
         return None
     if isinstance(stop, str):
@@ -56,6 +56,11 @@ def validate_stop(stop: Any) -> Optional[tuple[str, ...]]:
     for text in stop:
         if not isinstance(text, str) or not text:
             raise ValueError(f"every stop string must be a non-empty string, got {text!r}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: bytes of a command line that are not UTF-8
+            raise ValueError(f"the stop string {text!r} is not valid UTF-8 text (a lone surrogate "
+                             f"at character {e.start})") from None
     return stop
 
 

@@ -7,6 +7,7 @@ that records its calls and returns a tiny random model with a byte tokenizer).""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 
@@ -86,6 +87,11 @@ def _files(tmp):
     _run_dir(tmp / "no_method", config={"model": {"name": "tiny-bytes", "dtype": "float32"},
                                         "benchmark": "gsm8k"}, records=[good])
     _run_dir(tmp / "good_run", records=[good])
+    _run_dir(tmp / "foreign_problem", records=[good, {**good, "id": "gsm8k/9999", "index": 9999}])
+    _run_dir(tmp / "wrong_index", records=[{**good, "index": 5}])
+    (tmp / "nan_record").mkdir()
+    (tmp / "nan_record" / "results.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps({**good, "id": "gsm8k/1", "index": 1, "log_p": math.nan}) + "\n")
     (tmp / "garbage.safetensors").write_bytes(os.urandom(256))
     save_file({"x": np.zeros(3, np.float32)}, str(tmp / "foreign.safetensors"))
     (tmp / "no_answer.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
@@ -129,6 +135,24 @@ CLI_TABLE = [
     (["reproduce", "--out", "{tmp}/study_corrupt", "--plan", "--benchmarks", "gsm8k", "--methods",
       "greedy", "--pool-benchmarks", "none", "--limit", "3"],
      "greedy/results.jsonl: line 2 is not valid JSON", False),
+    # a record that is not strict JSON, or of no problem of the run (issue 58)
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/nan_record"],
+     "nan_record/results.jsonl: line 2 is not valid JSON (NaN is not JSON)", False),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--out", "{tmp}/foreign_problem"],
+     "foreign_problem/results.jsonl: line 2: \"gsm8k/9999\" (index 9999) is no problem of this "
+     "run's benchmark", True),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--out", "{tmp}/wrong_index"],
+     "wrong_index/results.jsonl: line 1: \"gsm8k/0\" (index 5) is no problem of this run's "
+     "benchmark", True),
+    # values refused before --out is touched (issue 58: they were refused after run.json)
+    (["eval", "--benchmark", "gsm8k", "--method", "temperature", "--temperature", "-1", "--out",
+      "{tmp}/new_run"], "temperature must be >= 0 and at most 3.402823e+38 (float32), got -1.0",
+     False),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--stop", "ab\udcff", "--out",
+      "{tmp}/new_run"], "the stop string 'ab\\udcff' is not valid UTF-8 text (a lone surrogate at "
+     "character 2)", False),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--lsub", "1,99", "--out",
+      "{tmp}/new_run"], "L_sub", True),
     # a file that is no tuned lens
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--lens", "tuned", "--tuned-lens",
       "{tmp}/garbage.safetensors"], "garbage.safetensors is not a safetensors file", False),
@@ -205,6 +229,24 @@ NON_FINITE = [
     ["train-grpo", "--out", "g", "--steps", "1", "--learning-rate=nan"],
     ["train-lens", "--momentum=Infinity"],
 ]
+
+
+# Past float32 (the compiled programs' hyperparameter dtype, where they would be inf).
+PAST_FLOAT32 = [["eval", "--benchmark", "gsm8k", "--out", "r", "--alpha=4e38"],
+                ["sample", "x", "--beta=-1e308"], ["sample", "x", "--temperature=3.5e38"]]
+
+
+@pytest.mark.parametrize("argv", PAST_FLOAT32, ids=[" ".join(a) for a in PAST_FLOAT32])
+def test_numbers_past_float32_are_refused(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flag, value = argv[-1].split("=")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert err.endswith(f"degs {argv[0]}: error: argument {flag}: must be at most 3.402823e+38 in "
+                        f"magnitude (float32), got {value!r}\n"), err
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("argv", NON_FINITE, ids=[" ".join(a) for a in NON_FINITE])
