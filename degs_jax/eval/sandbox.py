@@ -1153,42 +1153,132 @@ def _allowed_packages() -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _runtime_roots() -> list[str]:
-    """Directories of the Python runtime outside ``/usr`` (its prefix, where the
-    interpreter and its shared library are)."""
-    roots: list[str] = []
-    for path in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter()),
-                 sysconfig.get_config_var("LIBDIR") or ""):
-        path = os.path.realpath(path) if path else ""
-        if path and not _under(path, "/usr") and not any(_under(path, r) for r in roots):
-            roots = [r for r in roots if not _under(r, path)] + [path]
-    return roots
-
-
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# Top-level links of a merged /usr (``/lib -> usr/lib``): made again inside the sandbox,
+# where the dynamic loader looks for libraries through them.
+_TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
-# Where installed Python packages live below a prefix (Debian's dist-packages included).
-_PACKAGE_DIR_PATTERNS = ("lib*/python*/site-packages", "lib*/python*/dist-packages",
-                         "local/lib*/python*/site-packages", "local/lib*/python*/dist-packages")
+
+# Run by the base interpreter, as the sandbox runs it: imports every extension module of
+# the standard library and the allowed packages' modules, then prints every file mapped
+# into the process (the interpreter, its loader, every shared library and data file that
+# importing loads).
+_RUNTIME_PROBE = r'''
+import importlib, json, os, sys, sysconfig
+sys.path.extend(json.loads(sys.argv[1]))
+dynload = os.path.join(sysconfig.get_paths()["platstdlib"], "lib-dynload")
+names = [n.split(".")[0] for n in (os.listdir(dynload) if os.path.isdir(dynload) else ())]
+for name in names + ["numpy", "numpy.linalg", "numpy.fft", "numpy.random", "numpy.polynomial"]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        pass
+with open("/proc/self/maps") as maps:
+    mapped = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+print(json.dumps(sorted(p for p in mapped if p.startswith("/"))))
+'''
+
+
+def _standard_library() -> list[str]:
+    """The base interpreter's standard library directories (real paths)."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
+            "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(vars=base)
+    found: list[str] = []
+    for key in ("stdlib", "platstdlib"):
+        path = os.path.realpath(paths[key])
+        if os.path.isdir(path) and not any(_under(path, p) for p in found):
+            found = [p for p in found if not _under(p, path)] + [path]
+    return found
 
 
 @functools.lru_cache(maxsize=None)
 def _mounted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(what programs see of the system and the runtime, read-only; the directories of
-    installed Python packages below it, which they do not see: any package can carry a
-    benchmark's answers). The environment's own ``site-packages`` is not below a root
-    unless it is the runtime's; either way only :func:`_allowed_packages` are shown."""
-    roots = [p for p in _SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
-    roots += _runtime_roots()
+    """(the directories programs see whole, read-only: the standard library; the
+    directories of installed Python packages below them, which they do not see: any
+    package can carry a benchmark's answers). Only :func:`_allowed_packages` are shown,
+    elsewhere (:data:`_PACKAGES_IN_SANDBOX`)."""
+    roots = _standard_library()
     found = {os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
     base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
             "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
     found |= {os.path.realpath(sysconfig.get_paths(vars=base)[k]) for k in ("purelib", "platlib")}
     for root in roots:
-        found |= {os.path.realpath(p) for pattern in _PACKAGE_DIR_PATTERNS
-                  for p in glob.glob(os.path.join(root, pattern))}
+        found |= {os.path.realpath(p) for name in ("site-packages", "dist-packages")
+                  for p in glob.glob(os.path.join(glob.escape(root), "**", name), recursive=True)}
     hidden = sorted(p for p in found if os.path.isdir(p) and any(_under(p, r) for r in roots))
     return tuple(roots), tuple(hidden)
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_files() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(files, links): what the interpreter needs outside the standard library, an
+    allow-list. The files are those a probe maps into the base interpreter (its binary,
+    the dynamic loader, every shared library of the standard library's extension modules
+    and of the allowed packages, locale data; ``_RUNTIME_PROBE``), real paths; the links
+    (path, target) are those through which they are opened: the top-level links of a
+    merged ``/usr``, the symbolic links beside each file that name it (``libz.so.1 ->
+    libz.so.1.2.13``), and those on the path of the interpreter's loader. Nothing else of
+    ``/usr`` or anywhere is visible: a copy of a benchmark's answers there stays hidden."""
+    roots = _standard_library()
+    done = subprocess.run([_interpreter(), "-I", "-S", "-B", "-c", _RUNTIME_PROBE,
+                           json.dumps([os.path.dirname(p) for p in _allowed_packages()])],
+                          capture_output=True, timeout=120, env=_sandbox_env("/"), cwd="/")
+    mapped = json.loads(done.stdout) if done.returncode == 0 else []
+    shown = (*roots, *_allowed_packages())
+    files = sorted({os.path.realpath(p) for p in [_interpreter(), *mapped]
+                    if os.path.isfile(p) and not any(_under(os.path.realpath(p), r) for r in shown)})
+    links: dict[str, str] = {}
+    for path in _TOP_LINKS:
+        if os.path.islink(path):
+            links[path] = os.readlink(path)
+    wanted = set(files)
+    for directory in sorted({os.path.dirname(f) for f in files}):
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink() and os.path.realpath(entry.path) in wanted:
+                    links[entry.path] = os.readlink(entry.path)
+    loader = _elf_interpreter(_interpreter())
+    if loader:
+        links.update(_links_along(loader))
+    return tuple(files), tuple(sorted(links.items()))
+
+
+def _elf_interpreter(path: str) -> str | None:
+    """The dynamic loader a 64-bit little-endian ELF executable names (``PT_INTERP``)."""
+    import struct
+
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if header[:6] != b"\x7fELF\x02\x01":
+            return None
+        phoff, = struct.unpack_from("<Q", header, 32)
+        phentsize, phnum = struct.unpack_from("<HH", header, 54)
+        for k in range(phnum):
+            f.seek(phoff + k * phentsize)
+            kind, _, offset, _, _, size = struct.unpack("<IIQQQQ", f.read(40))
+            if kind == 3:  # PT_INTERP
+                f.seek(offset)
+                return f.read(size).rstrip(b"\0").decode()
+    return None
+
+
+def _links_along(path: str) -> dict[str, str]:
+    """Every symbolic link met resolving ``path`` (link -> its target)."""
+    links: dict[str, str] = {}
+    current, parts = "/", [p for p in path.split("/") if p]
+    for _ in range(100):  # (a loop of links ends here)
+        if not parts:
+            break
+        part = parts.pop(0)
+        step = os.path.dirname(current) if part == ".." else os.path.join(current, part)
+        if part != ".." and os.path.islink(step):
+            target = os.readlink(step)
+            links[step] = target
+            parts = [p for p in target.split("/") if p] + parts
+            current = "/" if target.startswith("/") else current
+        elif part != ".":
+            current = step
+    return links
 
 
 def _covering(root: str, hidden: Sequence[str]) -> list[str]:
@@ -1207,12 +1297,14 @@ def _covering(root: str, hidden: Sequence[str]) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _readable_paths() -> tuple[str, ...]:
-    """What a fallback program may read (Landlock): what bubblewrap would show it (no
-    ``/etc``, no home, no ``/proc``, no installed package but the allowed ones, four
-    harmless devices)."""
+    """What a fallback program may read (Landlock): what bubblewrap would show it, the
+    same allow-list (the standard library without its package directories, the
+    runtime's files, the allowed packages, four harmless devices; Landlock does not
+    restrict following links)."""
     roots, hidden = _mounted_roots()
     return tuple(p for p in (*[q for r in roots for q in _covering(r, hidden)],
-                             *_allowed_packages(), *_DEVICES) if os.path.exists(p))
+                             *_runtime_files()[0], *_allowed_packages(), *_DEVICES)
+                 if os.path.exists(p))
 
 
 def _package_view(scratch: str) -> str:
@@ -1237,13 +1329,13 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
     for name, value in _sandbox_env(_SCRATCH_IN_SANDBOX).items():
         args += ["--setenv", name, value]
     roots, hidden = _mounted_roots()
-    for path in _SYSTEM_DIRS[1:]:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-    for root in roots:
-        args += ["--ro-bind", root, root]
+    files, links = _runtime_files()
+    for path in (*roots, *files):
+        args += ["--ro-bind", path, path]
     for path in hidden:
         args += ["--tmpfs", path, "--remount-ro", path]
+    for path, target in links:
+        args += ["--symlink", target, path]
     for path in _allowed_packages():
         args += ["--ro-bind", path, f"{_PACKAGES_IN_SANDBOX}/{os.path.basename(path)}"]
     args += ["--proc", "/proc", "--dev", "/dev",
