@@ -6,10 +6,12 @@ that records its calls and returns a tiny random model with a byte tokenizer).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -428,3 +430,26 @@ def test_error_lines_print_no_control_character():
     surrogate) is printed with those characters escaped."""
     assert cli.one_line(ValueError("bad \x1b]0;owned\x07\x1b[2J\ud800 ΔD\nnext")) == \
         "bad \\x1b]0;owned\\x07\\x1b[2J\\ud800 ΔD next"
+
+
+def test_a_methods_own_check_refuses_before_the_run_directory_is_touched(degs, tmp_path,
+                                                                         monkeypatch):
+    """Issue 58: a method's own checks of its kernel settings (an installed package's
+    too) run before `degs eval` writes anything: one error line, no run directory."""
+    import degs_jax.method
+    from degs_jax.sampling import Greedy
+
+    monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(degs_jax.method._REGISTERED))
+
+    @dataclasses.dataclass(frozen=True)
+    class PickyGreedy(Greedy):
+        method: ClassVar[str] = "picky_greedy"
+
+        def kernel_config(self, num_layers, eos_ids, stop=None):
+            raise ValueError(f"picky_greedy refuses a model of {num_layers} layers")
+
+    out = tmp_path / "run"
+    rc, stdout, err, loads = degs("eval", "--benchmark", "gsm8k", "--method", "picky_greedy",
+                                  "--limit", "1", "--out", out)
+    assert rc == 2 and err.endswith("degs: error: picky_greedy refuses a model of 2 layers\n"), err
+    assert loads and not out.exists() and os.listdir(tmp_path) == []
