@@ -343,7 +343,7 @@ def advance_stop(state: GenState, n: Array, tok: Array, write: Array,
     rows = jnp.arange(tok.shape[0])
     before = jnp.where(n > state.prompt_len,
                        state.stop_state[rows, jnp.clip(n - 1, 0, state.max_len - 1)], START)
-    after = jnp.asarray(stop.table)[before, tok].astype(jnp.int32)
+    after = stop.next_state(before, tok)
     return _set(state.stop_state, n, after, write), write & (after == STOPPED)
 
 

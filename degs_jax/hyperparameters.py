@@ -67,23 +67,38 @@ ENTRY_POINT_GROUP = "degs_jax.methods"  # where an installed package names its m
 _installed: Optional[dict[str, str]] = None
 
 
+# Classes registered while a package that did not load was imported (or by a package
+# whose entry point names no method class of its name): not offered (`method_classes`).
+_refused: set[type[Method]] = set()
+
+
 def _load_installed_methods() -> dict[str, str]:
     """Import every class the `degs_jax.methods` entry points name (importing it registers
-    it); module -> distribution of those that loaded. One that does not load, or is not a
-    method class of the entry point's name, is a warning naming its package."""
+    it); module -> distribution of those that loaded. One that does not load (any
+    exception, `SystemExit` included), or is not a method class of the entry point's name,
+    is one warning naming its package, and every class its import registered is left out
+    of `method_classes` (reported, not registered: no half-loaded package runs)."""
     loaded = {}
     for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         package = entry.dist.name if entry.dist is not None else "?"
+        before = set(registered_methods().values())
         try:
             cls = entry.load()
-        except Exception as e:  # a broken package must not take the library's methods with it
+        except (Exception, SystemExit) as e:  # a broken package must not take the tool with it
+            _refused.update(set(registered_methods().values()) - before)
             warnings.warn(f"the method {entry.name!r} of the package {package!r} ({entry.value}) "
                           f"did not load: {type(e).__name__}: {e}", stacklevel=2)
             continue
         if not (isinstance(cls, type) and issubclass(cls, Method) and cls.method == entry.name):
+            _refused.update(set(registered_methods().values()) - before)
+            named = ""
+            if isinstance(cls, type) and issubclass(cls, Method):
+                _refused.add(cls)  # (also where an earlier import registered it)
+                named = f" (its class is the method {cls.method!r})"
             warnings.warn(f"the entry point {entry.name!r} of the package {package!r} ({entry.value}) "
-                          f"is not the class of the method {entry.name!r}; ignored", stacklevel=2)
+                          f"is not the class of the method {entry.name!r}{named}; ignored", stacklevel=2)
             continue
+        _refused.discard(cls)  # (a class another entry point's import registered)
         loaded[cls.__module__] = package
     return loaded
 
@@ -103,7 +118,7 @@ def method_classes() -> dict[str, type[Method]]:
     if _installed is None:
         _installed = {}  # (set first: a package that asks for the methods while it loads)
         _installed = _load_installed_methods()
-    return _in_order(registered_methods())
+    return _in_order({name: cls for name, cls in registered_methods().items() if cls not in _refused})
 
 
 def method_origin(cls: type[Method]) -> dict[str, Optional[str]]:

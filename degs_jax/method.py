@@ -63,7 +63,7 @@ import numpy as np
 from .generation import NO_MIN_P, NO_TOP_K, NO_TOP_P, NO_TYPICAL_P, Truncation, truncations
 from .lens import DEFAULT_TAU, LensConfig, validate_lsub, validate_tau
 from .stops import StopAutomaton, TokenBytes, stop_automaton, validate_stop
-from .traced_fields import concrete_values_satisfy, is_zero, register_traced_dataclass
+from .traced_fields import FLOAT32_MAX, concrete_values_satisfy, is_zero, register_traced_dataclass
 
 Array = jax.Array
 
@@ -107,18 +107,29 @@ def positive_int(name: str, value: Any) -> None:
 
 
 def validate_alpha(alpha: Any) -> None:
-    """ValueError unless alpha >= 1 (NaN fails): the power of the target p(x)^alpha (the
-    MCMC and SMC proposals sample at temperature 1/alpha <= 1). Every value of an array
-    (a sweep) is checked; a traced value is not (`traced_fields.concrete_values_satisfy`)."""
-    if not concrete_values_satisfy(alpha, lambda a: a >= 1.0):
-        raise ValueError(f"alpha must be >= 1 (the target is p(x)^alpha), got {alpha}")
+    """ValueError unless 1 <= alpha <= FLOAT32_MAX (NaN and inf fail): the power of the
+    target p(x)^alpha (the MCMC and SMC proposals sample at temperature 1/alpha <= 1); a
+    larger value is inf as the program's float32. Every value of an array (a sweep) is
+    checked; a traced value is not (`traced_fields.concrete_values_satisfy`)."""
+    if not concrete_values_satisfy(alpha, lambda a: (a >= 1.0) & (a <= FLOAT32_MAX)):
+        raise ValueError(f"alpha must be >= 1 (the target is p(x)^alpha) and at most "
+                         f"{FLOAT32_MAX:.7g} (float32), got {alpha}")
 
 
 def validate_beta(beta: Any) -> None:
-    """ValueError unless beta >= 0 (NaN fails): the weight of D(x); 0 is no probing.
-    Checked as alpha is (`validate_alpha`)."""
-    if not concrete_values_satisfy(beta, lambda b: b >= 0.0):
-        raise ValueError(f"beta must be >= 0, got {beta}")
+    """ValueError unless 0 <= beta <= FLOAT32_MAX (NaN and inf fail): the weight of D(x);
+    0 is no probing. Checked as alpha is (`validate_alpha`)."""
+    if not concrete_values_satisfy(beta, lambda b: (b >= 0.0) & (b <= FLOAT32_MAX)):
+        raise ValueError(f"beta must be >= 0 and at most {FLOAT32_MAX:.7g} (float32), got {beta}")
+
+
+def validate_temperature(temperature: Any) -> None:
+    """ValueError unless 0 <= temperature <= FLOAT32_MAX (NaN and inf fail; 0 is greedy):
+    a sampling method's temperature, checked when the method is built (as alpha is,
+    `validate_alpha`), before a run writes anything."""
+    if not concrete_values_satisfy(temperature, lambda t: (t >= 0.0) & (t <= FLOAT32_MAX)):
+        raise ValueError(f"temperature must be >= 0 and at most {FLOAT32_MAX:.7g} (float32), "
+                         f"got {temperature}")
 
 
 def require_lens(beta: Any, lens: Optional[LensConfig]) -> None:

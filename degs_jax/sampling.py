@@ -25,9 +25,9 @@ import jax.numpy as jnp
 
 from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
 from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
-                     SMALLEST_RUN_TOKENS, Method, method_field, positive_int)
+                     SMALLEST_RUN_TOKENS, Method, method_field, positive_int, validate_temperature)
 from .stops import StopAutomaton
-from .traced_fields import concrete_values_satisfy
+from .traced_fields import FLOAT32_MAX, concrete_values_satisfy
 
 Array = jax.Array
 
@@ -104,6 +104,10 @@ class Temperature(SamplingMethod):
 
     smallest_run: ClassVar[Mapping[str, Any]] = dict(max_new_tokens=SMALLEST_RUN_TOKENS, temperature=1.0)
 
+    def __post_init__(self):
+        super().__post_init__()
+        validate_temperature(self.temperature)
+
     def temperature_of(self) -> float:
         return self.temperature
 
@@ -122,6 +126,7 @@ class BestOfN(SamplingMethod):
     def __post_init__(self):
         super().__post_init__()
         positive_int("n", self.n)
+        validate_temperature(self.temperature)
 
     @property
     def pool_size(self) -> int:
@@ -161,8 +166,10 @@ class DegsRerank(BestOfN):
 
     def __post_init__(self):
         super().__post_init__()
-        if not all(concrete_values_satisfy(weight, lambda w: w >= 0) for weight in (self.alpha, self.beta)):
-            raise ValueError("degs_rerank needs alpha >= 0 and beta >= 0")
+        if not all(concrete_values_satisfy(weight, lambda w: (w >= 0) & (w <= FLOAT32_MAX))
+                   for weight in (self.alpha, self.beta)):
+            raise ValueError(f"degs_rerank needs alpha and beta >= 0 and at most {FLOAT32_MAX:.7g} "
+                             f"(float32), got alpha={self.alpha}, beta={self.beta}")
         if not self.probe:
             raise ValueError("degs_rerank needs probe=True (it ranks by D(x))")
 

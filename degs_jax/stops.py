@@ -19,12 +19,19 @@ the bytes exactly where it occurs in the decoded text. (A SentencePiece tokenize
 strips the space of a text's first token decodes that space away; the automaton still
 sees it.)
 
-How: an Aho-Corasick automaton over the stop strings' bytes, run on the host over every
-token's bytes from every automaton state, gives a [states, vocabulary] transition table
-(`StopAutomaton.table`: the state after the token, or STOPPED where a stop string is
-completed inside it). On the device a row's state is one gather per sampled token. The
-table is static data (a frozen value hashed by its content, closed over by the compiled
-program as a constant like `eos_ids`), never part of a carry; a row's automaton state
+How: an Aho-Corasick automaton over the stop strings' bytes, run on the host over the
+tokens' bytes, gives the [states, vocabulary] transition table (the state after the
+token, or STOPPED where a stop string is completed inside it), held sparse: the row of
+START for every token, and per state only the tokens whose result differs from it
+(`StopAutomaton`: a token differs only where the automaton's state after its first byte
+still reaches back before the token, so a state has a handful; memory grows with those
+exceptions, not with states x vocabulary: measured at Qwen's 151,936 tokens, 0.73 MiB for
+one stop character, 0.87 MiB for 10,000, 59 MiB for 3,326 three-character stops;
+`MAX_STOP_EXCEPTIONS` bounds it with a one-line error; docs/benchmarks.md, "Stop
+strings"). On the device a row's state is a binary search in its state's exceptions per
+sampled token (`StopAutomaton.next_state`). The arrays are static data (a frozen value
+hashed by its content, closed over by the compiled program as constants like
+`eos_ids`), never part of a carry; a row's automaton state
 after each of its completion tokens is stored per slot (`GenState.stop_state`), so a
 continuation from any cut (an MCMC proposal) starts from the state its prefix left.
 """
@@ -46,7 +53,7 @@ START = 0  # the automaton's state before the first completion token
 
 def validate_stop(stop: Any) -> Optional[tuple[str, ...]]:
     """`stop` as a tuple of stop strings (None stays None): ValueError unless every one is
-    a non-empty string."""
+    a non-empty string of valid UTF-8 text (no lone surrogate)."""
     if stop is None:
         return None
     if isinstance(stop, str):
@@ -56,6 +63,11 @@ def validate_stop(stop: Any) -> Optional[tuple[str, ...]]:
     for text in stop:
         if not isinstance(text, str) or not text:
             raise ValueError(f"every stop string must be a non-empty string, got {text!r}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: bytes of a command line that are not UTF-8
+            raise ValueError(f"the stop string {text!r} is not valid UTF-8 text (a lone surrogate "
+                             f"at character {e.start})") from None
     return stop
 
 
@@ -167,16 +179,32 @@ def _read_token_bytes(tokenizer: Any) -> TokenBytes:
                        for i, token in enumerate(tokens)])
 
 
+# Most exceptions (state, token) a stop automaton may hold (`stop_automaton`): 8 bytes
+# each, 128 MiB at most. Ordinary stop strings need a few thousand.
+MAX_STOP_EXCEPTIONS = 1 << 24
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StopAutomaton:
     """The compiled stop strings of one vocabulary (module docstring). Frozen and hashed by
     content (`strings`, `digest`): a static argument of the compiled samplers.
 
-    table: [states, V] int16/int32: the state after a token from each state, STOPPED where
-    the token completes a stop string (the row then ends; no later state is needed)."""
+    The transition table [states, V] is held sparse: `default` [V] is the state after
+    each token from START (STOPPED where the token completes a stop string), `empty` [V]
+    marks the tokens without bytes (the state stays), and the (state, token) pairs whose
+    state after the token differs from `default` are listed per state, tokens sorted:
+    `tokens[offsets[s]:offsets[s + 1]]` with their `values`. A token can only differ
+    from its default where the automaton's state after its first byte still reaches back
+    before the token (or a stop completes there), so a state has few exceptions; memory
+    is V·5 + 8 per exception + 4 per state bytes (measured in docs/benchmarks.md, "Stop
+    strings")."""
 
     strings: tuple[str, ...]
-    table: np.ndarray
+    default: np.ndarray
+    empty: np.ndarray
+    offsets: np.ndarray
+    tokens: np.ndarray
+    values: np.ndarray
     digest: str
 
     def __eq__(self, other: object) -> bool:
@@ -187,30 +215,67 @@ class StopAutomaton:
 
     @property
     def num_states(self) -> int:
-        return self.table.shape[0]
+        return len(self.offsets) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the automaton's arrays."""
+        return sum(a.nbytes for a in (self.default, self.empty, self.offsets, self.tokens, self.values))
+
+    def step(self, state: int, token: int) -> int:
+        """The state after `token` from `state` (host)."""
+        if self.empty[token]:
+            return state
+        lo, hi = int(self.offsets[state]), int(self.offsets[state + 1])
+        k = lo + int(np.searchsorted(self.tokens[lo:hi], token))
+        return int(self.values[k]) if k < hi and self.tokens[k] == token else int(self.default[token])
+
+    def next_state(self, before: Any, tok: Any) -> Any:
+        """[B] int32: the state after token `tok` from state `before` (device; a row whose
+        `before` is STOPPED has ended and gets an unused value). A binary search in
+        `before`'s exceptions (a fixed number of steps: the most any state has), else
+        the token's default."""
+        import jax.numpy as jnp
+
+        state = jnp.maximum(jnp.asarray(before, jnp.int32), 0)
+        tok = jnp.asarray(tok, jnp.int32)
+        offsets, tokens = jnp.asarray(self.offsets), jnp.asarray(self.tokens)
+        lo, end = offsets[state], offsets[state + 1]
+        hi = end
+        last = tokens.shape[0] - 1
+        for _ in range(int(np.diff(self.offsets).max(initial=0)).bit_length()):
+            mid = (lo + hi) // 2
+            right = (lo < hi) & (tokens[jnp.clip(mid, 0, last)] < tok)
+            lo, hi = jnp.where(right, mid + 1, lo), jnp.where((lo < hi) & ~right, mid, hi)
+        at = jnp.clip(lo, 0, last)
+        found = (lo < end) & (tokens[at] == tok)
+        after = jnp.where(found, jnp.asarray(self.values)[at], jnp.asarray(self.default)[tok])
+        return jnp.where(jnp.asarray(self.empty)[tok], state, after).astype(jnp.int32)
 
     def run(self, tokens: Sequence[int]) -> int:
         """The state after `tokens` from START, or STOPPED at the first stop (host, for tests)."""
         state = START
         for token in tokens:
-            state = int(self.table[state, token])
+            state = self.step(state, token)
             if state == STOPPED:
                 break
         return state
 
 
-def _aho_corasick(patterns: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """(goto [states, 256] int32, accepting [states] bool) of the patterns' automaton: the
-    state is the longest suffix of the bytes read that is a prefix of a pattern;
-    accepting where some pattern ends at the last byte read."""
+def _aho_corasick(patterns: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(goto [states, 256] int32, accepting [states] bool, depth [states]) of the patterns'
+    automaton: the state is the longest suffix of the bytes read that is a prefix of a
+    pattern (of `depth` bytes); accepting where some pattern ends at the last byte read."""
     children: list[dict[int, int]] = [{}]
     accepting = [False]
+    depth = [0]
     for pattern in patterns:
         node = 0
         for byte in pattern:
             if byte not in children[node]:
                 children.append({})
                 accepting.append(False)
+                depth.append(depth[node] + 1)
                 children[node][byte] = len(children) - 1
             node = children[node][byte]
         accepting[node] = True
@@ -226,41 +291,92 @@ def _aho_corasick(patterns: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
             goto[node, byte] = child
             fail[child] = goto[fail[node], byte]  # (a root child keeps failure 0, the root)
             order.append(child)
-    return goto, np.array(accepting)
+    return goto, np.array(accepting), np.array(depth)
+
+
+def _advance(goto: np.ndarray, accepting: np.ndarray, starts: np.ndarray, padded: np.ndarray,
+             lengths: np.ndarray) -> np.ndarray:
+    """[len(starts), tokens] int32: the state after each token (rows of `padded`, their
+    bytes; `lengths` sorted ascending) from each start state, STOPPED where a stop string
+    is completed inside it. Vectorised: every start advances over byte position j of every
+    token longer than j at once (a suffix of the sorted tokens)."""
+    states = np.repeat(starts.astype(np.int32)[:, None], len(lengths), axis=1)
+    stopped = np.zeros(states.shape, bool)
+    for j in range(int(lengths[-1]) if len(lengths) else 0):
+        longer = int(np.searchsorted(lengths, j, side="right"))  # tokens [longer:] have byte j
+        moved = goto[states[:, longer:], padded[None, longer:, j]]
+        states[:, longer:] = moved
+        stopped[:, longer:] |= accepting[moved]
+    return np.where(stopped, STOPPED, states).astype(np.int32)
+
+
+# States x tokens advanced at once while looking for exceptions (bounds the work memory).
+_CHUNK_ENTRIES = 1 << 22
 
 
 @functools.lru_cache(maxsize=8)
 def stop_automaton(strings: tuple[str, ...], vocabulary: TokenBytes, vocab_size: int) -> StopAutomaton:
     """The stop strings' token-level automaton over a vocabulary of `vocab_size` ids (the
-    model's logits; ids past the tokenizer's are empty tokens). Vectorised over tokens:
-    every state advances over byte position j of every token longer than j at once
-    (tokens sorted by length, so those are a suffix)."""
+    model's logits; ids past the tokenizer's are empty tokens), sparse (`StopAutomaton`).
+
+    The default row runs every token from START. A token whose first byte b leaves state
+    s at depth <= 1 without completing a stop is where it would be from START after b
+    (the state is the longest suffix of what was read that begins a stop string, here
+    within the token), so it continues as from START: only the states whose goto on b is
+    deeper, or accepting, are run over the tokens beginning with b, and the results that
+    differ from the default are kept. ValueError past MAX_STOP_EXCEPTIONS."""
     strings = validate_stop(strings)
     if not strings:
         raise ValueError("no stop strings to compile")
     if len(vocabulary) > vocab_size:
         raise ValueError(f"the tokenizer has {len(vocabulary)} tokens, more than the model's "
                          f"{vocab_size} logits")
-    goto, accepting = _aho_corasick([s.encode("utf-8") for s in strings])
+    goto, accepting, depth = _aho_corasick([s.encode("utf-8") for s in strings])
     lengths = np.zeros(vocab_size, np.int64)
     lengths[:len(vocabulary)] = [len(p) for p in vocabulary.pieces]
     order = np.argsort(lengths, kind="stable")
-    sorted_lengths = lengths[order]
-    width = int(sorted_lengths[-1])
-    padded = np.zeros((vocab_size, max(width, 1)), np.uint8)  # token bytes, in `order`
+    order = order[lengths[order] > 0]  # the tokens with bytes, shortest first
+    padded = np.zeros((len(order), max(int(lengths.max()), 1)), np.uint8)  # their bytes
     for row, i in enumerate(order):
-        if lengths[i]:  # (ids past the tokenizer's are empty)
-            padded[row, :lengths[i]] = np.frombuffer(vocabulary.pieces[i], np.uint8)
-    states = np.repeat(np.arange(goto.shape[0])[:, None], vocab_size, axis=1)  # [states, V in order]
-    stopped = np.zeros(states.shape, bool)
-    for j in range(width):
-        longer = int(np.searchsorted(sorted_lengths, j, side="right"))  # tokens [longer:] have byte j
-        moved = goto[states[:, longer:], padded[None, longer:, j]]
-        states[:, longer:] = moved
-        stopped[:, longer:] |= accepting[moved]
-    dtype = np.int16 if goto.shape[0] < np.iinfo(np.int16).max else np.int32
-    table = np.empty(states.shape, dtype)
-    table[:, order] = np.where(stopped, STOPPED, states)
-    table.setflags(write=False)
-    digest = hashlib.sha256(table.tobytes() + str(table.shape).encode()).hexdigest()
-    return StopAutomaton(strings=strings, table=table, digest=digest)
+        padded[row, :lengths[i]] = np.frombuffer(vocabulary.pieces[i], np.uint8)
+    default = np.zeros(vocab_size, np.int32)  # (empty tokens: `empty`)
+    default[order] = _advance(goto, accepting, np.array([START]), padded, lengths[order])[0]
+    found_tokens, found_states, found_values = [], [], []
+    count = 0
+    inner = np.arange(1, goto.shape[0])
+    for byte in range(256):
+        group = np.flatnonzero(padded[:, 0] == byte)  # rows of `padded`, still by length
+        after = goto[inner, byte]
+        starts = inner[(depth[after] > 1) | accepting[after]]
+        if not len(group) or not len(starts):
+            continue
+        ids = order[group]
+        step = max(1, _CHUNK_ENTRIES // len(group))
+        for k in range(0, len(starts), step):
+            chunk = starts[k:k + step]
+            values = _advance(goto, accepting, chunk, padded[group], lengths[ids])
+            rows, cols = np.nonzero(values != default[ids][None, :])
+            count += len(rows)
+            if count > MAX_STOP_EXCEPTIONS:
+                raise ValueError(
+                    f"the stop strings ({len(strings)}, {sum(len(t) for t in strings)} characters) "
+                    f"need more than {MAX_STOP_EXCEPTIONS} automaton transitions beside the "
+                    "default ones; give fewer or shorter stop strings")
+            found_states.append(chunk[rows])
+            found_tokens.append(ids[cols])
+            found_values.append(values[rows, cols])
+    states = np.concatenate(found_states) if found_states else np.zeros(0, np.int64)
+    tokens = np.concatenate(found_tokens) if found_tokens else np.zeros(0, np.int64)
+    values = np.concatenate(found_values) if found_values else np.zeros(0, np.int32)
+    by = np.lexsort((tokens, states))
+    offsets = np.zeros(goto.shape[0] + 1, np.int32)
+    np.add.at(offsets, states + 1, 1)
+    arrays = dict(default=default, empty=lengths == 0, offsets=np.cumsum(offsets).astype(np.int32),
+                  # (one entry at least: the device search indexes them)
+                  tokens=np.append(tokens[by], -1).astype(np.int32),
+                  values=np.append(values[by], START).astype(np.int32))
+    for array in arrays.values():
+        array.setflags(write=False)
+    digest = hashlib.sha256(b"".join(a.tobytes() + str(a.shape).encode()
+                                     for a in arrays.values())).hexdigest()
+    return StopAutomaton(strings=strings, digest=digest, **arrays)

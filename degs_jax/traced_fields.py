@@ -46,7 +46,11 @@ import jax
 import numpy as np
 
 __all__ = ["is_zero", "is_value", "concrete", "concrete_values_satisfy", "register_traced_dataclass",
-           "traced_field_names"]
+           "traced_field_names", "FLOAT32_MAX"]
+
+# The largest float32: a traced hyperparameter is float32 data of the program, where a
+# larger magnitude is inf (the checks of alpha, beta and temperature refuse it).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def is_value(value: Any, constant: float) -> bool:

@@ -6,9 +6,12 @@ that records its calls and returns a tiny random model with a byte tokenizer).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +89,11 @@ def _files(tmp):
     _run_dir(tmp / "no_method", config={"model": {"name": "tiny-bytes", "dtype": "float32"},
                                         "benchmark": "gsm8k"}, records=[good])
     _run_dir(tmp / "good_run", records=[good])
+    _run_dir(tmp / "foreign_problem", records=[good, {**good, "id": "gsm8k/9999", "index": 9999}])
+    _run_dir(tmp / "wrong_index", records=[{**good, "index": 5}])
+    (tmp / "nan_record").mkdir()
+    (tmp / "nan_record" / "results.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps({**good, "id": "gsm8k/1", "index": 1, "log_p": math.nan}) + "\n")
     (tmp / "garbage.safetensors").write_bytes(os.urandom(256))
     save_file({"x": np.zeros(3, np.float32)}, str(tmp / "foreign.safetensors"))
     (tmp / "no_answer.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
@@ -129,6 +137,24 @@ CLI_TABLE = [
     (["reproduce", "--out", "{tmp}/study_corrupt", "--plan", "--benchmarks", "gsm8k", "--methods",
       "greedy", "--pool-benchmarks", "none", "--limit", "3"],
      "greedy/results.jsonl: line 2 is not valid JSON", False),
+    # a record that is not strict JSON, or of no problem of the run (issue 58)
+    (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/nan_record"],
+     "nan_record/results.jsonl: line 2 is not valid JSON (NaN is not JSON)", False),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--out", "{tmp}/foreign_problem"],
+     "foreign_problem/results.jsonl: line 2: \"gsm8k/9999\" (index 9999) is no problem of this "
+     "run's benchmark", True),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--out", "{tmp}/wrong_index"],
+     "wrong_index/results.jsonl: line 1: \"gsm8k/0\" (index 5) is no problem of this run's "
+     "benchmark", True),
+    # values refused before --out is touched (issue 58: they were refused after run.json)
+    (["eval", "--benchmark", "gsm8k", "--method", "temperature", "--temperature", "-1", "--out",
+      "{tmp}/new_run"], "temperature must be >= 0 and at most 3.402823e+38 (float32), got -1.0",
+     False),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--stop", "ab\udcff", "--out",
+      "{tmp}/new_run"], "the stop string 'ab\\udcff' is not valid UTF-8 text (a lone surrogate at "
+     "character 2)", False),
+    (["eval", "--benchmark", "gsm8k", "--method", "greedy", "--lsub", "1,99", "--out",
+      "{tmp}/new_run"], "L_sub", True),
     # a file that is no tuned lens
     (["eval", "--benchmark", "gsm8k", "--out", "{tmp}/r", "--lens", "tuned", "--tuned-lens",
       "{tmp}/garbage.safetensors"], "garbage.safetensors is not a safetensors file", False),
@@ -205,6 +231,24 @@ NON_FINITE = [
     ["train-grpo", "--out", "g", "--steps", "1", "--learning-rate=nan"],
     ["train-lens", "--momentum=Infinity"],
 ]
+
+
+# Past float32 (the compiled programs' hyperparameter dtype, where they would be inf).
+PAST_FLOAT32 = [["eval", "--benchmark", "gsm8k", "--out", "r", "--alpha=4e38"],
+                ["sample", "x", "--beta=-1e308"], ["sample", "x", "--temperature=3.5e38"]]
+
+
+@pytest.mark.parametrize("argv", PAST_FLOAT32, ids=[" ".join(a) for a in PAST_FLOAT32])
+def test_numbers_past_float32_are_refused(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flag, value = argv[-1].split("=")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert err.endswith(f"degs {argv[0]}: error: argument {flag}: must be at most 3.402823e+38 in "
+                        f"magnitude (float32), got {value!r}\n"), err
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("argv", NON_FINITE, ids=[" ".join(a) for a in NON_FINITE])
@@ -335,3 +379,77 @@ def test_unsandboxed_grading_opt_in_labels_every_result(degs, tmp_path, monkeypa
 ])
 def test_ctrl_c_says_how_to_resume(argv, message):
     assert cli.interrupted_message(cli.build_parser().parse_args(argv)) == message
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_hostile_humaneval_programs_cost_one_failed_verdict_each(degs, tmp_path, monkeypatch,
+                                                                 mode):
+    """Issue 58, through `degs eval`: the programs that stopped evaluations for good (a
+    forged isolation report with terminal escapes, calls on the grading process's limits,
+    priority and affinity, a scratch tree too deep to remove recursively; the in-process
+    guards removed) are failed verdicts with a printable reason, the run finishes with
+    exit status 0, valid files and no escape printed, and a resume grades the next problem."""
+    from test_sandbox_hostile import (DEEP_SCRATCH, FORGED_UNISOLATED, REACH_OTHERS,
+                                      REACH_OTHERS_RESULT, kernel_layers_only)
+    from degs_jax.eval.benchmarks import load_benchmark
+
+    flags = []
+    if mode == "process":
+        monkeypatch.setattr(sandbox, "_probe", lambda: (None, "forced by the test"))
+        flags = [sandbox.UNSAFE_FLAG]
+    kernel_layers_only(monkeypatch)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    problems = load_benchmark("humaneval")
+    completions = ["    pass\nexec(" + repr(source) + ")\n"
+                   for source in (FORGED_UNISOLATED, REACH_OTHERS, DEEP_SCRATCH)]
+    completions.append(problems[3].answer)  # the resume's problem: its reference solution
+    given = iter(completions)
+    monkeypatch.setattr("degs_jax.eval.runner._completion_text", lambda *a: next(given))
+    out = tmp_path / "run"
+    command = ["eval", "--benchmark", "humaneval", "--method", "greedy", "--max-new-tokens", "1",
+               "--batch-size", "3", "--no-progress", "--out", out, *flags]
+    rc, stdout, err, _ = degs(*command, "--limit", "3")
+    assert rc == 0, err
+    assert "\x1b" not in stdout + err and "\x07" not in stdout + err
+    records = {r["completion"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    details = [records[c]["grade_detail"] for c in completions[:3]]
+    assert details[0].startswith("failed: the sandbox's kernel layers were not applied: "
+                                 "\\x1b]0;owned\\x07\\x1b[2J"), details
+    assert details[1] == REACH_OTHERS_RESULT and details[2] == "failed: AssertionError: ", details
+    assert not any(r["correct"] for r in records.values())
+    rc, stdout, err, _ = degs(*command, "--limit", "4")
+    assert rc == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"]["n"] == 4 and summary["accuracy"]["correct"] == 1, summary
+    assert os.listdir(tmp_path / "tmp") == []  # every scratch directory removed
+
+
+def test_error_lines_print_no_control_character():
+    """A message carrying text from a file or a program (terminal escapes, a bell, a lone
+    surrogate) is printed with those characters escaped."""
+    assert cli.one_line(ValueError("bad \x1b]0;owned\x07\x1b[2J\ud800 ΔD\nnext")) == \
+        "bad \\x1b]0;owned\\x07\\x1b[2J\\ud800 ΔD next"
+
+
+def test_a_methods_own_check_refuses_before_the_run_directory_is_touched(degs, tmp_path,
+                                                                         monkeypatch):
+    """Issue 58: a method's own checks of its kernel settings (an installed package's
+    too) run before `degs eval` writes anything: one error line, no run directory."""
+    import degs_jax.method
+    from degs_jax.sampling import Greedy
+
+    monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(degs_jax.method._REGISTERED))
+
+    @dataclasses.dataclass(frozen=True)
+    class PickyGreedy(Greedy):
+        method: ClassVar[str] = "picky_greedy"
+
+        def kernel_config(self, num_layers, eos_ids, stop=None):
+            raise ValueError(f"picky_greedy refuses a model of {num_layers} layers")
+
+    out = tmp_path / "run"
+    rc, stdout, err, loads = degs("eval", "--benchmark", "gsm8k", "--method", "picky_greedy",
+                                  "--limit", "1", "--out", out)
+    assert rc == 2 and err.endswith("degs: error: picky_greedy refuses a model of 2 layers\n"), err
+    assert loads and not out.exists() and os.listdir(tmp_path) == []

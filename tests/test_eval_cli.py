@@ -207,7 +207,9 @@ def test_refuses_a_different_configuration(degs, tmp_path):
             *TINY]
     rc, _, err = degs(*args)
     assert rc == 0, err
-    assert json.loads((out / "summary.json").read_text())["n_problems"] == 0
+    # strict JSON (issue 58: the accuracy of no problems was written as NaN)
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=pytest.fail)
+    assert summary["n_problems"] == 0 and summary["accuracy"]["accuracy"] is None
     rc, _, err = degs(*args)  # same configuration: resumes (nothing to do)
     assert rc == 0, err
     assert len(json.loads((out / "run.json").read_text())["invocations"]) == 2

@@ -18,6 +18,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -234,3 +235,38 @@ def test_the_pages_truncation_example_runs():
     assert 1 <= kept.sum(axis=1).min() and kept.sum(axis=1).max() < 50
     np.testing.assert_allclose(np.exp(log_q.astype(np.float64)).sum(axis=1), 1.0, atol=1e-5)
     assert namespace["chain"].proposal.proposal.truncations == (namespace["Epsilon"](3e-4),)
+
+
+def test_a_package_that_exits_or_misnames_its_method_is_one_warning_and_never_runs(
+        registry, monkeypatch, tmp_path):
+    """Issue 58: a package whose import raises SystemExit (after defining a method class),
+    and an entry point whose name is not its class's method, are each one warning naming
+    the package; neither class is offered, and the tool works (its parser, every library
+    method)."""
+    import degs_jax.hyperparameters as registry_module
+    from degs_jax.cli import build_parser
+
+    rule = ("import dataclasses\nfrom typing import ClassVar\nfrom degs_jax.sampling import BestOfN\n\n"
+            "@dataclasses.dataclass(frozen=True)\nclass {cls}(BestOfN):\n"
+            "    method: ClassVar[str] = '{name}'\n")
+    _installed_package(tmp_path, "pkg_rule_exits", "exits_rule = pkg_rule_exits:ExitsRule\n",
+                       rule.format(cls="ExitsRule", name="exits_rule") + "raise SystemExit(3)\n")
+    _installed_package(tmp_path, "pkg_rule_misnamed", "wrong_name = pkg_rule_misnamed:Misnamed\n",
+                       rule.format(cls="Misnamed", name="misnamed_rule"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry_module, "_installed", None)  # as in a fresh process
+    monkeypatch.setattr(registry_module, "_refused", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        classes = method_classes()
+    messages = sorted(str(w.message) for w in caught)
+    assert messages == [
+        "the entry point 'wrong_name' of the package 'pkg-rule-misnamed' (pkg_rule_misnamed:Misnamed) "
+        "is not the class of the method 'wrong_name' (its class is the method 'misnamed_rule'); ignored",
+        "the method 'exits_rule' of the package 'pkg-rule-exits' (pkg_rule_exits:ExitsRule) did not "
+        "load: SystemExit: 3"], messages
+    assert list(classes) == list(METHODS)  # neither exits_rule nor misnamed_rule
+    with pytest.raises(ValueError, match="unknown method 'misnamed_rule'"):
+        hyperparameters_for("misnamed_rule")
+    assert "misnamed_rule" not in build_parser().format_help()
+    assert hyperparameters_for("best_of_n", n=2).n == 2

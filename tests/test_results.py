@@ -150,3 +150,39 @@ def test_transcript_fields_hide_gpqa_completions():
     assert "completion" not in stored and stored["completion_chars"] == 17
     math_problem = Problem(id="m", benchmark="math500", question="q", answer="1")
     assert transcript_fields(math_problem, "text") == {"completion": "text"}
+
+
+def test_every_file_is_strict_json(tmp_path):
+    """Issue 58: NaN and inf (Python's json writes and reads them, strict parsers refuse
+    them) are written as null in records and summaries, and a stored NaN is refused by
+    name and line; a summary of no problems is valid JSON."""
+    from degs_jax.eval.results import read_json, summarize, write_summary
+
+    strict = lambda text: json.loads(text, parse_constant=lambda c: pytest.fail(c))  # noqa: E731
+    with ResultStore(tmp_path / "r.jsonl") as store:
+        store.append({"id": "a", "log_p": float("nan"), "D": [1.0, float("-inf")],
+                      "diagnostics": {"log_evidence": float("inf")}})
+    line = (tmp_path / "r.jsonl").read_text()
+    assert strict(line) == {"id": "a", "log_p": None, "D": [1.0, None],
+                            "diagnostics": {"log_evidence": None}}
+    write_summary(tmp_path, summarize([]))
+    summary = strict((tmp_path / "summary.json").read_text())
+    assert summary["accuracy"]["n"] == 0 and summary["accuracy"]["accuracy"] is None
+    assert read_json(tmp_path / "summary.json") == summary
+    (tmp_path / "nan.jsonl").write_text('{"id": "a"}\n{"id": "b", "x": NaN}\n')
+    with pytest.raises(ValueError, match=r"nan.jsonl: line 2 is not valid JSON \(NaN is not JSON\)"):
+        read_records(tmp_path / "nan.jsonl")
+    (tmp_path / "inf.jsonl").write_text('{"id": "a", "x": -Infinity}\n')
+    with pytest.raises(ValueError, match=r"line 1 is not valid JSON \(-Infinity is not JSON\)"):
+        ResultStore(tmp_path / "inf.jsonl")
+
+
+def test_a_record_of_no_problem_of_the_run_is_refused(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"id": "p/0", "index": 0}\n{"id": "p/9", "index": 9}\n')
+    problems = {"p/0": 0, "p/1": 1}
+    with pytest.raises(ValueError, match=r'r.jsonl: line 2: "p/9" \(index 9\) is no problem'):
+        read_records(path, problems=problems)
+    with pytest.raises(ValueError, match="line 2"):
+        ResultStore(path, problems=problems)
+    assert len(read_records(path)) == 2  # without the run's problems: read as before

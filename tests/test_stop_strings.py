@@ -89,7 +89,7 @@ def test_the_automaton_ends_at_the_token_that_completes_the_first_stop():
         want = _first_stop_by_bytes(full, tokens, stops)
         state, got = START, None
         for i, token in enumerate(tokens):
-            state = int(automaton.table[state, token])
+            state = automaton.step(state, token)
             if state == STOPPED:
                 got = i
                 break
@@ -355,3 +355,58 @@ def test_the_report_reads_the_recorded_stops(stop, deviates):
     assert row["deviates"] == deviates
     assert row["used"].startswith("no stop sequences" if deviates else 'stop sequences ["\\nclass", "\\ndef"')
     assert row["effect"].startswith("final completions that ended without EOS or stop (at the cap): 50")
+
+
+def test_the_sparse_automaton_is_the_transition_table():
+    """Issue 58: the automaton is held sparse (a default row, per-state exceptions). On
+    random vocabularies (empty tokens, multi-byte characters, ids past the tokenizer) and
+    random stop strings: its host steps end every sequence where a search of the bytes
+    does, and its device lookup (`next_state`, what decoding gathers) equals the host step
+    at every (state, token)."""
+    import jax.numpy as jnp
+
+    rng = random.Random(1)
+    alphabet = b"ab\nc\xc3\xa9"
+    for _ in range(25):
+        pieces = [bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 6)))
+                  for _ in range(rng.randrange(5, 40))]
+        stops = tuple({"".join(rng.choice(["a", "b", "\n", "c", "é"]) for _ in range(rng.randrange(1, 7)))
+                       for _ in range(rng.randrange(1, 5))})
+        vocab = len(pieces) + rng.randrange(0, 3)
+        automaton = stop_automaton(stops, TokenBytes(pieces), vocab)
+        full = pieces + [b""] * (vocab - len(pieces))
+        for _ in range(60):
+            tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+            want = _first_stop_by_bytes(full, tokens, stops)
+            states = [START]
+            for token in tokens:
+                states.append(automaton.step(states[-1], token))
+                if states[-1] == STOPPED:
+                    break
+            assert (len(states) - 2 if states[-1] == STOPPED else None) == want, (stops, tokens)
+        grid = [(s, t) for s in range(automaton.num_states) for t in range(vocab)]
+        device = automaton.next_state(jnp.asarray([s for s, _ in grid]), jnp.asarray([t for _, t in grid]))
+        assert [int(x) for x in device] == [automaton.step(s, t) for s, t in grid]
+
+
+def test_a_long_stop_string_stays_small(monkeypatch):
+    """10,000 characters of stop string over a 5,000-token vocabulary: about a hundred
+    kilobytes, not a [10,001 x 5,000] table (100 MB); past the documented bound, one
+    error (Qwen's vocabulary: docs/benchmarks.md, "Stop strings")."""
+    import string
+
+    import degs_jax.stops as stops_module
+
+    rng = random.Random(2)
+    letters = string.ascii_letters + string.digits
+    pieces = [rng.choice(letters).encode() for _ in range(200)] + [
+        "".join(rng.choice(letters) for _ in range(rng.randrange(2, 7))).encode() for _ in range(4_800)]
+    long = "".join(rng.choice(letters) for _ in range(10_000))
+    automaton = stop_automaton((long,), TokenBytes(pieces), len(pieces))
+    assert automaton.num_states == 10_001
+    dense_bytes = 10_001 * 5_000 * 2
+    assert automaton.nbytes < dense_bytes / 200, automaton.nbytes
+    monkeypatch.setattr(stops_module, "MAX_STOP_EXCEPTIONS", 100)
+    with pytest.raises(ValueError, match=r"need more than 100 automaton transitions beside the default "
+                                         "ones; give fewer or shorter stop strings"):
+        stops_module.stop_automaton((long[:5000],), TokenBytes(pieces), len(pieces))

@@ -267,12 +267,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def one_line(error: BaseException) -> str:
-    """The message of `error` on one line (OSError: its reason and file)."""
+    """The message of `error` on one line (OSError: its reason and file), with every
+    character that is not printable (a terminal escape, a lone surrogate from a file name
+    or a stored value) written as its Python escape."""
     if isinstance(error, OSError) and error.strerror and error.filename:
         text = f"{error.strerror}: {error.filename}"
     else:
         text = str(error) or type(error).__name__
-    return " ".join(text.split())
+    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else repr(c)[1:-1]
+                   for c in " ".join(text.split()))
 
 
 @contextlib.contextmanager

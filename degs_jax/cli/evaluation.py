@@ -116,7 +116,7 @@ def cmd_eval(args, load_model) -> int:
     # Everything that can be checked without the model, before loading it.
     check_seed(args.seed)
     args.batch_size = parse_batch_size(args.batch_size)
-    if args.limit is not None and args.limit < 0:
+    if args.limit is not None and args.limit < 0:  # 0: the configuration only (an empty summary)
         raise ValueError(f"--limit must be 0 or more, got {args.limit}")
     check_output_dir(Path(args.out))
     level = args.scope.enter_context(code_isolation([args.benchmark],

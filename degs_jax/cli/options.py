@@ -24,6 +24,7 @@ from ..lens import default_lsub, validate_lsub
 from ..method import Method
 from ..models.loading import AUTO_DTYPE, DTYPE_CHOICES, resolve_dtype
 from ..models.sharding import parse_mesh
+from ..traced_fields import FLOAT32_MAX
 from ..train.tuned_lens import resolve_lens
 
 
@@ -151,13 +152,18 @@ def escaped_text(text: str) -> str:
 
 def finite_float(text: str) -> float:
     """An option's real number (argparse type): ``inf`` and ``nan`` are refused (they
-    would reach a decoder, and run.json as ``Infinity``)."""
+    would reach a decoder, and run.json as ``Infinity``), and so is a magnitude past
+    float32's (``--alpha 4e38``): the compiled programs take hyperparameters as float32,
+    where it is inf."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    if abs(value) > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {FLOAT32_MAX:.7g} in magnitude "
+                                         f"(float32), got {text!r}")
     return value
 
 

@@ -10,7 +10,12 @@ The store's rules for a damaged file: bytes after the last newline are a torn wr
 (dropped: that problem runs again); a complete line that is not a record (not JSON, not
 an object, an id that is not a string or an integer, a field the caller requires missing
 or of the wrong type, a repeated id) is corruption, at which no resume guesses: the file
-is refused, naming it and the line, to be repaired or the line removed.
+is refused, naming it and the line, to be repaired or the line removed. So is a line
+that is not strict JSON (``NaN``, ``Infinity``) and, for a `degs eval` run, a record
+that belongs to no problem of its benchmark (an id it does not have, or another index).
+
+Every file written is strict JSON: a float that is not finite (a log p of NaN, the
+accuracy of no problems) is written as ``null`` (:func:`strict_json`).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import zlib
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -58,10 +64,11 @@ class ResultStore:
     """
 
     def __init__(self, path: str | os.PathLike, id_key: str = "id",
-                 fields: Mapping[str, type] = {}):
+                 fields: Mapping[str, type] = {}, problems: Optional[Mapping[Any, int]] = None):
         self.path = Path(path)
         self.id_key = id_key
         self.fields = dict(fields)
+        self.problems = problems
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a+b")
         try:
@@ -96,7 +103,7 @@ class ResultStore:
         problem_id = record[self.id_key]
         if problem_id in self._done:
             raise ValueError(f"duplicate result for id {problem_id!r} in {self.path}")
-        line = json.dumps(record, ensure_ascii=False) + "\n"
+        line = json.dumps(strict_json(record), ensure_ascii=False, allow_nan=False) + "\n"
         self._file.write(line.encode("utf-8"))
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -107,7 +114,7 @@ class ResultStore:
         """Parse existing lines; truncate a torn last line (see :func:`parse_records`)."""
         self._file.seek(0)
         data = self._file.read()
-        records, end = parse_records(data, self.path, self.id_key, self.fields)
+        records, end = parse_records(data, self.path, self.id_key, self.fields, self.problems)
         if end < len(data):
             self._file.truncate(end)
             self._file.flush()
@@ -117,14 +124,18 @@ class ResultStore:
 
 
 def parse_records(data: bytes, path: Path, id_key: str = "id",
-                  fields: Mapping[str, type] = {}) -> tuple[list[dict], int]:
+                  fields: Mapping[str, type] = {},
+                  problems: Optional[Mapping[Any, int]] = None) -> tuple[list[dict], int]:
     """(records, length of the intact part) of a results file's bytes.
 
     Every write ends with a newline, so bytes after the last newline are an
     interrupted write and are ignored. A bad line before that is not a torn
     write but corruption (module docstring): ValueError naming the file and line rather
     than a guess. A record's id must be a string or an integer; ``fields`` (name -> type)
-    must be present with that type (``int`` excludes ``bool``).
+    must be present with that type (``int`` excludes ``bool``). Strict JSON: ``NaN`` and
+    ``Infinity`` (which Python's ``json`` writes and reads, and other parsers refuse) are
+    corruption too. ``problems`` (id -> index, the run's benchmark): a record of another
+    id, or of another index, belongs to no problem of the run.
     """
     end = data.rfind(b"\n") + 1
     records, seen = [], set()
@@ -133,7 +144,7 @@ def parse_records(data: bytes, path: Path, id_key: str = "id",
             continue
         where = f"{path}: line {number}"
         try:
-            record = json.loads(raw)
+            record = json.loads(raw, parse_constant=_refuse_constant)
         except ValueError as err:
             raise ValueError(f"{where} is not valid JSON ({err}); {_REPAIR}") from None
         if not isinstance(record, dict) or id_key not in record:
@@ -148,6 +159,10 @@ def parse_records(data: bytes, path: Path, id_key: str = "id",
             if not _is(record[name], kind):
                 raise ValueError(f"{where}: {name!r} must be {kind.__name__}, got "
                                  f"{_short(record[name])}; {_REPAIR}")
+        if problems is not None and (problem_id not in problems
+                                     or record.get("index") != problems[problem_id]):
+            raise ValueError(f"{where}: {_short(problem_id)} (index {_short(record.get('index'))}) "
+                             f"is no problem of this run's benchmark; {_REPAIR}")
         if problem_id in seen:
             raise ValueError(f"{path}: duplicate id {problem_id!r} on line {number}; {_REPAIR}")
         seen.add(problem_id)
@@ -156,6 +171,22 @@ def parse_records(data: bytes, path: Path, id_key: str = "id",
 
 
 _REPAIR = "repair or remove that line (the other lines keep their finished problems)"
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, inf: not JSON) as None (null),
+    in nested dicts, lists and tuples; what every file of a run holds."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -169,11 +200,12 @@ def _short(value: Any) -> str:
 
 
 def read_records(path: str | os.PathLike, id_key: str = "id",
-                 fields: Mapping[str, type] = {}) -> list[dict]:
+                 fields: Mapping[str, type] = {},
+                 problems: Optional[Mapping[Any, int]] = None) -> list[dict]:
     """The records of a results file, read-only (a torn last line is ignored, as
     :class:`ResultStore` does when it reopens the file); errors as :func:`parse_records`."""
     path = Path(path)
-    return parse_records(path.read_bytes(), path, id_key, fields)[0]
+    return parse_records(path.read_bytes(), path, id_key, fields, problems)[0]
 
 
 def read_json(path: str | os.PathLike) -> dict:
@@ -221,8 +253,8 @@ def merge_shards(store: ResultStore, shards: Sequence[str | os.PathLike],
     new: dict[Any, dict] = {}
     with contextlib.ExitStack() as stack:
         for shard in shards:
-            for record in stack.enter_context(ResultStore(shard, store.id_key,
-                                                          store.fields)).records:
+            for record in stack.enter_context(ResultStore(shard, store.id_key, store.fields,
+                                                          store.problems)).records:
                 if not store.is_done(record[store.id_key]):
                     new.setdefault(record[store.id_key], record)
         for record in sorted(new.values(), key=lambda r: r[order_key]):
@@ -304,11 +336,12 @@ def summarize(records: Iterable[Mapping[str, Any]], key: str = "correct",
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temp file, fsync, rename)."""
+    """Write JSON atomically (temp file, fsync, rename), strict (:func:`strict_json`: a
+    float that is not finite, e.g. the accuracy of no problems, is null)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
+        json.dump(strict_json(obj), f, indent=2, sort_keys=True, allow_nan=False)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())

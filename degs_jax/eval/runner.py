@@ -348,6 +348,9 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
     chat = bool(chat and uses_chat_template(model.tokenizer))
     method = dataclasses.replace(method, stop=benchmark_stop(bench, chat, method.stop))
     config = run_config(model, bench, method, seed, chat, keep_candidates, tuned_lens)
+    # Every hyperparameter as the kernels read it (an installed method's own checks too),
+    # before anything is written: a refused run leaves the directory as it was.
+    method.kernel_config(model.lm.num_layers, tuple(int(e) for e in model.eos_ids))
     all_problems = load_benchmark(bench, data_dir=data_dir)
     if indices is not None:
         bad = [i for i in indices if not 0 <= i < len(all_problems)]
@@ -356,6 +359,8 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
         selected = [(int(i), all_problems[i]) for i in indices]
     else:
         selected = list(enumerate(all_problems[:limit] if limit is not None else all_problems))
+    # What a stored record may be: one of the benchmark's problems, at its index.
+    problems = {p.id: i for i, p in enumerate(all_problems)}
     batch_choice = choose_problem_batch(model, batch_size, method, [p for _, p in selected], chat)
     batch_size = batch_choice["batch_size"]
     if batch_choice["requested"] == "auto" and (group is None or group.index == 0):
@@ -379,11 +384,11 @@ def run_eval(model, out_dir, *, benchmark: str, method: str | Method,
     bar_label = f"{bench} {method.method}"
     try:
         if group is None:
-            summary = _run_single(out, config, invocation, selected, decode_batch, batch_size,
-                                  progress, bar_label, refill)
+            summary = _run_single(out, config, invocation, selected, problems, decode_batch,
+                                  batch_size, progress, bar_label, refill)
         else:
-            summary = _run_group(group, out, config, invocation, selected, decode_batch,
-                                 batch_size, progress, bar_label)
+            summary = _run_group(group, out, config, invocation, selected, problems,
+                                 decode_batch, batch_size, progress, bar_label)
     finally:
         if own_grader:
             grader.close()
@@ -444,12 +449,13 @@ def _decode_batch(model, batch: Sequence[tuple[int, Problem]], *, seed: int, met
                       model.lm.num_layers, grader, chat, keep_candidates, method.stop)
 
 
-def _run_single(out: Path, config: dict, invocation: dict, selected, decode_batch,
+def _run_single(out: Path, config: dict, invocation: dict, selected, problems, decode_batch,
                 batch_size: int, progress: bool, bar_label: str, refill: bool) -> dict[str, Any]:
     """The one-process run: everything goes straight into ``results.jsonl``, a record as
-    soon as its problem is done."""
+    soon as its problem is done. ``problems``: id -> index of the benchmark's problems
+    (what a stored record may be)."""
     # The store's lock first: a second run into this directory stops before touching run.json.
-    with ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS) as store:
+    with ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS, problems=problems) as store:
         run = _prepare_run_dir(out, config, invocation)
         merge_shards(store, _shards(out))  # an interrupted multi-process run's records
         todo = [(i, p) for i, p in selected if not store.is_done(p.id)]
@@ -514,7 +520,7 @@ def _check_shared_dir(out: Path, group: ProcessGroup, invocation: Mapping[str, A
 
 
 def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, selected,
-               decode_batch, batch_size: int, progress: bool,
+               problems, decode_batch, batch_size: int, progress: bool,
                bar_label: str) -> dict[str, Any]:
     """One process's part of a multi-process run (module docstring)."""
     ids = json.dumps([[i, p.id] for i, p in selected])
@@ -531,7 +537,8 @@ def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, s
                                        for a in announced]
             # Held until the end, as by a single process: a second job in this directory
             # fails here, before touching run.json.
-            store = stack.enter_context(ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS))
+            store = stack.enter_context(ResultStore(out / RESULTS_FILE, fields=EVAL_RECORD_FIELDS,
+                                                    problems=problems))
             run = _prepare_run_dir(out, config, invocation)
             merge_shards(store, _shards(out))  # an interrupted run's records count as done
             todo = [pos for pos, (_, p) in enumerate(selected) if not store.is_done(p.id)]
@@ -547,7 +554,7 @@ def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, s
                    disable=not (progress and group.index == 0))
         shown = 0
         with ResultStore(out / shard_file(group.index, group.count),
-                         fields=EVAL_RECORD_FIELDS) as shard:
+                         fields=EVAL_RECORD_FIELDS, problems=problems) as shard:
             while True:
                 raise_if_peer_failed(group)
                 # Batches are claimed from a shared counter, in problem order, and are the

@@ -63,7 +63,10 @@ the bounding set (a grading process run as root gives its children root's); a se
 filter (x86-64 and arm64) under which no process *or thread* can be created
 (``RLIMIT_NPROC`` does not bind root; the filter binds everyone), and ``execve``, every
 socket, ``ptrace`` and the other process-memory calls, signals to any process but itself,
-pidfds, memfd, SysV IPC of every kind (shared memory, semaphores, message queues: they
+pidfds, any change to another process's resource limits (``prlimit64`` only with pid 0 or
+its own), priority (``setpriority``, which also takes a whole user's processes), affinity,
+scheduling, I/O priority or memory placement, performance counters, clearing its
+parent-death signal (``PR_SET_PDEATHSIG``), memfd, SysV IPC of every kind (shared memory, semaphores, message queues: they
 outlive the check), POSIX message queues, ``mknod`` (FIFOs), io_uring, userfaultfd,
 keyrings, new namespaces, ``chattr`` (``FS_IOC_SETFLAGS``/``FSSETXATTR``) and terminal
 injection (``TIOCSTI``) all fail with ``EPERM``; Linux Landlock where the kernel has it
@@ -88,12 +91,19 @@ seccomp filter (probed once by applying the candidate's layers in a child): othe
 :func:`isolation`, :func:`run_check` and :func:`run_checks` raise
 :class:`IsolationUnavailableError`, one line saying what is missing and how to proceed.
 Allowed, the two processes run as ``python -I -S`` in their own session with a scratch
-directory under ``TMPDIR`` (the allowed packages linked from it), a parent-death signal
-and every layer above but the namespaces, and each result is labelled
+directory under ``TMPDIR`` (``degs-humaneval-<grader pid>-*``, the allowed packages
+linked from it), a parent-death signal (which the program cannot clear: it dies with the
+grading process) and every layer above but the namespaces, and each result is labelled
 ``isolation="process"``. The grading process is not dumpable while they run. Landlock
 confines the candidate to what bubblewrap would show (granted path by path around the
 hidden package directories) and to writing in its scratch, and keeps it from ptrace
-access to the checker and the grader. Left open: the program can tell which pids exist
+access to the checker and the grader. Scratch is removed after each check without
+recursion and without following links (``_remove_tree``: a program can nest directories
+thousands deep), and a grader killed before it could remove its scratch leaves it to the
+next fallback check in that ``TMPDIR``, which removes the scratch of graders whose pid no
+longer exists. Whether the isolation holds is settled by the grading process's own probes
+only: a report of a missing layer on the candidate's channel (which the program can write
+too) fails that one check. Left open: the program can tell which pids exist
 (``getsid``; ``kill``, even with signal 0, is refused); it can fill the disk under
 scratch (``RLIMIT_FSIZE`` caps each file, not their number). Linux only. The threat
 model of each mode, with the test of each line: ``docs/sandbox.md``.
@@ -326,16 +336,27 @@ def _drop_capabilities():
     if libc.capset(header, (ctypes.c_uint32 * 6)()) < 0:
         raise OSError(ctypes.get_errno(), "capset")
 
-# System calls a HumanEval program never needs: refused with EPERM.
+# System calls a HumanEval program never needs: refused with EPERM. Besides process
+# creation, sockets, IPC and the rest: every call that changes another process's
+# scheduling, priority, I/O priority, memory placement or group (``setpriority`` also
+# takes a whole user's processes), and performance counters (they attach to other pids).
 _DENIED = ("clone", "fork", "vfork", "execve", "execveat", "unshare", "setns", "socket",
            "socketpair", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open",
            "pidfd_send_signal", "pidfd_getfd", "memfd_create", "memfd_secret", "shmget",
            "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl", "msgget",
            "msgsnd", "msgrcv", "msgctl", "mq_open", "mknod", "mknodat", "io_uring_setup",
            "io_uring_enter", "io_uring_register", "userfaultfd", "add_key", "request_key",
-           "keyctl")
+           "keyctl", "setpriority", "sched_setaffinity", "sched_setscheduler",
+           "sched_setparam", "sched_setattr", "ioprio_set", "migrate_pages", "move_pages",
+           "perf_event_open", "kcmp", "process_madvise", "setpgid")
 # Signals: allowed only to this process itself (the first argument is its own pid).
 _TO_SELF = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+# Resource limits: only this process's own (pid 0 or its own pid; glibc's setrlimit is
+# prlimit64 with pid 0), so that no other process's limits (the grader's RLIMIT_CPU) change.
+_OWN_OR_ZERO = ("prlimit64",)
+# prctl options refused: PR_SET_PDEATHSIG (clearing it would let the program outlive a
+# killed grader in the fallback).
+_DENIED_PRCTL = (1,)
 # (audit architecture, system call numbers) per machine.
 _SYSCALLS = {
     "x86_64": (0xC000003E, dict(
@@ -346,8 +367,11 @@ _SYSCALLS = {
         semget=64, semop=65, semtimedop=220, semctl=66, msgget=68, msgsnd=69, msgrcv=70,
         msgctl=71, mq_open=240, mknod=133, mknodat=259,
         io_uring_setup=425, io_uring_enter=426, io_uring_register=427, userfaultfd=323,
-        add_key=248, request_key=249, keyctl=250, kill=62, tkill=200, tgkill=234,
-        rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, ioctl=16)),
+        add_key=248, request_key=249, keyctl=250, setpriority=141, sched_setaffinity=203,
+        sched_setscheduler=144, sched_setparam=142, sched_setattr=314, ioprio_set=251,
+        migrate_pages=256, move_pages=279, perf_event_open=298, kcmp=312,
+        process_madvise=440, setpgid=109, kill=62, tkill=200, tgkill=234,
+        rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, prlimit64=302, prctl=157, ioctl=16)),
     "aarch64": (0xC00000B7, dict(
         clone=220, clone3=435, execve=221, execveat=281, unshare=97, setns=268, socket=198,
         socketpair=199, ptrace=117, process_vm_readv=270, process_vm_writev=271,
@@ -356,19 +380,44 @@ _SYSCALLS = {
         semctl=191, semtimedop=192, semop=193, msgget=186, msgctl=187, msgrcv=188,
         msgsnd=189, mq_open=180, mknodat=33, io_uring_setup=425,
         io_uring_enter=426, io_uring_register=427, userfaultfd=282, add_key=217,
-        request_key=218, keyctl=219, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
-        rt_tgsigqueueinfo=240, ioctl=29)),
+        request_key=218, keyctl=219, setpriority=140, sched_setaffinity=122,
+        sched_setscheduler=119, sched_setparam=118, sched_setattr=274, ioprio_set=30,
+        migrate_pages=238, move_pages=239, perf_event_open=241, kcmp=272,
+        process_madvise=440, setpgid=154, kill=129, tkill=130, tgkill=131,
+        rt_sigqueueinfo=138, rt_tgsigqueueinfo=240, prlimit64=261, prctl=167, ioctl=29)),
 }
 # ioctl requests refused: FS_IOC_SETFLAGS (64- and 32-bit: chattr +i / +a),
 # FS_IOC_FSSETXATTR (the same flags), TIOCSTI and TIOCLINUX (typing into a terminal).
 _DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x5412, 0x541C)
+
+def _assemble(program):
+    """Classic BPF from (code, jt, jf, k) tuples whose jt/jf may name a label; a label is
+    a string in the list, marking the next instruction."""
+    where, position = {}, 0
+    for item in program:
+        if isinstance(item, str):
+            where[item] = position
+        else:
+            position += 1
+    out = []
+    for item in program:
+        if isinstance(item, str):
+            continue
+        code, jt, jf, k = item
+        jt, jf = ((where[j] - len(out) - 1) if isinstance(j, str) else j for j in (jt, jf))
+        if not (0 <= jt < 256 and 0 <= jf < 256):
+            raise ValueError("seccomp jump out of range")
+        out.append((code, jt, jf, k))
+    return out
 
 def _seccomp():
     """A seccomp filter, kernel-enforced and irrevocable: no new process or thread (fork,
     vfork, clone; clone3 fails with ENOSYS so that libc falls back to clone), no execve,
     no socket of any family (no network, no Unix socket), no ptrace or access to another
     process's memory, no signal to another process (kill and its relatives only with this
-    process's own pid; no pidfd), no memfd, SysV IPC of any kind (shared memory,
+    process's own pid; no pidfd), no change to another process's resource limits
+    (prlimit64 only on itself), priority, affinity, scheduling or memory placement, no
+    clearing of the parent-death signal, no memfd, SysV IPC of any kind (shared memory,
     semaphores, message queues: they outlive the process), POSIX message queue, io_uring,
     userfaultfd or keyring (memory outside RLIMIT_AS), no device or FIFO node (mknod), no
     namespaces, no chattr, no terminal injection. Returns False on an unknown
@@ -381,25 +430,28 @@ def _seccomp():
     load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, RET|K
     allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
     eperm, enosys = 1, 38
+    arg0, arg1 = 16, 24  # low halves of seccomp_data.args[0] and args[1]
+    me = os.getpid()
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill),  # seccomp_data.arch
                (load, 0, 0, 0)]                                          # seccomp_data.nr
     if machine == "x86_64":
-        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # no x32 system calls
-    for name in _DENIED:
-        if name in numbers:
-            program += [(jeq, 0, 1, numbers[name]), (ret, 0, 0, errno | eperm)]
-    program += [(jeq, 0, 1, numbers["clone3"]), (ret, 0, 0, errno | enosys)]
-    # The signal calls jump to `to_self`, ioctl to `ioctl`; everything else is allowed.
-    to_self = [(load, 0, 0, 16), (jeq, 0, 1, os.getpid()),  # low half of args[0]
-               (ret, 0, 0, allow), (ret, 0, 0, errno | eperm)]
-    ioctl = [(load, 0, 0, 24)]  # low half of args[1]: the request
-    for request in _DENIED_IOCTLS:
-        ioctl += [(jeq, 0, 1, request), (ret, 0, 0, errno | eperm)]
-    ioctl.append((ret, 0, 0, allow))
-    for k, name in enumerate(_TO_SELF):  # skip the rest of the jumps, ioctl's and "allow"
-        program.append((jeq, len(_TO_SELF) - 1 - k + 2, 0, numbers[name]))
-    program += [(jeq, 1 + len(to_self), 0, numbers["ioctl"]), (ret, 0, 0, allow)]
-    program += to_self + ioctl
+        program += [(jge, "kill", 0, 0x40000000)]  # no x32 system calls
+    program += [(jeq, "eperm", 0, numbers[name]) for name in _DENIED if name in numbers]
+    program += [(jeq, "enosys", 0, numbers["clone3"])]
+    program += [(jeq, "to_self", 0, numbers[name]) for name in _TO_SELF]
+    program += [(jeq, "own_or_zero", 0, numbers[name]) for name in _OWN_OR_ZERO]
+    program += [(jeq, "ioctl", 0, numbers["ioctl"]), (jeq, "prctl", 0, numbers["prctl"]),
+                (ret, 0, 0, allow)]
+    program += ["to_self", (load, 0, 0, arg0), (jeq, "allow", "eperm", me)]
+    program += ["own_or_zero", (load, 0, 0, arg0), (jeq, "allow", 0, 0),
+                (jeq, "allow", "eperm", me)]
+    program += ["ioctl", (load, 0, 0, arg1)]
+    program += [(jeq, "eperm", 0, request) for request in _DENIED_IOCTLS]
+    program += [(ret, 0, 0, allow), "prctl", (load, 0, 0, arg0)]
+    program += [(jeq, "eperm", 0, option) for option in _DENIED_PRCTL]
+    program += ["allow", (ret, 0, 0, allow), "eperm", (ret, 0, 0, errno | eperm),
+                "enosys", (ret, 0, 0, errno | enosys), "kill", (ret, 0, 0, kill)]
+    program = _assemble(program)
 
     class Instruction(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte),
@@ -795,11 +847,13 @@ def _exchange(check: HumanEvalCheck, candidate: "_Process", checker: "_Process",
                     "guard": _guard_source()}, deadline)
     checker.send({"context": check.context, "test": check.test,
                   "entry_point": check.entry_point}, deadline)
+    # The program's first line. Whether the isolation holds is settled by the grading
+    # process's own probes (`isolation`), never by this channel, which the program writes
+    # too: a report of a missing layer here (a kernel that lost one since the probe, or a
+    # program that prints one) fails this check only.
     ready = _parse(candidate.receive(deadline), "program")
     if "unisolated" in ready:
-        raise IsolationUnavailableError(
-            f"the fallback without namespaces needs {ready['unisolated']}; HumanEval programs "
-            "are not run without it")
+        return "failed: the sandbox's kernel layers were not applied: " + str(ready["unisolated"])
     if "raised" in ready:
         return "failed: " + _raised(ready["raised"])
     if ready != {"ready": True}:
@@ -884,7 +938,9 @@ class _Process:
 
     def __init__(self, source: str, role: str, bwrap: str | None, timeout: float,
                  memory_bytes: int):
-        self.scratch = None if bwrap else tempfile.mkdtemp(prefix="degs-humaneval-")
+        if not bwrap:
+            _remove_stale_scratch(tempfile.gettempdir())
+        self.scratch = None if bwrap else tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-")
         scratch = self.scratch or _SCRATCH_IN_SANDBOX
         try:
             packages = _PACKAGES_IN_SANDBOX if bwrap else _package_view(scratch)
@@ -928,23 +984,10 @@ class _Process:
         self._remove_scratch()
 
     def _remove_scratch(self) -> None:
-        """Remove the fallback's scratch directory, also where the (dead) program left
-        directories without write or search permission; a warning naming it if that fails
-        (the programs can set no file attribute: see ``_seccomp``)."""
-        if self.scratch is None:
-            return
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        if os.path.lexists(self.scratch):
-            with contextlib.suppress(OSError):
-                os.chmod(self.scratch, 0o700)
-                for top, dirs, _ in os.walk(self.scratch):  # top-down: chmod, then enter
-                    for name in dirs:
-                        if not os.path.islink(path := os.path.join(top, name)):
-                            os.chmod(path, 0o700)
-            shutil.rmtree(self.scratch, ignore_errors=True)
-        if os.path.lexists(self.scratch):
-            warnings.warn(f"degs_jax sandbox: could not remove the scratch directory "
-                          f"{self.scratch}", RuntimeWarning, stacklevel=2)
+        """Remove the fallback's scratch directory (:func:`_remove_tree`); a warning naming
+        it if that fails (the programs can set no file attribute: see ``_seccomp``)."""
+        if self.scratch is not None:
+            _remove_tree(self.scratch)
 
     def send(self, message: dict, deadline: float) -> None:
         self.send_line(json.dumps(message, ensure_ascii=True).encode("ascii") + b"\n", deadline)
@@ -979,6 +1022,83 @@ class _Process:
         if len(line) > _LINE_CAP_BYTES:
             raise _Closed(f"program output over {_LINE_CAP_BYTES} bytes in one value")
         return line + b"\n"
+
+
+# The fallback's scratch directories: <temporary directory>/degs-humaneval-<grader pid>-*.
+_SCRATCH_PREFIX = "degs-humaneval-"
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _remove_tree(path: str) -> None:
+    """Remove the directory ``path`` and everything in it, as a dead program left it: no
+    recursion (a program can nest directories thousands deep, past Python's recursion
+    limit and ``PATH_MAX``, so every step is taken relative to a descriptor of the
+    directory it is in, one descriptor open at a time), no symbolic link followed, each
+    directory made readable and writable before it is entered (a program can leave some
+    without permissions). A warning naming ``path`` where it could not be removed."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+            fd = os.open(path, _DIRECTORY_FLAGS)
+            try:
+                # (this directory's name in its parent, its subdirectories still to remove)
+                stack: list[tuple[str | None, list[str]]] = [(None, _unlink_files(fd))]
+                while stack:
+                    name, left = stack[-1]
+                    if left:
+                        child = left.pop()
+                        os.chmod(child, 0o700, dir_fd=fd)  # a directory (lstat), not a link
+                        inner = os.open(child, _DIRECTORY_FLAGS, dir_fd=fd)
+                        os.close(fd)
+                        fd = inner
+                        stack.append((child, _unlink_files(fd)))
+                        continue
+                    stack.pop()
+                    if name is not None:
+                        outer = os.open("..", _DIRECTORY_FLAGS, dir_fd=fd)
+                        os.close(fd)
+                        fd = outer
+                        os.rmdir(name, dir_fd=fd)
+            finally:
+                os.close(fd)
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+    except OSError:
+        pass
+    if os.path.lexists(path):
+        warnings.warn(f"degs_jax sandbox: could not remove the scratch directory {path}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _unlink_files(fd: int) -> list[str]:
+    """Remove every entry of the directory ``fd`` but its subdirectories; their names."""
+    with os.scandir(fd) as scan:
+        entries = list(scan)
+    directories = []
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            directories.append(entry.name)
+        else:
+            os.unlink(entry.name, dir_fd=fd)
+    return directories
+
+
+@functools.lru_cache(maxsize=None)
+def _remove_stale_scratch(temporary: str) -> None:
+    """Once per temporary directory and process, before the first fallback check there:
+    remove the scratch directories of graders that are gone (killed, so that their
+    ``__exit__`` never ran), those of this user whose pid no longer exists."""
+    for path in glob.glob(os.path.join(glob.escape(temporary), _SCRATCH_PREFIX + "*-*")):
+        pid = os.path.basename(path)[len(_SCRATCH_PREFIX):].split("-", 1)[0]
+        try:
+            if not (pid.isdigit() and len(pid) < 10) or int(pid) == os.getpid() or os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _remove_tree(path)
+        except OSError:  # alive (another user's: EPERM), or already removed
+            continue
 
 
 def _wait(fd: int, deadline: float, *, write: bool) -> None:
@@ -1033,42 +1153,132 @@ def _allowed_packages() -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _runtime_roots() -> list[str]:
-    """Directories of the Python runtime outside ``/usr`` (its prefix, where the
-    interpreter and its shared library are)."""
-    roots: list[str] = []
-    for path in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter()),
-                 sysconfig.get_config_var("LIBDIR") or ""):
-        path = os.path.realpath(path) if path else ""
-        if path and not _under(path, "/usr") and not any(_under(path, r) for r in roots):
-            roots = [r for r in roots if not _under(r, path)] + [path]
-    return roots
-
-
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# Top-level links of a merged /usr (``/lib -> usr/lib``): made again inside the sandbox,
+# where the dynamic loader looks for libraries through them.
+_TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
-# Where installed Python packages live below a prefix (Debian's dist-packages included).
-_PACKAGE_DIR_PATTERNS = ("lib*/python*/site-packages", "lib*/python*/dist-packages",
-                         "local/lib*/python*/site-packages", "local/lib*/python*/dist-packages")
+
+# Run by the base interpreter, as the sandbox runs it: imports every extension module of
+# the standard library and the allowed packages' modules, then prints every file mapped
+# into the process (the interpreter, its loader, every shared library and data file that
+# importing loads).
+_RUNTIME_PROBE = r'''
+import importlib, json, os, sys, sysconfig
+sys.path.extend(json.loads(sys.argv[1]))
+dynload = os.path.join(sysconfig.get_paths()["platstdlib"], "lib-dynload")
+names = [n.split(".")[0] for n in (os.listdir(dynload) if os.path.isdir(dynload) else ())]
+for name in names + ["numpy", "numpy.linalg", "numpy.fft", "numpy.random", "numpy.polynomial"]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        pass
+with open("/proc/self/maps") as maps:
+    mapped = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+print(json.dumps(sorted(p for p in mapped if p.startswith("/"))))
+'''
+
+
+def _standard_library() -> list[str]:
+    """The base interpreter's standard library directories (real paths)."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
+            "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(vars=base)
+    found: list[str] = []
+    for key in ("stdlib", "platstdlib"):
+        path = os.path.realpath(paths[key])
+        if os.path.isdir(path) and not any(_under(path, p) for p in found):
+            found = [p for p in found if not _under(p, path)] + [path]
+    return found
 
 
 @functools.lru_cache(maxsize=None)
 def _mounted_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(what programs see of the system and the runtime, read-only; the directories of
-    installed Python packages below it, which they do not see: any package can carry a
-    benchmark's answers). The environment's own ``site-packages`` is not below a root
-    unless it is the runtime's; either way only :func:`_allowed_packages` are shown."""
-    roots = [p for p in _SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
-    roots += _runtime_roots()
+    """(the directories programs see whole, read-only: the standard library; the
+    directories of installed Python packages below them, which they do not see: any
+    package can carry a benchmark's answers). Only :func:`_allowed_packages` are shown,
+    elsewhere (:data:`_PACKAGES_IN_SANDBOX`)."""
+    roots = _standard_library()
     found = {os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
     base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
             "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix}
     found |= {os.path.realpath(sysconfig.get_paths(vars=base)[k]) for k in ("purelib", "platlib")}
     for root in roots:
-        found |= {os.path.realpath(p) for pattern in _PACKAGE_DIR_PATTERNS
-                  for p in glob.glob(os.path.join(root, pattern))}
+        found |= {os.path.realpath(p) for name in ("site-packages", "dist-packages")
+                  for p in glob.glob(os.path.join(glob.escape(root), "**", name), recursive=True)}
     hidden = sorted(p for p in found if os.path.isdir(p) and any(_under(p, r) for r in roots))
     return tuple(roots), tuple(hidden)
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_files() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(files, links): what the interpreter needs outside the standard library, an
+    allow-list. The files are those a probe maps into the base interpreter (its binary,
+    the dynamic loader, every shared library of the standard library's extension modules
+    and of the allowed packages, locale data; ``_RUNTIME_PROBE``), real paths; the links
+    (path, target) are those through which they are opened: the top-level links of a
+    merged ``/usr``, the symbolic links beside each file that name it (``libz.so.1 ->
+    libz.so.1.2.13``), and those on the path of the interpreter's loader. Nothing else of
+    ``/usr`` or anywhere is visible: a copy of a benchmark's answers there stays hidden."""
+    roots = _standard_library()
+    done = subprocess.run([_interpreter(), "-I", "-S", "-B", "-c", _RUNTIME_PROBE,
+                           json.dumps([os.path.dirname(p) for p in _allowed_packages()])],
+                          capture_output=True, timeout=120, env=_sandbox_env("/"), cwd="/")
+    mapped = json.loads(done.stdout) if done.returncode == 0 else []
+    shown = (*roots, *_allowed_packages())
+    files = sorted({os.path.realpath(p) for p in [_interpreter(), *mapped]
+                    if os.path.isfile(p) and not any(_under(os.path.realpath(p), r) for r in shown)})
+    links: dict[str, str] = {}
+    for path in _TOP_LINKS:
+        if os.path.islink(path):
+            links[path] = os.readlink(path)
+    wanted = set(files)
+    for directory in sorted({os.path.dirname(f) for f in files}):
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink() and os.path.realpath(entry.path) in wanted:
+                    links[entry.path] = os.readlink(entry.path)
+    loader = _elf_interpreter(_interpreter())
+    if loader:
+        links.update(_links_along(loader))
+    return tuple(files), tuple(sorted(links.items()))
+
+
+def _elf_interpreter(path: str) -> str | None:
+    """The dynamic loader a 64-bit little-endian ELF executable names (``PT_INTERP``)."""
+    import struct
+
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if header[:6] != b"\x7fELF\x02\x01":
+            return None
+        phoff, = struct.unpack_from("<Q", header, 32)
+        phentsize, phnum = struct.unpack_from("<HH", header, 54)
+        for k in range(phnum):
+            f.seek(phoff + k * phentsize)
+            kind, _, offset, _, _, size = struct.unpack("<IIQQQQ", f.read(40))
+            if kind == 3:  # PT_INTERP
+                f.seek(offset)
+                return f.read(size).rstrip(b"\0").decode()
+    return None
+
+
+def _links_along(path: str) -> dict[str, str]:
+    """Every symbolic link met resolving ``path`` (link -> its target)."""
+    links: dict[str, str] = {}
+    current, parts = "/", [p for p in path.split("/") if p]
+    for _ in range(100):  # (a loop of links ends here)
+        if not parts:
+            break
+        part = parts.pop(0)
+        step = os.path.dirname(current) if part == ".." else os.path.join(current, part)
+        if part != ".." and os.path.islink(step):
+            target = os.readlink(step)
+            links[step] = target
+            parts = [p for p in target.split("/") if p] + parts
+            current = "/" if target.startswith("/") else current
+        elif part != ".":
+            current = step
+    return links
 
 
 def _covering(root: str, hidden: Sequence[str]) -> list[str]:
@@ -1087,12 +1297,14 @@ def _covering(root: str, hidden: Sequence[str]) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _readable_paths() -> tuple[str, ...]:
-    """What a fallback program may read (Landlock): what bubblewrap would show it (no
-    ``/etc``, no home, no ``/proc``, no installed package but the allowed ones, four
-    harmless devices)."""
+    """What a fallback program may read (Landlock): what bubblewrap would show it, the
+    same allow-list (the standard library without its package directories, the
+    runtime's files, the allowed packages, four harmless devices; Landlock does not
+    restrict following links)."""
     roots, hidden = _mounted_roots()
     return tuple(p for p in (*[q for r in roots for q in _covering(r, hidden)],
-                             *_allowed_packages(), *_DEVICES) if os.path.exists(p))
+                             *_runtime_files()[0], *_allowed_packages(), *_DEVICES)
+                 if os.path.exists(p))
 
 
 def _package_view(scratch: str) -> str:
@@ -1117,13 +1329,13 @@ def _bwrap_args(bwrap: str) -> tuple[str, ...]:
     for name, value in _sandbox_env(_SCRATCH_IN_SANDBOX).items():
         args += ["--setenv", name, value]
     roots, hidden = _mounted_roots()
-    for path in _SYSTEM_DIRS[1:]:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-    for root in roots:
-        args += ["--ro-bind", root, root]
+    files, links = _runtime_files()
+    for path in (*roots, *files):
+        args += ["--ro-bind", path, path]
     for path in hidden:
         args += ["--tmpfs", path, "--remount-ro", path]
+    for path, target in links:
+        args += ["--symlink", target, path]
     for path in _allowed_packages():
         args += ["--ro-bind", path, f"{_PACKAGES_IN_SANDBOX}/{os.path.basename(path)}"]
     args += ["--proc", "/proc", "--dev", "/dev",
