@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = re.compile(r"^<!-- snippet: skip: (\S.*?) -->$")
-MARKER = re.compile(r"<!-- snippet")
+MARKER = re.compile(r"^\s*<!-- snippet")  # a line of its own (prose may quote it)
 FENCE = re.compile(r"^```(\S*)\s*$")
 
 
