@@ -30,6 +30,10 @@ import subprocess
 import sys
 import time
 
+# Timings here are of compilations as they happen: the library's default persistent cache
+# (models/compilation.py) stays off unless a script turns a cache on itself.
+os.environ.setdefault("DEGS_JAX_COMPILATION_CACHE", "0")
+
 import numpy as np
 
 OUT = "batch_auto.jsonl"

@@ -12,6 +12,10 @@ import time
 from typing import Optional
 from importlib import metadata
 
+# Timings here are of compilations as they happen: the library's default persistent cache
+# (models/compilation.py) stays off unless a script turns a cache on itself.
+os.environ.setdefault("DEGS_JAX_COMPILATION_CACHE", "0")
+
 import jax
 import jax.numpy as jnp
 

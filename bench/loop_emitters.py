@@ -18,6 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+# Timings here are of compilations as they happen: the library's default persistent cache
+# (models/compilation.py) stays off unless a script turns a cache on itself.
+os.environ.setdefault("DEGS_JAX_COMPILATION_CACHE", "0")
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from xla_flags import FAST_COMPILE, decoding_flags  # noqa: E402  (the suite's flags, one home)
 

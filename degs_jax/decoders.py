@@ -57,6 +57,9 @@ from .method import Method, positive_int
 from .model_api import CausalLM, params_dtype
 from .rows import put_slots, repeat_rows, take_slot, work_totals
 from .stops import TokenBytes
+from .models.compilation import enable_default_compilation_cache
+
+enable_default_compilation_cache()  # on for library users unless theirs is set (models/compilation.py)
 
 Array = jax.Array
 
@@ -83,6 +86,9 @@ class Candidate:
     # `mcmc.decision_lists`): log r_0, D(x') - D(x), log u, null move, cut, suffix lengths
     mh_decisions: Optional[dict[str, Any]] = None
     text: Optional[str] = None
+    # What ended it (`degs_jax.text.ended_by`, set with `text`): the end token's id (int),
+    # the stop string (str), or None (the budget, or not set)
+    ended_by: Optional[int | str] = None
     weight: Optional[float] = None  # SMC: normalised final importance weight of the particle
     # The method's own per-candidate statistics (JSON values), by name: what its
     # `RunDetails.candidate_fields` hold beyond the fields above; stored in the records
@@ -390,7 +396,7 @@ def _outputs(model: CausalLM, config: Method, state: GenState, answer: Any, deta
 
 # What a method's `RunDetails.candidate_fields` may set directly (the rest become `extras`).
 _METHOD_CANDIDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(Candidate)) - {
-    "tokens", "log_p", "depth", "final_entropy", "ended", "text", "extras"}
+    "tokens", "log_p", "depth", "final_entropy", "ended", "text", "ended_by", "extras"}
 
 
 def _method_fields(candidate_fields: Optional[list[dict[str, Any]]], row: int) -> dict[str, Any]:

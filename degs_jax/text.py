@@ -43,5 +43,22 @@ def sample(model, prompts: str | Sequence[str], method: str | Method = "degs_mcm
                     token_bytes=token_bytes(model.tokenizer) if config.stop else None)
     for out in result.outputs:
         for cand in out.candidates:
-            cand.text = cut_at_stop(model.tokenizer.decode(cand.tokens, skip_special_tokens=True), config.stop)
+            decoded = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)
+            cand.text = cut_at_stop(decoded, config.stop)
+            cand.ended_by = ended_by(cand.tokens, cand.ended, model.eos_ids, config.stop, decoded)
     return result
+
+
+def ended_by(tokens: Sequence[int], ended: bool, eos_ids: Sequence[int],
+             stop: Optional[Sequence[str]], decoded: str) -> Optional[int | str]:
+    """What ended a completion, read on the host from its final tokens: the id of its last
+    token if that is an end token (`eos_ids`), else the stop string that ended it: the
+    first one to be completed in `decoded` (the tokens' text, uncut), which is where the
+    decoder stopped (`degs_jax.stops`); None for a completion that did not end (its token
+    budget ran out)."""
+    if not ended:
+        return None
+    if tokens and int(tokens[-1]) in set(map(int, eos_ids)):
+        return int(tokens[-1])
+    completed = [(i + len(s), -len(s), s) for s in stop or () if (i := decoded.find(s)) >= 0]
+    return min(completed)[2] if completed else None

@@ -13,15 +13,16 @@ from .checkpoint import CheckpointError
 from .compilation import enable_compilation_cache
 from .config import ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
 from .gguf_io import GGUFError
-from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, ChecksumError, LoadedModel, auto_dtype,
-                      default_cache_dir, file_sha256, load, resolve_dtype)
+from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, KNOWN_END_TOKENS, ChecksumError, LoadedModel, auto_dtype,
+                      default_cache_dir, end_token_ids, file_sha256, load, resolve_dtype)
 from .lens_head import LensStats, LensTranslators, streamed_head, translate_residuals
 from .params import LayerParams, Params, is_stacked, param_shapes, stack_layers, unstack_layers
 from .transformer import ForwardOutput, forward, init_params, rms_norm
 
 __all__ = [
     "BUILTIN_MODELS", "CheckpointError", "ChecksumError", "DEFAULT_MODEL", "GGUFError",
-    "LoadedModel", "auto_dtype", "default_cache_dir", "enable_compilation_cache", "file_sha256", "load",
+    "KNOWN_END_TOKENS", "LoadedModel", "auto_dtype", "default_cache_dir", "enable_compilation_cache",
+    "end_token_ids", "file_sha256", "load",
     "ConfigError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "ForwardOutput", "KVCache",
     "LayerParams", "LensStats", "LensTranslators", "Params", "forward", "init_cache", "init_params",
     "is_stacked", "param_shapes", "resolve_dtype", "rms_norm", "stack_layers", "streamed_head", "translate_residuals",

@@ -3,8 +3,14 @@
 A new shape (model, batch, buffer) compiles its programs once per process; with the
 persistent cache on, XLA's output is stored on disk and a later process with the same
 shapes, flags and jax/jaxlib versions loads it instead of compiling. The degs_jax
-command line turns it on at start-up; library users call :func:`enable_compilation_cache`
-once, before the first jitted call.
+command line turns it on at start-up (:func:`enable_compilation_cache`). For library
+users it is on by default (:func:`enable_default_compilation_cache`, run when
+`degs_jax.decoders` is imported, i.e. by every decoding path): unless JAX already has a
+cache setting of the user's own (`JAX_COMPILATION_CACHE_DIR`, `jax_compilation_cache_dir`,
+or `jax_enable_compilation_cache` off), which wins, and unless
+`DEGS_JAX_COMPILATION_CACHE=0`; the first compilation that uses it prints one line saying
+where it lives. A script's first decode on a CPU compiles for about a minute; run again,
+it loads the programs in seconds.
 
 Location: `$DEGS_JAX_CACHE/xla` (default `~/.cache/degs_jax/xla`), unless JAX already has
 a cache directory (the `JAX_COMPILATION_CACHE_DIR` environment variable or
@@ -49,13 +55,65 @@ SETTLED_SECONDS = 60.0
 _VERIFIED_FILE = "degs-verified.json"
 
 
+# Set to 0 (or off, false, no) to keep the default cache off for library users.
+DEFAULT_SWITCH = "DEGS_JAX_COMPILATION_CACHE"
+_FIRST_USE_EVENT = "/jax/compilation_cache/compile_requests_use_cache"  # before JAX reads the cache
+_default = {"directory": None, "announced": False}  # the default cache's state in this process
+
+
+def enable_default_compilation_cache() -> Optional[Path]:
+    """Turn on JAX's persistent compilation cache in `default_cache_dir() / "xla"` for a
+    library user's process (module docstring), unless the user has a setting of their own:
+    `JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir` (a directory of their own),
+    `jax_enable_compilation_cache` set off, or `DEGS_JAX_COMPILATION_CACHE=0`. Nothing is
+    read or written until the first compilation that uses the cache: then damaged entries
+    are removed (:func:`remove_damaged_entries`) and one line on stderr says where the
+    cache is, unless the directory has been changed meanwhile. Returns the directory, or
+    None where the user's setting stands. Idempotent."""
+    if _default["directory"] is not None:
+        return _default["directory"]
+    if (os.environ.get(DEFAULT_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+            or jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache):
+        return None
+    path = default_cache_dir() / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    _default["directory"] = path
+    from jax import monitoring  # (the listener lives as long as the process)
+
+    monitoring.register_event_listener(_on_cache_event)
+    return path
+
+
+def _on_cache_event(event: str, **_) -> None:
+    """At the first compilation that uses the default cache: its damaged entries removed and
+    its one line printed (not when the directory was changed, or chosen explicitly with
+    `enable_compilation_cache`, since the default was set)."""
+    if event != _FIRST_USE_EVENT or _default["announced"]:
+        return
+    _default["announced"] = True
+    path = _default["directory"]
+    if jax.config.jax_compilation_cache_dir != str(path):
+        return
+    if path.is_dir():
+        _report_removed(path, remove_damaged_entries(path))
+    print(f"degs_jax: compiled programs are kept in {path} (JAX's persistent compilation cache, on "
+          f"by default; your own JAX_COMPILATION_CACHE_DIR or jax_compilation_cache_dir replaces it, "
+          f"{DEFAULT_SWITCH}=0 turns it off)", file=sys.stderr)
+
+
 def enable_compilation_cache(directory: Optional[str | Path] = None) -> Path:
     """Turn on JAX's persistent compilation cache and return its directory.
 
     directory: where to keep it (default: an already configured JAX cache directory, else
-    `default_cache_dir() / "xla"`). Idempotent; safe to call before any computation.
+    `default_cache_dir() / "xla"`). Idempotent; safe to call before any computation. A
+    choice of its own: the default cache's line (`enable_default_compilation_cache`) is
+    not printed.
     """
+    _default["announced"] = True
     configured = jax.config.jax_compilation_cache_dir
+    if _default["directory"] is not None and configured == str(_default["directory"]):
+        configured = None  # the default's, not a setting of the user's: `directory` decides
     if directory is None and configured:
         path = Path(configured)
     else:
@@ -63,12 +121,15 @@ def enable_compilation_cache(directory: Optional[str | Path] = None) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    removed = remove_damaged_entries(path)
+    _report_removed(path, remove_damaged_entries(path))
+    return path
+
+
+def _report_removed(path: Path, removed: list[str]) -> None:
     if removed:
         print(f"degs_jax: removed {len(removed)} damaged entries of the XLA compilation cache "
               f"{path} (cut short, e.g. by a full disk); they are compiled again once",
               file=sys.stderr)
-    return path
 
 
 def remove_damaged_entries(directory: str | Path) -> list[str]:

@@ -136,7 +136,6 @@ def config_from_gguf(reader) -> ModelConfig:
         if tokens is None:
             raise ConfigError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(tokens.data)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -153,9 +152,22 @@ def config_from_gguf(reader) -> ModelConfig:
         qk_norm=arch == "qwen3",
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=gguf_end_token_ids(reader),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+
+
+# The metadata keys of a GGUF file's end tokens: end of sequence, end of turn, end of message
+# (llama.cpp's `LLM_KV_TOKENIZER_EOS_ID`, `_EOT_ID`, `_EOM_ID`).
+GGUF_END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                       "tokenizer.ggml.eom_token_id")
+
+
+def gguf_end_token_ids(reader) -> tuple[int, ...]:
+    """The end tokens a GGUF file declares (`GGUF_END_TOKEN_KEYS`), sorted. A file declares
+    one end of sequence, so the model's other end tokens (Qwen's `<|endoftext|>` beside its
+    declared `<|im_end|>`) come from its vocabulary: `loading.end_token_ids`."""
+    return tuple(sorted({int(i) for key in GGUF_END_TOKEN_KEYS if (i := _field(reader, key)) is not None}))
 
 
 def tokenizer_from_gguf(reader):

@@ -58,7 +58,7 @@ import tempfile
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,8 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 # Part of the converted-GGUF cache path: bump it whenever the conversion's output changes,
 # so that stale conversions are not reused. 2: tokenizer built from GGUF metadata; checksums.
-GGUF_CACHE_VERSION = 2
+# 3: config.json's eos_token_id lists the file's end-of-turn / end-of-message tokens too.
+GGUF_CACHE_VERSION = 3
 CHECKSUMS_FILE = "checksums.json"
 _BLOCK = 8 << 20  # bytes per read when hashing or copying
 
@@ -220,16 +221,48 @@ class LoadedModel:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        """The ids that end a completion: the config's and the tokenizer's EOS (chat models
-        often end turns with a different token than their base EOS)."""
-        ids = set(self.cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
+        """The ids that end a completion: `end_token_ids` of the tokenizer and of the ids the
+        checkpoint declares (config.json's and generation_config.json's `eos_token_id`, or
+        the GGUF file's end tokens)."""
+        return end_token_ids(self.tokenizer, self.cfg.eos_token_ids)
 
     @property
     def architecture(self) -> str:
         return self.cfg.architecture
+
+
+# Special tokens that end a turn or a document in the chat and base models this package
+# loads (and in most others): a completion that samples one has ended, whatever the
+# checkpoint declares. A GGUF file declares one end of sequence (Qwen2.5's: `<|im_end|>`),
+# while Qwen's generation_config.json ends generation at `<|endoftext|>` too; a token
+# dropped from the text as special and decoded past is text glued onto an ended answer
+# (issue 54: HumanEval bodies followed by `import unittest`). The list: ChatML and GPT-2
+# (`<|im_end|>`, `<|endoftext|>`), Llama 3 (`<|eot_id|>`, `<|eom_id|>`, `<|end_of_text|>`),
+# Phi-3 (`<|end|>`), Gemma (`<end_of_turn>`), Code Llama infilling (`<EOT>`), Command-R,
+# SmolVLM.
+KNOWN_END_TOKENS = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+    "<end_of_turn>", "<EOT>", "<|END_OF_TURN_TOKEN|>", "<end_of_utterance>",
+})
+
+
+def end_token_ids(tokenizer: Any, declared: Sequence[int] = ()) -> tuple[int, ...]:
+    """Every token id that ends a completion of a model with this tokenizer, sorted: the ids
+    `declared` by its checkpoint (e.g. config.json's `eos_token_id`), the tokenizer's
+    `eos_token_id`, and its special tokens whose text is a known end of turn or of document
+    (`KNOWN_END_TOKENS`: `<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`, ...). For the
+    built-in Qwen models: (151643, 151645); SmolLM2: (0, 2). What `LoadedModel.eos_ids`
+    is; for a model of your own, `LanguageModel(..., eos_ids=end_token_ids(tokenizer))`.
+    Special tokens only: a plain vocabulary entry spelled like one is text."""
+    ids = {int(i) for i in declared}
+    if tokenizer is None:
+        return tuple(sorted(ids))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    special = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(int(i) for i, token in special.items()
+               if getattr(token, "special", False) and str(token) in KNOWN_END_TOKENS)
+    return tuple(sorted(ids))
 
 
 def default_cache_dir() -> Path:
@@ -537,6 +570,13 @@ def _load_hf_dir(directory: Path, dtype, progress: bool, name: str, mesh=None,
         cfg = ModelConfig.from_hf(config)
     except ConfigError as e:
         raise ConfigError(f"{config_path}: {e}") from None
+    generation_path = directory / "generation_config.json"
+    if generation_path.is_file():  # e.g. Qwen's: [151645, 151643] where config.json has one
+        generation_ends = _read_json(generation_path, ConfigError).get("eos_token_id")
+        if generation_ends is not None:
+            generation_ends = generation_ends if isinstance(generation_ends, list) else [generation_ends]
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(sorted(
+                {*cfg.eos_token_ids, *(int(i) for i in generation_ends)})))
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
         index = _read_json(index_path, CheckpointError)
@@ -742,7 +782,15 @@ def _write_hf_dir(entry: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray],
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"source": source})
     tokenizer.save_pretrained(tmp)
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    # `transformers_version`, as transformers' own `save_pretrained` writes it: without it,
+    # transformers 5.17 (not 5.24) takes any local tokenizer for a possibly-Mistral one and
+    # warns that its "incorrect regex pattern ... will lead to incorrect tokenization". The
+    # warning was false: loading a converted Qwen2.5 entry under 5.17 and 5.24 gives the same
+    # ids on all 6,966 texts of the bundled benchmarks (453,129 tokens), equal to
+    # transformers' own GGUF tokenizer's; transformers changes nothing unless
+    # `fix_mistral_regex=True` is passed (docs/benchmarks.md, "The GGUF tokenizer warning").
+    (tmp / "config.json").write_text(json.dumps(
+        {**cfg.to_hf(), "transformers_version": transformers().__version__}, indent=1))
     files = {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "crc32": _crc32(f)}
              for f in sorted(tmp.rglob("*")) if f.is_file()}
     (tmp / CHECKSUMS_FILE).write_text(json.dumps({"source": source, "files": files}, indent=1))

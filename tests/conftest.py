@@ -46,6 +46,11 @@ import pytest
 from xla_flags import with_test_flags
 
 os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
+# The library's default persistent cache (models/compilation.py) stays off in this process
+# and in the Python processes tests start, whose stderr the tests read: the run's own cache
+# is turned on explicitly (`_run_wide_compilation_cache`, the `degs` program), and
+# tests/test_compilation_cache.py tests the default in processes of its own.
+os.environ["DEGS_JAX_COMPILATION_CACHE"] = "0"
 
 
 def _free_disk_gib() -> float:

@@ -126,3 +126,45 @@ def test_clearing_jax_caches_unmaps_the_compiled_programs():
     gc.collect()
     given_back = start + grown - memory_map_count()
     assert given_back >= 120, (grown, given_back)  # measured: 180 of 257 (the rest: thread pools)
+
+
+# A library user's script: imports the decoders (the default cache's switch) and compiles
+# one small program; prints "hit"/"miss" as _RUN does, and JAX's cache directory.
+_LIBRARY_USER = r'''
+import jax
+import numpy as np
+from jax import monitoring
+hits = []
+monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+import degs_jax.decoders
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: (x @ x.T).sum() * 3.0)(np.ones((8, 8), np.float32)).block_until_ready()
+print("hit" if hits else "miss", jax.config.jax_compilation_cache_dir)
+'''
+
+
+def run_library_user(**env):
+    done = subprocess.run([sys.executable, "-c", _LIBRARY_USER], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in dict(os.environ, JAX_PLATFORMS="cpu", **env).items()
+                                            if v is not None})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split(), done.stderr
+
+
+def test_the_cache_is_on_by_default_for_library_users_and_theirs_wins(tmp_path):
+    cache = tmp_path / "degs"
+    default = {"DEGS_JAX_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": None,
+               compilation.DEFAULT_SWITCH: None}
+    (outcome, where), err = run_library_user(**default)
+    assert (outcome, where) == ("miss", str(cache / "xla")) and list((cache / "xla").glob("*-cache"))
+    line = f"degs_jax: compiled programs are kept in {cache / 'xla'} (JAX's persistent compilation cache"
+    assert err.count(line) == 1, err
+    assert run_library_user(**default)[0] == ["hit", str(cache / "xla")]  # the next script loads it
+    # the user's own directory wins, without the line; the switch turns the default off
+    (outcome, where), err = run_library_user(**{**default, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine")})
+    assert (outcome, where) == ("miss", str(tmp_path / "mine")) and "degs_jax:" not in err
+    assert list((tmp_path / "mine").glob("*-cache"))
+    (outcome, *where), err = run_library_user(**{**default, compilation.DEFAULT_SWITCH: "0",
+                                                 "DEGS_JAX_CACHE": str(tmp_path / "off")})
+    assert outcome == "miss" and where in ([], ["None"]) and not (tmp_path / "off").exists() and "degs_jax:" not in err

@@ -79,12 +79,17 @@ def shared_prompt_width(monkeypatch):
                         functools.partial(generation.pad_prompts, multiple=SHARED_PROMPT_WIDTH))
 
 
+def run_stops(run_dir) -> list:
+    """The stop strings a run recorded (none: [])."""
+    return json.loads((Path(run_dir) / "run.json").read_text())["config"]["hyperparameters"].get("stop") or []
+
+
 def _records(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "results.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("benchmark", BENCHMARKS)
-def test_greedy_on_each_benchmark(benchmark, degs, tmp_path, shared_prompt_width):
+def test_greedy_on_each_benchmark(benchmark, degs, model, tmp_path, shared_prompt_width):
     out = tmp_path / benchmark
     extra = ["--keep-candidates"] if benchmark == "gpqa" else []
     rc, stdout, err = degs("eval", "--benchmark", benchmark, "--method", "greedy", "--limit", 3,
@@ -97,6 +102,9 @@ def test_greedy_on_each_benchmark(benchmark, degs, tmp_path, shared_prompt_width
     for r in records:
         assert isinstance(r["correct"], bool)
         assert 1 <= r["n_tokens"] <= 16
+        # what ended it: an end token's id or a stop string (HumanEval's Codex stops), none at the budget
+        stops = run_stops(out)
+        assert (r["ended_by"] in model.eos_ids or r["ended_by"] in stops) if r["ended"] else r["ended_by"] is None
         assert 0.0 <= r["D"] <= 1.0 and r["log_p"] <= 0.0
         assert r["generated_tokens"] > 0 and r["forward_equivalents"] > r["forward_tokens"] > 0
         assert r["wall_clock_s"] > 0 and r["acceptance"] is None

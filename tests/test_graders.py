@@ -1,11 +1,13 @@
 """Graders: boxed extraction, math-verify verdicts, GPQA letters, pass@k."""
 
+import json
 import math
 import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +89,14 @@ MATH_CASES = [
     ("gsm_dollar", "gsm8k", "18", box(r"\$18"), True),
     ("gsm_trailing_zeros", "gsm8k", "18", box("18.00"), True),
     ("gsm_units", "gsm8k", "18", box(r"18 \text{ dollars}"), True),
+    # GSM8K test 1001: "the latest time of day that Jordan can start" (gold 2)
+    ("gsm_clock_on_the_hour", "gsm8k", "2", box(r"2:00 \text{ pm}"), True),
+    ("gsm_clock_24h", "gsm8k", "2", box("14:00"), True),
+    ("gsm_clock_plain", "gsm8k", "2", box("2:00"), True),
+    ("gsm_clock_other_hour", "gsm8k", "2", box("3:00 pm"), False),
+    ("gsm_clock_not_on_the_hour", "gsm8k", "2", box("2:30 pm"), False),
+    ("gsm_clock_gold_not_an_hour", "gsm8k", "200", box("2:00 pm"), False),
+    ("math500_clock_not_read", "math500", "2", box("2:00 pm"), False),  # the rule is GSM8K's
 ]
 
 
@@ -185,6 +195,14 @@ DEEPMIND_CASES = [
     # A gold that names a variable is not matched by its value (module docstring):
     # "Let l = 1.2 + -0.2. ... What is the third smallest value in l, s, d?" (l)
     ("variable_value_not_read", 27, "1.0", False),  # stored
+    # The question's own Python syntax: "Find the second derivative of -6701174*d**2*w**2 ..."
+    # (gold -13402348*w**2), read as its value as LaTeX is
+    ("python_power", 2, "-13402348*w**2", True),
+    ("python_power_wrong", 2, "-13402348*w**3", False),
+    ("python_power_latex", 2, "-13402348w^2", True),
+    ("python_power_spaced", 2, "-13402348 * w ** 2", True),
+    ("python_power_parenthesised", 2, "-13402348*w**(2)", True),
+    ("python_power_wrong_coefficient", 2, "-13402347*w**2", False),
 ]
 
 
@@ -204,6 +222,70 @@ def test_deepmind_verdicts(math_grader, deepmind_problems, name, index, answer, 
 def test_deepmind_needs_the_question(math_grader):
     with pytest.raises(ValueError, match="question"):
         math_grader.grade(box("3"), "3", "deepmind500")
+
+
+def test_python_syntax_as_latex():
+    """`deepmind.to_latex`: the Python syntax of DeepMind's questions, rewritten."""
+    assert deepmind.to_latex("-502*u**2 + 812989*u - 1506") == "-502*u^{2} + 812989*u - 1506"
+    assert deepmind.to_latex("15*sqrt(11)/14") == r"15*\sqrt{11}/14"
+    assert deepmind.to_latex("sqrt(sqrt(2) + 1)**3") == r"\sqrt{\sqrt{2} + 1}^{3}"
+    assert deepmind.to_latex("x**(-2) + 2**-3") == "x^{-2} + 2^{-3}"
+    assert deepmind.to_latex("a**b**c") == "a^{b^{c}}"  # right-associative, as in Python
+    assert deepmind.to_latex(r"\frac{\sqrt{3}}{2} x^{2}") == r"\frac{\sqrt{3}}{2} x^{2}"  # LaTeX: as it is
+    assert deepmind.to_latex("sqrt(2") == "sqrt(2"  # unbalanced: left alone
+
+
+# Generated DeepMind problems: 400 of mathematics-dataset 1.0.1 (seed 1, as the benchmark's
+# seed 0: `PYTHONHASHSEED=0 python bench/make_deepmind500.py tests/data/deepmind_generated.jsonl
+# 1 400`, the versions in degs_jax/data/README.md), 50 per top-level module, all 56 modules.
+GENERATED_DEEPMIND = Path(__file__).parent / "data" / "deepmind_generated.jsonl"
+
+
+def _latex_of(question: str, gold: str) -> str:
+    """The gold written as a LaTeX answer (sympy's printer for values)."""
+    import sympy
+    from sympy.parsing.sympy_parser import parse_expr  # the trusted gold only
+
+    if gold in ("True", "False"):
+        return rf"\text{{{gold}}}"
+    if deepmind._GOLD_TIME.match(gold):
+        return gold.replace(" ", r" \text{ ") + "}"
+    base = deepmind._BASE.findall(question)
+    if base:
+        return f"{gold}_{{{base[-1]}}}"
+    if len(gold) == 1 and gold in deepmind.choices(question):
+        return rf"\text{{({gold})}}"
+    return ", ".join(sympy.latex(parse_expr(item, evaluate=False)) for item in deepmind.split_items(gold))
+
+
+def _wrong_of(question: str, gold: str) -> str:
+    """A wrong answer in the gold's own notation."""
+    if gold in ("True", "False"):
+        return "False" if gold == "True" else "True"
+    if deepmind._GOLD_TIME.match(gold):
+        hour, rest = gold.split(":")
+        return f"{int(hour) % 12 + 1}:{rest}"
+    if deepmind._BASE.findall(question):
+        return gold + "1"
+    options = deepmind.choices(question)
+    if len(gold) == 1 and gold in options:
+        return next(k for k in options if k != gold)
+    items = deepmind.split_items(gold)
+    return ", ".join([f"({items[0]}) + 1", *items[1:]])
+
+
+def test_generated_deepmind_golds_are_right_in_their_notation_and_in_latex(math_grader):
+    rows = [json.loads(line) for line in GENERATED_DEEPMIND.read_text().splitlines()]
+    assert len(rows) == 400 and len({r["module"] for r in rows}) == 56
+    wrongly_graded = []
+    for row in rows:
+        question, gold = row["question"], row["answer"]
+        for form, answer, right in (("verbatim", gold, True), ("latex", _latex_of(question, gold), True),
+                                    ("wrong", _wrong_of(question, gold), False)):
+            result = math_grader.grade(box(answer), gold, "deepmind500", question)  # in the worker
+            if result.correct is not right:
+                wrongly_graded.append((row["module"], form, gold, answer, result.detail))
+    assert wrongly_graded == []
 
 
 def test_deepmind_rules_in_process():

@@ -636,3 +636,13 @@ def test_a_torch_free_install_loads_tokenizers_without_the_pytorch_notice():
                 "assert 'TRANSFORMERS_NO_ADVISORY_WARNINGS' not in os.environ")
     assert quiet.returncode == 0, quiet.stderr
     assert "PyTorch was not found" not in quiet.stderr
+
+
+def test_hf_dir_ends_at_its_generation_config_end_tokens_too(tmp_path):
+    cfg, params = tiny()
+    write_hf_dir(tmp_path / "m", cfg, params)
+    assert load(tmp_path / "m", "float32", progress=False).eos_ids == (VOCAB - 1,)
+    # Qwen's own: config.json names one end token, generation_config.json two
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [VOCAB - 1, 7]}))
+    got = load(tmp_path / "m", "float32", progress=False)
+    assert got.eos_ids == (7, VOCAB - 1) and got.cfg.eos_token_ids == (7, VOCAB - 1)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from degs_jax import stats
+from degs_jax.eval import graders
 from degs_jax.cli import reproduction as command
 from degs_jax.reproduce import accuracy, claims, paper, report, study, study_files
 from degs_jax.hyperparameters import hyperparameters_for
@@ -629,13 +630,13 @@ def test_regrade_changes_stored_verdicts_in_place(graded_study):
     before = {r["setting"]: r for r in report.build_tables(report.load_study(graded_study))[
         "deviations"]}["DeepMind500 grader"]
     assert before["used"].endswith("; stored verdicts by grading rules 1 (the current rules are "
-                                   "version 2: `degs reproduce --regrade`)")
+                                   f"version {graders.RULES_VERSION}: `degs reproduce --regrade`)")
     assert before["effect"] is None
     lines = []
     entry = regrade_study(graded_study, log=lines.append)
     assert {(c["directory"], c["problem_id"], c["candidate"], c["old"], c["new"])
             for c in entry["changed"]} == REGRADE_CHANGES
-    assert entry["timeouts_kept"] == [] and entry["rules_version"] == 2
+    assert entry["timeouts_kept"] == [] and entry["rules_version"] == graders.RULES_VERSION
     assert entry["regraded"] == ["runs/deepmind500/best_of_n", "runs/deepmind500/greedy",
                                  "runs/math500/greedy"]
     assert entry["not_regraded"] == ["runs/humaneval/greedy"]
@@ -654,7 +655,7 @@ def test_regrade_changes_stored_verdicts_in_place(graded_study):
     assert bon["correct"] and bon["n_candidates_correct"] == 1
     assert [c["correct"] for c in bon["candidates"]] == [False, True, False]
     run = json.loads((graded_study / "runs/deepmind500/greedy/run.json").read_text())
-    assert run["regrades"][-1]["changed"] == 3 and run["regrades"][-1]["rules_version"] == 2
+    assert run["regrades"][-1]["changed"] == 3 and run["regrades"][-1]["rules_version"] == graders.RULES_VERSION
     assert (graded_study / "runs/humaneval/greedy/results.jsonl").read_bytes() == humaneval
     assert not (graded_study / "runs/humaneval/greedy/summary.json").exists()
 

@@ -159,7 +159,7 @@ def _sample_report(result, out, seed, num_layers) -> dict:
     c = out.chosen
     return {
         "method": result.method, "seed": seed, "completion": c.text,
-        "tokens": len(c.tokens), "ended_with_eos": c.ended, "log_p": c.log_p, "D": c.depth,
+        "tokens": len(c.tokens), "ended_with_eos": c.ended, "ended_by": c.ended_by, "log_p": c.log_p, "D": c.depth,
         "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
         "depth_decisions_per_block": c.depth_decisions,
         "weight": c.weight, "diagnostics": out.diagnostics,

@@ -30,7 +30,12 @@ rules below, tried in this order, each decide an answer alone (no fall-through):
 5. **Multiple choice** (the question lists options ``(a) ... (b) ...`` and the gold is a
    letter): the letter (``c``, ``(c)``, ``\\text{c}``), or the content of that option and of
    no other (``5`` for ``(e) 5``).
-6. Everything else: math-verify, gold first, ``**`` rewritten to ``^`` (as MATH500).
+6. Everything else: math-verify, gold first (as MATH500), the gold and the answer each read
+   in the notation of the question: Python syntax (``-2*t**2 + 3239*t - 6``,
+   ``15*sqrt(11)/14``, ``x**(-2)``) is rewritten into the LaTeX math-verify reads
+   (:func:`to_latex`: ``**`` as ``^{...}``, ``sqrt(...)`` as ``\\sqrt{...}``), so an
+   answer boxed in the question's Python syntax and one written in LaTeX are compared by
+   their value alike. (math-verify's parser drops ``**``: ``-6*h**2`` parsed as ``-6``.)
 
 Left as math-verify does it: a gold that names a variable of the question (``l`` in
 "What is the third smallest value in l, s, d?", where ``Let l = 1.2 + -0.2``) is not
@@ -81,22 +86,81 @@ def grade_answer(question: str, gold: str, pred: str) -> bool:
     options = choices(question)
     if len(gold) == 1 and gold in options:
         return chosen_option(pred, gold, options, equal)
-    return equal(to_latex(gold), pred)
+    return equal(to_latex(gold), to_latex(pred))
 
 
-def to_latex(gold: str) -> str:
-    """A DeepMind gold answer in the LaTeX math-verify reads: ``**`` is dropped by its
-    parser (``-6*h**2`` parses as ``-6``), so it becomes ``^``."""
-    return gold.replace("**", "^")
+_POWER = re.compile(r"\*\*\s*")
+_SQRT = re.compile(r"(?<![\\\w])sqrt\s*\(")
+# an exponent without parentheses: a number, a name or a LaTeX command, with the powers
+# already rewritten after it (``a**b**c`` is ``a**(b**c)``, rewritten from the right)
+_POWER_ATOM = re.compile(r"-?(?:[\w.]+|\\[A-Za-z]+)(?:\^\{[^{}]*\})*")
+
+
+def _closing(text: str, open_at: int) -> int:
+    """The index of the parenthesis closing the one at ``open_at`` (-1: unbalanced)."""
+    depth = 0
+    for k in range(open_at, len(text)):
+        depth += (text[k] == "(") - (text[k] == ")")
+        if depth == 0:
+            return k
+    return -1
+
+
+def to_latex(text: str) -> str:
+    """``text`` with the Python syntax of DeepMind's questions and golds rewritten into the
+    LaTeX math-verify reads: ``a**b`` and ``a**(b)`` as ``a^{b}``, ``sqrt(x)`` as
+    ``\\sqrt{x}`` (nested alike); ``*``, ``/`` and the rest read the same in both. LaTeX is
+    left as it is (it has no ``**``, and ``\\sqrt`` is not ``sqrt(``); an unbalanced
+    parenthesis is left unrewritten."""
+    while (m := _SQRT.search(text)) is not None:
+        close = _closing(text, m.end() - 1)
+        if close < 0:
+            break
+        text = text[:m.start()] + "\\sqrt{" + text[m.end():close] + "}" + text[close + 1:]
+    while (powers := list(_POWER.finditer(text))):
+        m = powers[-1]  # the last first: powers are right-associative
+        rest = m.end()
+        if text.startswith("(", rest) and (close := _closing(text, rest)) >= 0:
+            exponent, end = text[rest + 1:close], close + 1
+        elif (atom := _POWER_ATOM.match(text, rest)) is not None:
+            exponent, end = atom.group(0), atom.end()
+        else:
+            exponent, end = "", rest
+        text = text[:m.start()] + "^{" + exponent + "}" + text[end:]
+    return text
+
+
+_VARIABLE = re.compile(r"(?<![\\\\A-Za-z])[A-Za-z]")
 
 
 def math_equal(gold: str, pred: str) -> bool:
-    """math-verify, gold first, each string read as the content of a ``\\boxed{}``."""
+    """math-verify, gold first, each string read as the content of a ``\\boxed{}``. A gold
+    written in variables (a letter outside a LaTeX command: ``3*l``, ``4590*t``) is also
+    compared with math-verify's unit removal off: by default it drops a trailing letter
+    that names a unit, reading ``3l`` or ``3 l`` as 3 and ``4590t`` as 4590 (litres and
+    tonnes), so the right answer to "Collect the terms in 2*l + l" failed. The second
+    comparison only reads answers more literally, so it can only make a verdict right
+    where the answer equals the gold as written."""
     from math_verify import parse, verify  # math-verify and sympy: in the grading worker only
 
-    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=VERIFY_TIMEOUT_S)
-    pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=VERIFY_TIMEOUT_S)
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=VERIFY_TIMEOUT_S))
+    def equal(extraction_config=None) -> bool:
+        options = {} if extraction_config is None else {"extraction_config": extraction_config}
+        gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=VERIFY_TIMEOUT_S, **options)
+        pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=VERIFY_TIMEOUT_S, **options)
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=VERIFY_TIMEOUT_S))
+
+    return equal() or (_VARIABLE.search(gold) is not None and equal(_literal_extraction()))
+
+
+def _literal_extraction() -> list:
+    """math-verify's default extraction (LaTeX, then plain expressions) without unit removal."""
+    import dataclasses
+
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    latex = LatexExtractionConfig()
+    return [dataclasses.replace(latex, normalization_config=dataclasses.replace(
+        latex.normalization_config, units=False)), ExprExtractionConfig()]
 
 
 def plain_text(text: str) -> str:
@@ -182,7 +246,7 @@ def same_order(gold: str, pred: str, equal: Callable[[str, str], bool],
     """Whether the list answer ``pred`` has the gold's items in the gold's order (or, with
     ``either_direction``, in the reverse order), item by item by ``equal``."""
     want = [to_latex(item) for item in split_items(gold)]
-    got = answer_items(pred)
+    got = [to_latex(item) for item in answer_items(pred)]
     if len(got) != len(want) or not all(got):
         return False
     orders = [want, want[::-1]] if either_direction else [want]
@@ -207,5 +271,5 @@ def chosen_option(pred: str, gold: str, options: dict[str, str],
     letter = plain_text(pred).strip("() ").lower()
     if letter in options:
         return letter == gold
-    matches = [k for k, content in options.items() if equal(to_latex(content), pred)]
+    matches = [k for k, content in options.items() if equal(to_latex(content), to_latex(pred))]
     return matches == [gold]

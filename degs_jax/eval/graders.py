@@ -39,8 +39,10 @@ from degs_jax.eval.prompts import humaneval_solution
 
 # The version of the grading rules, recorded with every re-grading (`degs reproduce
 # --regrade`): 1, math-verify (True/False golds as words) for every math benchmark; 2, the
-# DeepMind500 rules of degs_jax.eval.deepmind.
-RULES_VERSION = 2
+# DeepMind500 rules of degs_jax.eval.deepmind; 3, DeepMind500 answers in the question's
+# Python syntax (``**``, ``sqrt(...)``) read as their value, and GSM8K numbers of hours
+# answered as a clock time on the hour (``2:00 pm`` for 2).
+RULES_VERSION = 3
 DEFAULT_MATH_TIMEOUT_S = 20.0
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 _PARENT_POLL_S = 0.5
@@ -131,7 +133,19 @@ def verify_answer(benchmark: str, question: str, gold: str, pred: str) -> bool:
         return deepmind.grade_answer(question, gold, pred)
     if gold.strip() in ("True", "False"):
         return deepmind.yes_no("", pred) == (gold.strip() == "True")
-    return deepmind.math_equal(gold, pred)
+    return deepmind.math_equal(gold, pred) or (benchmark == "gsm8k" and on_the_hour(gold, pred))
+
+
+def on_the_hour(gold: str, pred: str) -> bool:
+    """Whether ``pred`` is a clock time on the hour whose hour is the number ``gold``: GSM8K
+    golds are numbers, so "the latest time she can start" has the gold ``2`` (test problem
+    1001) and ``2:00 pm`` (or ``2:00``, ``14:00``) answers it. The hour is read on the
+    12-hour clock and on the 24-hour one (``14:00`` is 14 and 2)."""
+    minutes = deepmind.clock_minutes(pred)
+    if minutes is None or minutes % 60 or not re.fullmatch(r"\d{1,2}", gold.strip()):
+        return False
+    hour = minutes // 60
+    return int(gold) in (hour, hour % 12 or 12)
 
 
 def _import_math_verify() -> None:

@@ -116,6 +116,7 @@ from degs_jax.method import Method
 from degs_jax.model_api import params_dtype
 from degs_jax.models import with_tuned_lens
 from degs_jax.stops import cut_at_stop, token_bytes
+from degs_jax.text import ended_by
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
@@ -587,15 +588,15 @@ def _run_group(group: ProcessGroup, out: Path, config: dict, invocation: dict, s
     return summary
 
 
-def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> dict[str, Any]:
+def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool, end) -> dict[str, Any]:
     rec: dict[str, Any] = {}
     if problem.benchmark == GPQA:
         rec["tokens_packed"] = pack_tokens(cand.tokens)
     else:
         rec["tokens"] = list(map(int, cand.tokens))
     rec.update({
-        "n_tokens": len(cand.tokens), "ended": cand.ended, "log_p": cand.log_p, "D": cand.depth,
-        "final_entropy": cand.final_entropy, "acceptance": cand.acceptance,
+        "n_tokens": len(cand.tokens), "ended": cand.ended, "ended_by": end, "log_p": cand.log_p,
+        "D": cand.depth, "final_entropy": cand.final_entropy, "acceptance": cand.acceptance,
         "depth_decisions": cand.depth_decisions, "mh_decisions": cand.mh_decisions,
         "correct": verdict.correct, "extracted": verdict.extracted, "chosen": chosen,
     })
@@ -606,9 +607,11 @@ def _candidate_record(model, problem: Problem, cand, verdict, chosen: bool) -> d
     return rec
 
 
-def _completion_text(tokenizer, tokens: Sequence[int], stop: Optional[Sequence[str]]) -> str:
-    """What a completion says: its tokens decoded, cut where its first stop string begins."""
-    return cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)
+def _completion_text(model, cand, stop: Optional[Sequence[str]]) -> tuple[str, Optional[int | str]]:
+    """What a completion says (its tokens decoded, cut where its first stop string begins)
+    and what ended it (`degs_jax.text.ended_by`: an end token's id or a stop string)."""
+    decoded = model.tokenizer.decode(cand.tokens, skip_special_tokens=True)
+    return cut_at_stop(decoded, stop), ended_by(cand.tokens, cand.ended, model.eos_ids, stop, decoded)
 
 
 def _record(model, problem: Problem, index: int, output, result, batch_len: int,
@@ -617,20 +620,19 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
     """One problem's graded record (`result`: its batch's `DecodeResult`, or None for a
     refilled problem, whose `output.counters` are its own); `stop`: the run's stop strings,
     where the graded text is cut."""
-    tok = model.tokenizer
     chosen = output.chosen
     t0 = time.perf_counter()
     candidates = []
     verdict = None
     if keep_candidates:
         for cand in output.candidates:
-            text = _completion_text(tok, cand.tokens, stop)
+            text, end = _completion_text(model, cand, stop)
             v = grader.grade(problem, text, chat=chat)
             if cand is chosen:
-                verdict, chosen_text = v, text
-            candidates.append(_candidate_record(model, problem, cand, v, cand is chosen))
+                verdict, chosen_text, chosen_end = v, text, end
+            candidates.append(_candidate_record(model, problem, cand, v, cand is chosen, end))
     if verdict is None:
-        chosen_text = _completion_text(tok, chosen.tokens, stop)
+        chosen_text, chosen_end = _completion_text(model, chosen, stop)
         verdict = grader.grade(problem, chosen_text, chat=chat)
     grade_s = time.perf_counter() - t0
 
@@ -646,7 +648,7 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         "grade_detail": verdict.detail if problem.benchmark != GPQA else verdict.detail[:40],
         **({"isolation": verdict.isolation} if verdict.isolation else {}),
         **transcript_fields(problem, chosen_text),
-        "n_tokens": len(chosen.tokens), "ended": chosen.ended,
+        "n_tokens": len(chosen.tokens), "ended": chosen.ended, "ended_by": chosen_end,
         "log_p": chosen.log_p, "D": chosen.depth, "final_entropy": chosen.final_entropy,
         "acceptance": chosen.acceptance, "mean_acceptance": _mean_or_none(chosen.acceptance),
         "depth_decisions": chosen.depth_decisions,
