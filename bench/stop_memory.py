@@ -5,8 +5,9 @@ took 0.93 MiB per stop byte at Qwen's 151,936 tokens, past 4 GiB for a 10,000-ch
 
 Each case runs in a fresh process: the peak resident set size (ru_maxrss) after the token
 bytes are read and after the automaton is built, numpy's peak allocation during the build
-(tracemalloc, which numpy reports to), the automaton's arrays (`StopAutomaton.nbytes`)
-and the build time. Cases: one string of N random printable characters (seeded), N times
+(tracemalloc, which numpy reports to), the automaton's arrays (`StopAutomaton.nbytes`),
+the build time, and the median time of the jitted device lookup of 64 rows
+(`StopAutomaton.next_state`) beside the gather of the dense table where that fits. Cases: one string of N random printable characters (seeded), N times
 'a' (every state continues on 'a': the most exceptions per state), and N/3 options of 3
 random characters (the "3,000 --stop options" of the issue).
 
@@ -49,7 +50,33 @@ automaton = stop_automaton(stops, pieces, vocab)
 seconds = time.perf_counter() - t0
 peak = tracemalloc.get_traced_memory()[1]
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"case": kind, "stop_strings": len(stops), "stop_characters": sum(map(len, stops)),
+# The device lookup of 64 rows (jitted, CPU), against a dense table's gather where one fits.
+import jax, jax.numpy as jnp, numpy as np
+rows = np.random.default_rng(0)
+before_states = jnp.asarray(rows.integers(0, automaton.num_states, 64), jnp.int32)
+toks = jnp.asarray(rows.integers(0, vocab, 64), jnp.int32)
+def timed(fn):
+    fn(before_states, toks).block_until_ready()
+    times = []
+    for _ in range(200):
+        t = time.perf_counter()
+        fn(before_states, toks).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return round(sorted(times)[100] * 1e6, 1)
+lookup_us = timed(jax.jit(automaton.next_state))
+dense_us = None
+if automaton.num_states * vocab <= 64 * 2**20:
+    table = np.array([[automaton.step(s, t) for t in range(vocab)] for s in range(automaton.num_states)]
+                     ) if automaton.num_states * vocab <= 2**20 else None
+    if table is None:
+        table = np.broadcast_to(automaton.default, (automaton.num_states, vocab)).copy()
+        table[:, automaton.empty] = np.arange(automaton.num_states)[:, None]
+        for state in range(automaton.num_states):
+            lo, hi = automaton.offsets[state], automaton.offsets[state + 1]
+            table[state, automaton.tokens[lo:hi]] = automaton.values[lo:hi]
+    dense = jnp.asarray(table.astype(np.int16 if automaton.num_states < 32767 else np.int32))
+    dense_us = timed(jax.jit(lambda b, t: dense[b, t].astype(jnp.int32)))
+print(json.dumps({"lookup_64_rows_us": lookup_us, "dense_gather_64_rows_us": dense_us,"case": kind, "stop_strings": len(stops), "stop_characters": sum(map(len, stops)),
                   "vocab": vocab, "states": automaton.num_states,
                   "exceptions": int(automaton.offsets[-1]),
                   "automaton_mib": round(automaton.nbytes / 2**20, 3),

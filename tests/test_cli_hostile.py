@@ -453,3 +453,63 @@ def test_a_methods_own_check_refuses_before_the_run_directory_is_touched(degs, t
                                   "--limit", "1", "--out", out)
     assert rc == 2 and err.endswith("degs: error: picky_greedy refuses a model of 2 layers\n"), err
     assert loads and not out.exists() and os.listdir(tmp_path) == []
+
+
+KILLED_EVAL_SCRIPT = r'''
+import sys
+import numpy as np, jax, jax.numpy as jnp
+from degs_jax import cli
+from degs_jax.eval import sandbox
+from degs_jax.models import LoadedModel
+from degs_jax.models.params import param_shapes
+from degs_jax.examples.byte_tokenizer import byte_tokenizer
+from test_cli_hostile import TINY_CFG
+from test_sandbox_hostile import KILLED_GRADER_PROGRAM
+sandbox._probe = lambda: (None, "forced by the test")
+call = "    _in_process_guards(scratch, setup[\"guard\"])\n"
+sandbox._CANDIDATE = sandbox._CANDIDATE.replace(call, "")
+rng = np.random.default_rng(0)
+params = jax.tree.map(lambda shape: jnp.asarray((len(shape) == 1) + 0.1 * rng.standard_normal(shape),
+                                                jnp.float32),
+                      param_shapes(TINY_CFG), is_leaf=lambda x: isinstance(x, tuple))
+model = LoadedModel(cfg=TINY_CFG, params=params, tokenizer=byte_tokenizer(), source="random",
+                    name="tiny-bytes")
+import degs_jax.models.loading
+degs_jax.models.loading.load = lambda *a, **k: model
+import degs_jax.eval.runner
+degs_jax.eval.runner._completion_text = lambda *a: "    pass\nexec(" + repr(KILLED_GRADER_PROGRAM) + ")\n"
+sys.exit(cli.main(["eval", "--benchmark", "humaneval", "--method", "greedy", "--limit", "1",
+                   "--max-new-tokens", "1", "--batch-size", "1", "--no-progress", "--out", sys.argv[1],
+                   sandbox.UNSAFE_FLAG]))
+'''
+
+
+def test_a_program_that_clears_its_parent_death_signal_dies_with_a_killed_degs_eval(tmp_path):
+    """Issue 58, through `degs eval` under the fallback (in-process guards removed): a
+    program that clears its parent-death signal and sleeps dies with `degs eval` killed by
+    SIGKILL; the scratch left is removed by the next fallback check in that TMPDIR."""
+    import signal
+    import sys
+    import time
+
+    from test_sandbox_hostile import sandbox_processes, wait_until
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(scratch),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_EVAL_SCRIPT, str(tmp_path / "run")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: len(sandbox_processes(proc.pid)) == 2, 120)  # candidate, checker
+        time.sleep(1.0)  # the program has cleared its parent-death signal and sleeps
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert wait_until(lambda: sandbox_processes(proc.pid) == [], 5), sandbox_processes(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(os.listdir(scratch)) == 2
+    sandbox._remove_stale_scratch(str(scratch))
+    assert os.listdir(scratch) == []

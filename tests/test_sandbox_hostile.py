@@ -1210,17 +1210,20 @@ def test_programs_that_stopped_an_evaluation_fail_their_own_check(problem, tmp_p
     assert os.listdir(tmp_path) == []
 
 
+# Clears its parent-death signal, then outlives the check's deadline.
+KILLED_GRADER_PROGRAM = """
+import ctypes, time
+ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
+time.sleep(100)
+"""
+
 KILLED_GRADER_SCRIPT = r'''
 import sys
 from degs_jax.eval import sandbox
 sandbox._probe = lambda: (None, "forced by the test")
 call = "    _in_process_guards(scratch, setup[\"guard\"])\n"
 sandbox._CANDIDATE = sandbox._CANDIDATE.replace(call, "")
-program = """
-import ctypes, time
-ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
-time.sleep(100)
-"""
+from test_sandbox_hostile import KILLED_GRADER_PROGRAM as program
 sandbox.run_check(sandbox.HumanEvalCheck(solution=program, test="def check(c):\n    c()\n",
                                          entry_point="f"), timeout=100, allow_unsandboxed=True)
 '''
@@ -1232,6 +1235,7 @@ def test_fallback_program_dies_with_killed_grader_and_its_scratch_goes(problem, 
     guards removed) still dies with a grader killed by SIGKILL; the scratch directories
     that grader left are removed before the next fallback check in that directory."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
     grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER_SCRIPT], env=env)
     try:
         # the candidate and the checker (no bubblewrap)
