@@ -117,6 +117,7 @@ def test_greedy_on_each_benchmark(benchmark, degs, model, tmp_path, shared_promp
             assert isinstance(r["completion"], str) and r["completion"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"]["n"] == 3 and summary["n_problems"] == 3
+    assert "ended_by" not in summary["means"]  # token ids are not averaged
     assert summary["means"]["forward_equivalents"] > 0
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["method"] == "greedy" and run["config"]["seed"] == 0

@@ -683,6 +683,7 @@ def run_summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) ->
                         versions=run["invocations"][-1]["versions"], config=cfg,
                         n_problems=len(records))
     summary["means"].pop("index", None)
+    summary["means"].pop("ended_by", None)  # token ids, not quantities
     levels = sorted({r["isolation"] for r in records if r.get("isolation")})
     if levels:  # HumanEval: what the programs were graded under
         summary["isolation"] = levels
