@@ -805,8 +805,14 @@ def _without_timing(value):
 
 
 def _records(root: Path) -> dict[str, list]:
-    return {str(p.relative_to(root)): [_without_timing(json.loads(line))
-                                       for line in p.read_text().splitlines()]
+    """Every JSONL file's records without their timings, by problem (a refilled run writes
+    them in the order its problems finished, which the host's chunk sizes, chosen from
+    wall-clock time, may change)."""
+    def order(record):
+        return (record.get("index", -1), json.dumps(record, sort_keys=True))
+
+    return {str(p.relative_to(root)): sorted((_without_timing(json.loads(line)) for line in p.read_text().splitlines()),
+                                             key=order)
             for p in sorted(root.rglob("*.jsonl"))}
 
 
