@@ -405,7 +405,7 @@ def test_hostile_humaneval_programs_cost_one_failed_verdict_each(degs, tmp_path,
                    for source in (FORGED_UNISOLATED, REACH_OTHERS, DEEP_SCRATCH)]
     completions.append(problems[3].answer)  # the resume's problem: its reference solution
     given = iter(completions)
-    monkeypatch.setattr("degs_jax.eval.runner._completion_text", lambda *a: next(given))
+    monkeypatch.setattr("degs_jax.eval.runner._completion_text", lambda *a: (next(given), None))
     out = tmp_path / "run"
     command = ["eval", "--benchmark", "humaneval", "--method", "greedy", "--max-new-tokens", "1",
                "--batch-size", "3", "--no-progress", "--out", out, *flags]
@@ -477,7 +477,7 @@ model = LoadedModel(cfg=TINY_CFG, params=params, tokenizer=byte_tokenizer(), sou
 import degs_jax.models.loading
 degs_jax.models.loading.load = lambda *a, **k: model
 import degs_jax.eval.runner
-degs_jax.eval.runner._completion_text = lambda *a: "    pass\nexec(" + repr(KILLED_GRADER_PROGRAM) + ")\n"
+degs_jax.eval.runner._completion_text = lambda *a: ("    pass\nexec(" + repr(KILLED_GRADER_PROGRAM) + ")\n", None)
 sys.exit(cli.main(["eval", "--benchmark", "humaneval", "--method", "greedy", "--limit", "1",
                    "--max-new-tokens", "1", "--batch-size", "1", "--no-progress", "--out", sys.argv[1],
                    sandbox.UNSAFE_FLAG]))
