@@ -57,9 +57,6 @@ from .method import Method, positive_int
 from .model_api import CausalLM, params_dtype
 from .rows import put_slots, repeat_rows, take_slot, work_totals
 from .stops import TokenBytes
-from .models.compilation import enable_default_compilation_cache
-
-enable_default_compilation_cache()  # on for library users unless theirs is set (models/compilation.py)
 
 Array = jax.Array
 

@@ -235,7 +235,7 @@ class StopAutomaton:
         `before` is STOPPED has ended and gets an unused value). A binary search in
         `before`'s exceptions (a fixed number of steps: the most any state has), else
         the token's default."""
-        import jax.numpy as jnp
+        import jax.numpy as jnp  # (start-up: the automaton is built with numpy alone; jax only to run it)
 
         state = jnp.maximum(jnp.asarray(before, jnp.int32), 0)
         tok = jnp.asarray(tok, jnp.int32)

@@ -10,7 +10,7 @@ imports the rest of degs_jax.
 from .attention import KVCache, init_cache
 from .causal_lm import TransformerLM, TunedLensParams, TunedTransformerLM, with_tuned_lens
 from .checkpoint import CheckpointError
-from .compilation import enable_compilation_cache
+from .compilation import enable_compilation_cache, enable_default_compilation_cache
 from .config import ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
 from .gguf_io import GGUFError
 from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, KNOWN_END_TOKENS, ChecksumError, LoadedModel, auto_dtype,
@@ -18,6 +18,11 @@ from .loading import (BUILTIN_MODELS, DEFAULT_MODEL, KNOWN_END_TOKENS, ChecksumE
 from .lens_head import LensStats, LensTranslators, streamed_head, translate_residuals
 from .params import LayerParams, Params, is_stacked, param_shapes, stack_layers, unstack_layers
 from .transformer import ForwardOutput, forward, init_params, rms_norm
+
+# A library user's process (one that loads or builds a model: it imports this package)
+# keeps its compiled programs: JAX's persistent cache on by default, unless the user has a
+# setting of their own (models/compilation.py). Not in the samplers, which know no model.
+enable_default_compilation_cache()
 
 __all__ = [
     "BUILTIN_MODELS", "CheckpointError", "ChecksumError", "DEFAULT_MODEL", "GGUFError",

@@ -5,7 +5,8 @@ persistent cache on, XLA's output is stored on disk and a later process with the
 shapes, flags and jax/jaxlib versions loads it instead of compiling. The degs_jax
 command line turns it on at start-up (:func:`enable_compilation_cache`). For library
 users it is on by default (:func:`enable_default_compilation_cache`, run when
-`degs_jax.decoders` is imported, i.e. by every decoding path): unless JAX already has a
+`degs_jax.models` is imported, i.e. by every script that loads or builds a model; the
+samplers, which know no model, do not import it): unless JAX already has a
 cache setting of the user's own (`JAX_COMPILATION_CACHE_DIR`, `jax_compilation_cache_dir`,
 or `jax_enable_compilation_cache` off), which wins, and unless
 `DEGS_JAX_COMPILATION_CACHE=0`; the first compilation that uses it prints one line saying

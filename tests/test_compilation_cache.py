@@ -128,7 +128,7 @@ def test_clearing_jax_caches_unmaps_the_compiled_programs():
     assert given_back >= 120, (grown, given_back)  # measured: 180 of 257 (the rest: thread pools)
 
 
-# A library user's script: imports the decoders (the default cache's switch) and compiles
+# A library user's script: imports degs_jax.models (the default cache's switch) and compiles
 # one small program; prints "hit"/"miss" as _RUN does, and JAX's cache directory.
 _LIBRARY_USER = r'''
 import jax
@@ -137,7 +137,7 @@ from jax import monitoring
 hits = []
 monitoring.register_event_listener(
     lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
-import degs_jax.decoders
+import degs_jax.models
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.jit(lambda x: (x @ x.T).sum() * 3.0)(np.ones((8, 8), np.float32)).block_until_ready()
 print("hit" if hits else "miss", jax.config.jax_compilation_cache_dir)

@@ -47,6 +47,7 @@ committed studies was judged right in the wrong form.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Callable, Optional
 
@@ -154,9 +155,7 @@ def math_equal(gold: str, pred: str) -> bool:
 
 def _literal_extraction() -> list:
     """math-verify's default extraction (LaTeX, then plain expressions) without unit removal."""
-    import dataclasses
-
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig  # (as above: the grading worker only)
 
     latex = LatexExtractionConfig()
     return [dataclasses.replace(latex, normalization_config=dataclasses.replace(

@@ -130,6 +130,7 @@ import select
 import shutil
 import signal
 import site
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -1245,8 +1246,6 @@ def _runtime_files() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
 
 def _elf_interpreter(path: str) -> str | None:
     """The dynamic loader a 64-bit little-endian ELF executable names (``PT_INTERP``)."""
-    import struct
-
     with open(path, "rb") as f:
         header = f.read(64)
         if header[:6] != b"\x7fELF\x02\x01":
