@@ -466,11 +466,13 @@ def wait_until(condition, seconds):
     return condition()
 
 
-def test_sandbox_dies_with_killed_grader():
-    grader = subprocess.Popen([sys.executable, "-c", GRADER_SCRIPT])
+def kill_grader_and_see_its_programs_die(grader, started, pause: float = 0.0):
+    """Once `started()` holds (the grader's sandbox processes are up) and after `pause`
+    seconds, SIGKILL the grader process and assert that every process it started is gone
+    within 5 s."""
     try:
-        # bwrap and the interpreter inside, for the candidate and the checker.
-        assert wait_until(lambda: len(sandbox_processes(grader.pid)) >= 4, 60)
+        assert wait_until(started, 60)
+        time.sleep(pause)
         assert grader.poll() is None
         grader.send_signal(signal.SIGKILL)
         grader.wait()
@@ -479,6 +481,12 @@ def test_sandbox_dies_with_killed_grader():
     finally:
         grader.kill()
         grader.wait()
+
+
+def test_sandbox_dies_with_killed_grader():
+    grader = subprocess.Popen([sys.executable, "-c", GRADER_SCRIPT])
+    # bwrap and the interpreter inside, for the candidate and the checker.
+    kill_grader_and_see_its_programs_die(grader, lambda: len(sandbox_processes(grader.pid)) >= 4)
 
 
 def force_no_namespaces(monkeypatch):
@@ -1237,18 +1245,8 @@ def test_fallback_program_dies_with_killed_grader_and_its_scratch_goes(problem, 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
     grader = subprocess.Popen([sys.executable, "-c", KILLED_GRADER_SCRIPT], env=env)
-    try:
-        # the candidate and the checker (no bubblewrap)
-        assert wait_until(lambda: len(sandbox_processes(grader.pid)) == 2, 60)
-        time.sleep(1.0)  # the program has run its prctl and sleeps
-        assert grader.poll() is None
-        grader.send_signal(signal.SIGKILL)
-        grader.wait()
-        assert wait_until(lambda: sandbox_processes(grader.pid) == [], 5), \
-            sandbox_processes(grader.pid)
-    finally:
-        grader.kill()
-        grader.wait()
+    # the candidate and the checker (no bubblewrap); after 1 s the program has run its prctl and sleeps
+    kill_grader_and_see_its_programs_die(grader, lambda: len(sandbox_processes(grader.pid)) == 2, pause=1.0)
     left = os.listdir(tmp_path)
     assert len(left) == 2 and all(n.startswith(f"degs-humaneval-{grader.pid}-") for n in left)
     force_no_namespaces(monkeypatch)
