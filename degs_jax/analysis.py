@@ -49,7 +49,7 @@ from matplotlib.figure import Figure
 
 from degs_jax.decisions import (decision_anatomy, decision_table, departures, format_anatomy,
                                 has_decision_records, plot_decisions)
-from degs_jax.hyperparameters import DegsRerank, method_from_record
+from degs_jax.hyperparameters import DegsMCMC, DegsRerank, method_from_record
 from degs_jax.lens import LensConfig
 from degs_jax.models import with_tuned_lens
 from degs_jax.plots import save_png
@@ -346,9 +346,10 @@ def analyze_departures(run_dir: str | os.PathLike, base_dir: str | os.PathLike,
     run, records = load_run(run_dir)
     base_run, base_records = load_run(base_dir)
     records, base_records = (sorted(r, key=lambda record: record["index"]) for r in (records, base_records))
-    for name, cfg in (("run", run["config"]), ("base", base_run["config"])):
-        if cfg.get("method") != "degs_mcmc":
-            raise ValueError(f"the {name} is a {cfg.get('method')} run; both must be degs_mcmc runs")
+    for name, directory, cfg in (("run", run_dir, run["config"]), ("base", base_dir, base_run["config"])):
+        if not isinstance(method_from_record(cfg, Path(directory) / "run.json"), DegsMCMC):
+            raise ValueError(f"the {name} is a {cfg.get('method')} run; both must be DEGS-MCMC runs "
+                             "(degs_mcmc or a method of its class)")
     same = ("benchmark", "seed", "model", "key_derivation")
     if any(run["config"].get(k) != base_run["config"].get(k) for k in same) or \
             [r["id"] for r in records] != [r["id"] for r in base_records]:

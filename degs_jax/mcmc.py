@@ -67,8 +67,8 @@ import numpy as np
 
 from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, replay_cache
 from .lens import LensConfig, sequence_depth, span_sum
-from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails, method_field,
-                     positive_int, require_lens, validate_alpha, validate_beta)
+from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Comparison, Method, RunDetails, StudyRow,
+                     method_field, positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import fold_in_rows, select_rows, settle_rows, work_counters
 from .stops import StopAutomaton
@@ -409,6 +409,8 @@ class PowerMCMC(MCMCMethod):
     """MH chain for p^alpha (beta = 0: no probing)."""
 
     method: ClassVar[str] = "power_mcmc"
+    study: ClassVar[StudyRow] = StudyRow(label="MCMC Power Sampling", position=4,
+                                         comparisons=(Comparison("greedy", "power sampling vs greedy", 7),))
 
     beta: float = method_field(0.0, "must stay 0 (use degs_mcmc for beta > 0)")
 
@@ -423,6 +425,21 @@ class DegsMCMC(MCMCMethod):
     """MH chain for p^alpha·exp(beta·D)."""
 
     method: ClassVar[str] = "degs_mcmc"
+    study: ClassVar[StudyRow] = StudyRow(
+        label="DEGS-MCMC", position=10, paper_claims=True,
+        comparisons=(Comparison("power_mcmc", "depth term in MCMC (beta = 5 vs beta = 0)", 1),
+                     Comparison("degs_rerank", "compounding over the chain vs one selection", 6),
+                     Comparison("greedy", "DEGS-MCMC vs greedy", 8)),
+        depth_baseline="power_mcmc", common_random_numbers=(
+            "Common random numbers (MCMC): the two chains of a beta pair draw problem i with the "
+            "same key, fold_in(key(seed), i), and within a chain the same counter-based streams "
+            "for the extensions, cut indices, regenerations and accept uniforms (docs/design.md "
+            "§4); they differ only by the beta·ΔD term of the acceptance ratio. Until that term "
+            "flips an accept decision the two chains hold the same tokens (up to floating-point "
+            "differences between the two compiled programs); after it, they sample different "
+            "continuations. The paired difference therefore has a smaller variance than with "
+            "independent keys, and a discordant problem is one the depth term changed (with the "
+            "sampling that followed), not one where the keys differed."))
 
 
 def _rows_first(mask: Array, ndim: int) -> Array:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +173,63 @@ def registered_methods() -> dict[str, type["Method"]]:
     """Every method class defined so far, by name, in the order they were defined
     (`degs_jax.hyperparameters.method_classes` adds the installed packages' and orders them)."""
     return dict(_REGISTERED)
+
+
+class Comparison(NamedTuple):
+    """A paired comparison of `degs reproduce`'s report, with the row that states it
+    (`StudyRow.comparisons`) as the treatment."""
+
+    baseline: str  # the row it is compared with (a method's name or a study row's)
+    question: str  # what the difference answers (the report's text)
+    rank: float = float("inf")  # its place in the paired table (the library's: 1-8); ties: as stated
+
+
+# A pool selection's rule on stored candidates: (the kept candidates' records, each with
+# `log_p`, `D` and `final_entropy`; the row's recorded weights) -> the chosen index.
+StoredSelection = Callable[[Sequence[Mapping[str, Any]], Mapping[str, float]], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyRow:
+    """What `degs reproduce` reads of one row of its study (docs/extending.md): a method's
+    own (`Method.study`) or a variant of the method with hyperparameters fixed
+    (`Method.study_variants`). Every field has a default: a method that states nothing is a
+    row of its own run, labelled by its name, after the paper's rows, in no comparison."""
+
+    # its name in the report's tables (the library's rows: the paper's); "": the row's name
+    label: str = ""
+    # its place among Table 1's rows (the order of every table of the report); None: after
+    # them, by name. The library's rows that have one are the default study (the paper's).
+    position: Optional[float] = None
+    # the method whose kept candidates the row is selected from, by `select` on the stored
+    # candidates with the weights the study records (its hyperparameters named in
+    # `weights`): no run of its own; "": a run of its own
+    selected_from: str = ""
+    select: Optional[StoredSelection] = None
+    weights: tuple[str, ...] = ()
+    # a variant's hyperparameters that it fixes, (name, value) pairs (depth-only: alpha = 0);
+    # `--hp ROW.NAME` of one of them is refused
+    fixed: tuple[tuple[str, Any], ...] = ()
+    # the paper's settings of this row on one benchmark, (benchmark, name, value) triples,
+    # beside the study's own rule (HumanEval: alpha 2 for every method that has one)
+    benchmark_settings: tuple[tuple[str, str, Any], ...] = ()
+    # the paired comparisons with this row as the treatment
+    comparisons: tuple[Comparison, ...] = ()
+    # the method that is this one at beta = 0 drawing with the same keys (its beta pair: the
+    # report's sign test over benchmarks, common random numbers and probe overhead), and
+    # what the common random numbers of that pair imply (the report's text); "": none
+    depth_baseline: str = ""
+    common_random_numbers: str = ""
+    # the paper's checkable claims (beta = 5 over beta = 0 in every cell, MH acceptance
+    # 57-78%, the probe overhead) are about this row and its depth baseline
+    paper_claims: bool = False
+    # the compute table's "× greedy" column is each row's forward-equivalents over this row's
+    compute_unit: bool = False
+
+    def __post_init__(self):
+        if self.selected_from and self.select is None:
+            raise TypeError(f"a study row selected from {self.selected_from!r} needs its rule "
+                            "on the stored candidates (select=...)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +431,21 @@ class Method:
         """On the host, from the final carry (before `answer`, which may consume it): what
         `decode` reports beyond the rows and their scores. None by default."""
         return RunDetails()
+
+    # What `degs reproduce` reads of the method (its row of the study): a class's own, not
+    # inherited (a subclass is another row); read through `study_row` / `study_variants_of`.
+    study: ClassVar[StudyRow] = StudyRow()
+    study_variants: ClassVar[Mapping[str, StudyRow]] = {}  # row name -> a variant (its `fixed`)
+
+
+def study_row(cls: type[Method]) -> StudyRow:
+    """The study row `cls` states itself (`Method.study`), or the default row: not inherited."""
+    return cls.__dict__.get("study", StudyRow())
+
+
+def study_variants_of(cls: type[Method]) -> Mapping[str, StudyRow]:
+    """The variant rows `cls` states itself (`Method.study_variants`): not inherited."""
+    return cls.__dict__.get("study_variants", {})
 
 
 register_traced_dataclass(Method)

@@ -22,10 +22,11 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
-from .method import (DEFAULT_ALPHA, Answer, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
-                     SMALLEST_RUN_TOKENS, Method, method_field, positive_int, validate_temperature)
+from .method import (DEFAULT_ALPHA, Answer, Comparison, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
+                     SMALLEST_RUN_TOKENS, Method, StudyRow, method_field, positive_int, validate_temperature)
 from .stops import StopAutomaton
 from .traced_fields import FLOAT32_MAX, concrete_values_satisfy
 
@@ -84,11 +85,29 @@ class SamplingMethod(Method):
         return jnp.max(carry.steps)
 
 
+# The pool rules on stored candidates (`StudyRow.select`): `degs reproduce` selects the
+# reranking rows from the Best-of-N run's kept candidates with them, as `choose` does on
+# the device (first candidate on ties; tests/test_reproduce.py checks that they agree).
+
+
+def lowest_final_entropy(candidates, weights) -> int:
+    """BestOfNEntropy's rule: the lowest mean final-layer entropy."""
+    return int(np.argmin([c["final_entropy"] for c in candidates]))
+
+
+def largest_weighted_score(candidates, weights) -> int:
+    """DegsRerank's rule: the largest alpha·log p(x) + beta·D(x), with the recorded weights."""
+    if any(c.get("D") is None for c in candidates):
+        raise ValueError("it needs D(x) of every candidate; the Best-of-N pool was not probed")
+    return int(np.argmax([weights["alpha"] * c["log_p"] + weights["beta"] * c["D"] for c in candidates]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Greedy(SamplingMethod):
     """Argmax decoding."""
 
     method: ClassVar[str] = "greedy"
+    study: ClassVar[StudyRow] = StudyRow(label="Base (greedy)", position=1, compute_unit=True)
 
     def temperature_of(self) -> float:
         return 0.0
@@ -99,6 +118,9 @@ class Temperature(SamplingMethod):
     """Ancestral sampling at a temperature."""
 
     method: ClassVar[str] = "temperature"
+    # the paper decodes HumanEval at T = 0.5 (its alpha = 1/T = 2)
+    study: ClassVar[StudyRow] = StudyRow(label="Low-temperature", position=2,
+                                         benchmark_settings=(("humaneval", "temperature", 0.5),))
 
     temperature: float = method_field(0.25, "sampling temperature (0 = greedy)", traced=True)
 
@@ -117,6 +139,7 @@ class BestOfN(SamplingMethod):
     """N samples from p; the one with the largest log p(x)."""
 
     method: ClassVar[str] = "best_of_n"
+    study: ClassVar[StudyRow] = StudyRow(label="Best-of-N", position=3)
 
     n: int = method_field(DEFAULT_POOL_SIZE, "candidates sampled per prompt (the Best-of-N pool)")
     temperature: float = method_field(1.0, "sampling temperature of the pool", traced=True)
@@ -149,6 +172,9 @@ class BestOfNEntropy(BestOfN):
     """The Best-of-N pool; the candidate with the lowest mean final-layer entropy."""
 
     method: ClassVar[str] = "best_of_n_entropy"
+    study: ClassVar[StudyRow] = StudyRow(
+        label="Best-of-N-Entropy", position=7, selected_from="best_of_n", select=lowest_final_entropy,
+        comparisons=(Comparison("best_of_n", "final-layer entropy vs likelihood reranking", 4),))
 
     def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
         return jnp.argmin(final_entropy.reshape(-1, self.pool_size), axis=1).astype(jnp.int32)
@@ -159,6 +185,14 @@ class DegsRerank(BestOfN):
     """The Best-of-N pool; argmax alpha·log p(x) + beta·D(x) (alpha = 0: depth only)."""
 
     method: ClassVar[str] = "degs_rerank"
+    study: ClassVar[StudyRow] = StudyRow(
+        label="DEGS reranking", position=8, selected_from="best_of_n", select=largest_weighted_score,
+        weights=("alpha", "beta"),
+        comparisons=(Comparison("best_of_n", "depth term in reranking", 3),
+                     Comparison("depth_only", "likelihood term in reranking", 5)))
+    study_variants: ClassVar[Mapping[str, StudyRow]] = {"depth_only": StudyRow(
+        label="Depth-only (alpha = 0)", position=9, selected_from="best_of_n", select=largest_weighted_score,
+        weights=("alpha", "beta"), fixed=(("alpha", 0.0),))}
 
     alpha: float = method_field(DEFAULT_ALPHA, "likelihood weight of the rerank score "
                                 "alpha·log p(x) + beta·D(x)", traced=True)

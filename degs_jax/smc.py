@@ -107,8 +107,8 @@ import numpy as np
 
 from .generation import GenState, Proposal, SamplerSpec, Truncation, decode_step
 from .lens import LensConfig, masked_sum, sequence_depth, sum_rows
-from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS, Answer, Method,
-                     RunDetails, method_field, positive_int, require_lens, validate_alpha, validate_beta)
+from .method import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS, Answer, Comparison, Method,
+                     RunDetails, StudyRow, method_field, positive_int, require_lens, validate_alpha, validate_beta)
 from .model_api import CausalLM
 from .rows import copy_rows, fold_in_rows, per_prompt
 from .stops import StopAutomaton
@@ -300,6 +300,7 @@ class PowerSMC(SMCMethod):
     """Power-SMC: particles for p^alpha (beta = 0: no probing)."""
 
     method: ClassVar[str] = "power_smc"
+    study: ClassVar[StudyRow] = StudyRow(label="Power-SMC", position=6)
 
     beta: float = method_field(0.0, "must stay 0 (use degs_smc for beta > 0)")
 
@@ -314,6 +315,20 @@ class DegsSMC(SMCMethod):
     """DEGS-SMC: particles for p^alpha·exp(beta·D)."""
 
     method: ClassVar[str] = "degs_smc"
+    study: ClassVar[StudyRow] = StudyRow(
+        label="DEGS-SMC", position=11,
+        comparisons=(Comparison("power_smc", "depth term in SMC (beta = 5 vs beta = 0)", 2),),
+        depth_baseline="power_smc", common_random_numbers=(
+            "Common random numbers (SMC): the two runs of a beta pair draw problem i with the same "
+            "key, fold_in(key(seed), i), and the same counter-based streams for each particle's "
+            "tokens (per particle and position), the systematic uniform of each resampling check "
+            "and the final draw of the returned particle (degs_jax/smc.py); they differ only by "
+            "the beta·D terms of the particles' incremental weights. Until those terms change "
+            "whether a check resamples or which ancestors it copies, the two runs hold the same "
+            "particles; the final draw reads the final weights, which the depth term also "
+            "changes, so a problem can return another particle of the same set. A discordant "
+            "problem is therefore one the depth term changed through the weights, not one where "
+            "the keys differed."))
 
 
 @jax.tree_util.register_dataclass

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 
 from .generation import GenState, Proposal, SamplerSpec, _set, decode_step, ends_at, generate
 from .lens import span_sum
-from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails,
+from .method import (DEFAULT_ALPHA, DEFAULT_MAX_NEW_TOKENS, SMALLEST_RUN_TOKENS, Answer, Method, RunDetails, StudyRow,
                      method_field, positive_int, validate_alpha)
 from .model_api import CausalLM
 from .rows import fold_in_rows, repeat_rows, stacked_work, take_rows, with_stacked_work
@@ -168,6 +168,7 @@ class ScalablePower(Method):
     each default is given in `SPSConfig`'s docstring). No truncation, no probing."""
 
     method: ClassVar[str] = "scalable_power"
+    study: ClassVar[StudyRow] = StudyRow(label="Scalable Power Sampling", position=5)
 
     alpha: float = method_field(DEFAULT_ALPHA, "power of the target p(x)^alpha (>= 1)", traced=True)
     max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")

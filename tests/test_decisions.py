@@ -153,3 +153,16 @@ def test_records_predict_which_chains_a_larger_beta_changes(model, tmp_path):
     assert (tmp_path / "large" / "decisions.png").stat().st_size > 0
     anatomy = json.loads((tmp_path / "large" / "decisions.json").read_text())["decisions"]
     assert anatomy["depth_decided"] == int(large_table.depth_decided.sum()) == anatomy["realized_flips_at_run_beta"]
+
+
+def test_departures_refuse_a_run_that_is_not_a_degs_mcmc_chain(tmp_path):
+    """`analyze_departures` reads the method each run.json records (its class, not its
+    name: a method of DegsMCMC's class is one): a power MCMC base is refused."""
+    from degs_jax.analysis import analyze_departures
+
+    run_dir, base_dir = write_run(tmp_path / "run", 5.0, []), write_run(tmp_path / "base", 0.0, [])
+    config = json.loads((tmp_path / "base" / "run.json").read_text())
+    config["config"]["method"] = "power_mcmc"
+    (tmp_path / "base" / "run.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the base is a power_mcmc run; both must be DEGS-MCMC runs"):
+        analyze_departures(run_dir, base_dir, quiet=True)

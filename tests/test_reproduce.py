@@ -13,7 +13,8 @@ from degs_jax import stats
 from degs_jax.eval import graders
 from degs_jax.cli import reproduction as command
 from degs_jax.reproduce import accuracy, claims, paper, report, study, study_files
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.hyperparameters import DegsMCMC, hyperparameters_for
+from degs_jax.method import study_row
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
 
@@ -478,7 +479,7 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
     assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
-    mcmc_statement = accuracy.CRN_STATEMENTS[("degs_mcmc", "power_mcmc")]
+    mcmc_statement = study_row(DegsMCMC).common_random_numbers
     assert "**5 comparisons**" in text and mcmc_statement in text
     assert paired["common_random_numbers_notes"] == [mcmc_statement]  # no SMC pair ran
     assert "**1.000 [1.000, 1.000]** | 0.750 [0.750, 1.000]" in text
@@ -488,6 +489,65 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
     for name in ("status", "deviations", "table1", "paired", "predictive_validity", "lsub",
                  "trajectories", "compute", "claims"):
         assert json.loads((tmp_path / "out" / "tables" / f"{name}.json").read_text())
+
+
+def test_a_users_method_states_its_study_row(synthetic_study, tmp_path, monkeypatch):
+    """The study reads what it knows of a row off the method class (`StudyRow`): a user's
+    selection from best_of_n's kept candidates, with its own rule, label, Table 1 place and
+    comparison, joins the report as the library's rows do; a method that states nothing is
+    a row of its own run, labelled by its name, after the paper's rows."""
+    import dataclasses
+    from typing import ClassVar
+
+    import degs_jax.method
+    from degs_jax.hyperparameters import BestOfN
+    from degs_jax.method import Comparison, StudyRow
+
+    monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(degs_jax.method._REGISTERED))
+
+    def deepest(candidates, weights):  # the largest D(x), first on ties
+        return int(np.argmax([c["D"] for c in candidates]))
+
+    def define(name, **namespace):
+        body = {"__module__": "my_script", "__qualname__": name, "method": name,
+                "__annotations__": {"method": ClassVar[str], "study": ClassVar[StudyRow]}, **namespace}
+        return dataclasses.dataclass(frozen=True)(type(name, (BestOfN,), body))
+
+    define("deepest", study=StudyRow(label="Deepest", position=8.5, selected_from="best_of_n", select=deepest,
+                                     comparisons=(Comparison("best_of_n", "depth alone vs likelihood", 0),)))
+    define("plain_rule")
+    rows = study.available_methods()
+    assert rows[:len(study.TABLE1_ORDER) + 1] == (*study.TABLE1_ORDER[:8], "deepest", *study.TABLE1_ORDER[8:])
+    assert rows[-1] == "plain_rule" and study.row_label("plain_rule") == "plain_rule"
+    assert study.TABLE1_ORDER == tuple(m for m in rows if m not in ("deepest", "plain_rule"))  # the default study
+    assert job_hyperparameters("deepest", "gsm8k", {}) == {}  # a selection: its weights (none)
+    with pytest.raises(ValueError, match="deepest selects from best_of_n's pool, so its n must equal"):
+        job_hyperparameters("deepest", "gsm8k", {"deepest": {"n": 4}})
+    (job,) = study.plan_jobs(StudyRequest(benchmarks={"gsm8k": 4}, methods=("deepest",)))
+    assert (job.method, job.keep_candidates) == ("best_of_n", True)
+
+    meta = json.loads((synthetic_study / "study.json").read_text())
+    meta["invocations"][0]["selections"]["gsm8k"]["rows"]["deepest"] = {}
+    (synthetic_study / "study.json").write_text(json.dumps(meta))
+    result = report.write_report(synthetic_study, tmp_path / "out")
+    table = {r["method"]: r for r in result["table1"]["rows"]}
+    assert [r["method"] for r in result["table1"]["rows"]] == [
+        "best_of_n", "power_mcmc", "best_of_n_entropy", "degs_rerank", "deepest", "depth_only", "degs_mcmc"]
+    # the largest D per problem: 1 (wrong), 2 (right), 0 of a tie (wrong), 2 (right)
+    cell = table["deepest"]["cells"]["gsm8k"]
+    assert (table["deepest"]["label"], cell["correct"], cell["n"]) == ("Deepest", 2, 4)
+    assert table["deepest"]["source"] == "selected from the best_of_n run's candidates"
+    first = result["paired"]["comparisons"][0]  # rank 0: before the library's
+    assert (first["treatment"], first["baseline"], first["question"]) == (
+        "deepest", "best_of_n", "depth alone vs likelihood")
+    assert "| Deepest | 0.500 [" in Path(result["report"]).read_text()
+
+    with pytest.raises(TypeError, match="the study row 'greedy' is named as a method"):
+        define("renamed", study_variants={"greedy": StudyRow(selected_from="best_of_n", select=deepest)},
+               __annotations__={"method": ClassVar[str], "study_variants": ClassVar[dict]})
+        study.study_rows()
+    with pytest.raises(TypeError, match="needs its rule on the stored candidates"):
+        StudyRow(selected_from="best_of_n")
 
 
 def test_paired_table_holm_over_the_comparisons_made():

@@ -1,17 +1,19 @@
 """Accuracy tables of the report: Table 1 and the paired comparisons.
 
 - :func:`table1`: accuracy with a 95% Wilson interval per row and benchmark;
-- :func:`paired_table`: paired comparisons (:data:`PAIRS`) on the problems both rows
-  answered: accuracy difference with Newcombe's 95% paired score interval, the exact
-  McNemar test and its Holm adjustment over the table's comparisons; the sign test over
-  benchmarks of beta = 5 vs beta = 0; the common random numbers of each beta pair, with
-  how many final completions are identical (:func:`common_random_numbers`).
+- :func:`paired_table`: paired comparisons (:func:`paired_comparisons`, the ones the rows
+  state) on the problems both rows answered: accuracy difference with Newcombe's 95%
+  paired score interval, the exact McNemar test and its Holm adjustment over the table's
+  comparisons; the sign test over benchmarks of beta = 5 vs beta = 0; the common random
+  numbers of each beta pair (:func:`beta_pairs`), with how many final completions are
+  identical (:func:`common_random_numbers`).
 
-The statistics are :mod:`degs_jax.stats`'s. The reranking rows Best-of-N-Entropy, DEGS
-reranking and depth-only are selected here from the Best-of-N run's kept candidates
-with the decoders' own rules (first candidate on ties, :func:`select_candidate`): argmin
-of the mean final-layer entropy; argmax of ``alpha·log p + beta·D`` (depth-only:
-alpha = 0), with the weights the study recorded.
+The statistics are :mod:`degs_jax.stats`'s. The rows selected from another method's kept
+candidates (Best-of-N-Entropy, DEGS reranking and depth-only, from the Best-of-N run's)
+are selected here with their rows' rules (``StudyRow.select``, the decoders' own, first
+candidate on ties, :func:`select_candidate`): argmin of the mean final-layer entropy;
+argmax of ``alpha·log p + beta·D`` (depth-only: alpha = 0), with the weights the study
+recorded.
 """
 
 from __future__ import annotations
@@ -20,37 +22,39 @@ import math
 from dataclasses import asdict
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
-from degs_jax.reproduce import paper
-from degs_jax.reproduce.study import SELECTED_FROM_POOL
+from degs_jax.reproduce.study import study_row_of, study_rows
 from degs_jax.reproduce.study_files import Study, ordered_methods
 from degs_jax.stats import compare_paired, holm, sign_test, wilson_interval
 
-# (treatment, baseline, question): paired comparisons reported when both rows exist.
-PAIRS = (
-    ("degs_mcmc", "power_mcmc", "depth term in MCMC (beta = 5 vs beta = 0)"),
-    ("degs_smc", "power_smc", "depth term in SMC (beta = 5 vs beta = 0)"),
-    ("degs_rerank", "best_of_n", "depth term in reranking"),
-    ("best_of_n_entropy", "best_of_n", "final-layer entropy vs likelihood reranking"),
-    ("degs_rerank", "depth_only", "likelihood term in reranking"),
-    ("degs_mcmc", "degs_rerank", "compounding over the chain vs one selection"),
-    ("power_mcmc", "greedy", "power sampling vs greedy"),
-    ("degs_mcmc", "greedy", "DEGS-MCMC vs greedy"),
-)
-# The beta = 5 vs beta = 0 pairs: a sign test over benchmarks, common random numbers.
-BETA_PAIRS = (("degs_mcmc", "power_mcmc"), ("degs_smc", "power_smc"))
+
+def paired_comparisons() -> list[tuple[str, str, str]]:
+    """(treatment, baseline, question) of every comparison a row states
+    (``StudyRow.comparisons``), in the order of their ranks (ties: the rows' order, then
+    as stated); the report makes those whose two rows ran."""
+    stated = [(c.rank, treatment, c.baseline, c.question) for treatment, row in study_rows().items()
+              for c in row.facts.comparisons]
+    return [(t, b, q) for _, t, b, q in sorted(stated, key=lambda c: c[0])]
+
+
+def beta_pairs() -> list[tuple[str, str]]:
+    """(treatment, its depth baseline) of every row with one (``StudyRow.depth_baseline``:
+    beta = 5 vs beta = 0 with the same keys), in the rows' order: a sign test over
+    benchmarks, the common random numbers, the probe overhead."""
+    return [(name, row.facts.depth_baseline) for name, row in study_rows().items()
+            if row.facts.depth_baseline]
 
 
 def select_candidate(method: str, candidates: Sequence[Mapping[str, Any]],
                      weights: Mapping[str, float]) -> int:
-    """Index of the candidate a pool selection picks (first on ties, as the decoders)."""
-    if method == "best_of_n_entropy":
-        return int(np.argmin([c["final_entropy"] for c in candidates]))
-    if any(c.get("D") is None for c in candidates):
-        raise ValueError(f"{method} needs D(x) of every candidate; the Best-of-N pool was not probed")
-    scores = [weights["alpha"] * c["log_p"] + weights["beta"] * c["D"] for c in candidates]
-    return int(np.argmax(scores))
+    """Index of the candidate the pool selection ``method`` picks: its row's rule
+    (``StudyRow.select``, first on ties, as the decoders) with the recorded weights."""
+    select = study_row_of(method).facts.select
+    if select is None:
+        raise ValueError(f"{method} is not selected from a pool (its study row has no select rule)")
+    try:
+        return select(candidates, weights)
+    except ValueError as e:
+        raise ValueError(f"{method}: {e}") from None
 
 
 def verdicts(study: Study) -> dict[tuple[str, str], dict[int, bool]]:
@@ -61,10 +65,10 @@ def verdicts(study: Study) -> dict[tuple[str, str], dict[int, bool]]:
         out[(b, m)] = {r["index"]: bool(r["correct"]) for r in data["records"]}
     selections = study.latest("selections")
     for b, sel in selections.items():
-        pool = study.runs.get((b, "best_of_n"))
-        if pool is None:
-            continue
         for method, weights in sel["rows"].items():
+            pool = study.runs.get((b, study_row_of(method).facts.selected_from))
+            if pool is None:
+                continue
             out[(b, method)] = {
                 r["index"]: bool(r["candidates"][select_candidate(method, r["candidates"],
                                                                   weights)]["correct"])
@@ -82,22 +86,23 @@ def _accuracy_cell(v: Mapping[int, bool]) -> dict[str, Any]:
 def table1(study: Study, verdict: Mapping[tuple[str, str], Mapping[int, bool]]) -> dict:
     benchmarks = study.benchmarks
     rows = []
+    known = study_rows()
     for m in ordered_methods(m for _, m in verdict):
         cells = {b: _accuracy_cell(verdict[(b, m)]) for b in benchmarks if (b, m) in verdict}
-        source = ("selected from the best_of_n run's candidates" if m in SELECTED_FROM_POOL
-                  else "decoder run")
-        rows.append({"method": m, "label": paper.METHOD_LABELS.get(m, m), "source": source,
+        selected_from = known[m].facts.selected_from if m in known else ""
+        source = f"selected from the {selected_from} run's candidates" if selected_from else "decoder run"
+        rows.append({"method": m, "label": known[m].label if m in known else m, "source": source,
                      "cells": cells})
     return {"benchmarks": benchmarks, "rows": rows}
 
 
 def paired_table(study: Study, verdict) -> dict:
-    """Every pair of :data:`PAIRS` on every benchmark where both rows answered common
-    problems: Newcombe's interval, the exact McNemar p and its Holm adjustment over
-    the comparisons of the table; the sign test over benchmarks of each beta pair; the
-    common random numbers of each beta pair."""
+    """Every pair of :func:`paired_comparisons` on every benchmark where both rows
+    answered common problems: Newcombe's interval, the exact McNemar p and its Holm
+    adjustment over the comparisons of the table; the sign test over benchmarks of each
+    beta pair; the common random numbers of each beta pair."""
     comparisons = []
-    for treat, base, question in PAIRS:
+    for treat, base, question in paired_comparisons():
         for b in study.benchmarks:
             if (b, treat) not in verdict or (b, base) not in verdict:
                 continue
@@ -113,7 +118,7 @@ def paired_table(study: Study, verdict) -> dict:
     # Holm's family: the comparisons with a p-value (stats.holm leaves NaN ones out)
     family = sum(not math.isnan(c["p_value"]) for c in comparisons)
     beta = []
-    for treat, base in BETA_PAIRS:
+    for treat, base in beta_pairs():
         diffs = {c["benchmark"]: c["difference"] for c in comparisons
                  if c["treatment"] == treat and c["baseline"] == base}
         if diffs:
@@ -153,7 +158,7 @@ def common_random_numbers(study: Study) -> list[dict]:
     and settings but the depth term (common random numbers), and on how many common
     problems their final completions are identical."""
     out = []
-    for treat, base in BETA_PAIRS:
+    for treat, base in beta_pairs():
         for b in study.benchmarks:
             runs = [study.runs.get((b, m)) for m in (treat, base)]
             if None in runs:
@@ -177,32 +182,9 @@ def common_random_numbers(study: Study) -> list[dict]:
 
 
 def _crn_statements(crn: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The statement of each kind of beta pair present in ``crn``, in BETA_PAIRS order."""
+    """What the common random numbers of each beta pair present in ``crn`` imply (the
+    treatment row's ``StudyRow.common_random_numbers``), in :func:`beta_pairs` order."""
     present = {(c["treatment"], c["baseline"]) for c in crn}
-    return [CRN_STATEMENTS[pair] for pair in BETA_PAIRS if pair in present]
+    return [statement for pair in beta_pairs() if pair in present
+            and (statement := study_row_of(pair[0]).facts.common_random_numbers)]
 
-
-# What the common random numbers of a beta pair imply, per pair of BETA_PAIRS.
-CRN_STATEMENTS = {
-    ("degs_mcmc", "power_mcmc"): (
-        "Common random numbers (MCMC): the two chains of a beta pair draw problem i with the "
-        "same key, fold_in(key(seed), i), and within a chain the same counter-based streams "
-        "for the extensions, cut indices, regenerations and accept uniforms (docs/design.md "
-        "§4); they differ only by the beta·ΔD term of the acceptance ratio. Until that term "
-        "flips an accept decision the two chains hold the same tokens (up to floating-point "
-        "differences between the two compiled programs); after it, they sample different "
-        "continuations. The paired difference therefore has a smaller variance than with "
-        "independent keys, and a discordant problem is one the depth term changed (with the "
-        "sampling that followed), not one where the keys differed."),
-    ("degs_smc", "power_smc"): (
-        "Common random numbers (SMC): the two runs of a beta pair draw problem i with the same "
-        "key, fold_in(key(seed), i), and the same counter-based streams for each particle's "
-        "tokens (per particle and position), the systematic uniform of each resampling check "
-        "and the final draw of the returned particle (degs_jax/smc.py); they differ only by "
-        "the beta·D terms of the particles' incremental weights. Until those terms change "
-        "whether a check resamples or which ancestors it copies, the two runs hold the same "
-        "particles; the final draw reads the final weights, which the depth term also "
-        "changes, so a problem can return another particle of the same set. A discordant "
-        "problem is therefore one the depth term changed through the weights, not one where "
-        "the keys differed."),
-}

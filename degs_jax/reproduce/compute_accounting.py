@@ -1,10 +1,11 @@
 """The report's compute accounting, per benchmark and method, from the stored records.
 
 Per problem means of completion, generated and forward tokens, the probe charge (K/L of
-a forward per probed token), forward-equivalents and their ratio to greedy, decoding and
-grading seconds, seconds per 1k generated tokens and the MH acceptance (pooled over every
-step, and the mean of the per-problem rates); and the probe overhead of each beta pair
-(DEGS over power sampling) per generated token.
+a forward per probed token), forward-equivalents and their ratio to greedy's (the row
+whose ``StudyRow.compute_unit`` says so), decoding and grading seconds, seconds per 1k
+generated tokens and the MH acceptance (pooled over every step, and the mean of the
+per-problem rates); and the probe overhead of each beta pair (DEGS over power sampling)
+per generated token.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Optional
 import numpy as np
 
 from degs_jax.method import Method
-from degs_jax.reproduce.accuracy import BETA_PAIRS
+from degs_jax.reproduce.accuracy import beta_pairs
+from degs_jax.reproduce.study import study_rows
 from degs_jax.reproduce.study_files import Study, ordered_methods
 
 
@@ -67,9 +69,10 @@ def compute_table(study: Study) -> dict:
             "decode_s_per_1k_generated_tokens": (1000 * sum(r["decode_s"] for r in recs) / gen
                                                  if gen else None),
         })
-    greedy = {r["benchmark"]: r["forward_equivalents"] for r in rows if r["method"] == "greedy"}
+    units = {name for name, row in study_rows().items() if row.facts.compute_unit}
+    unit = {r["benchmark"]: r["forward_equivalents"] for r in rows if r["method"] in units}
     for r in rows:
-        g = greedy.get(r["benchmark"])
+        g = unit.get(r["benchmark"])
         r["forward_equivalents_vs_greedy"] = r["forward_equivalents"] / g if g else None
     return {"rows": rows, "probe_overhead": _probe_overhead(rows),
             "note": "per problem means; a batch's decoding time is shared equally by its problems "
@@ -84,7 +87,7 @@ def _probe_overhead(rows) -> list[dict]:
     the baseline in forward-equivalents and in decoding time, both per generated token."""
     overhead = []
     by = {(r["benchmark"], r["method"]): r for r in rows}
-    for treat, base in BETA_PAIRS:
+    for treat, base in beta_pairs():
         for b in sorted({r["benchmark"] for r in rows}):
             if (b, treat) in by and (b, base) in by:
                 t, s = by[(b, treat)], by[(b, base)]

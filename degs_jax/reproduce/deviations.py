@@ -18,11 +18,11 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from degs_jax.eval.graders import RULES_VERSION
-from degs_jax.hyperparameters import BestOfN
+from degs_jax.hyperparameters import BestOfN, ScalablePower
 from degs_jax.method import Method
 from degs_jax.models.loading import BUILTIN_MODELS
 from degs_jax.reproduce import paper
-from degs_jax.reproduce.study import TABLE1_ORDER
+from degs_jax.reproduce.study import POOL_METHOD, TABLE1_ORDER, row_label
 from degs_jax.reproduce.study_files import Study, pool_sampling
 
 # Settings reported as the completion token cap (an MCMC chain's is num_blocks · block_len).
@@ -64,7 +64,7 @@ def _mean_candidate_accuracy(records, indices) -> float:
 def _all_runs(study: Study) -> dict[tuple[str, str, str], dict]:
     """Every run of the study by (``"runs"`` or ``"pool"``, benchmark, decoder)."""
     runs = {("runs", b, m): data for (b, m), data in study.runs.items()}
-    runs.update({("pool", b, "best_of_n"): data for b, data in study.pools.items()})
+    runs.update({("pool", b, POOL_METHOD): data for b, data in study.pools.items()})
     return runs
 
 
@@ -147,7 +147,7 @@ def _sampling_rows(runs: Mapping) -> list[dict]:
     predictive-validity pools (against the paper's pool), with the mean candidate accuracy
     of both where a benchmark has both at different settings."""
     sampling = {(kind, b): pool_sampling(data["decoder"])
-                for (kind, b, m), data in runs.items() if m == "best_of_n"}
+                for (kind, b, m), data in runs.items() if m == POOL_METHOD}
     rows = []
     for kind, setting in (("runs", "Best-of-N pool (Best-of-N and its selections)"),
                           ("pool", "predictive-validity pool")):
@@ -161,8 +161,8 @@ def _sampling_rows(runs: Mapping) -> list[dict]:
         for b in sorted(b for (k, b) in sampling if k == kind == "runs"):
             other = sampling.get(("pool", b))
             if other is not None and other != sampling[("runs", b)]:
-                records = runs[("runs", b, "best_of_n")]["records"]
-                pool = runs[("pool", b, "best_of_n")]["records"]
+                records = runs[("runs", b, POOL_METHOD)]["records"]
+                pool = runs[("pool", b, POOL_METHOD)]["records"]
                 common = {r["index"] for r in records} & {r["index"] for r in pool}
                 effects.append(
                     f"mean candidate accuracy on the {len(common)} {b} problems both drew: "
@@ -172,7 +172,7 @@ def _sampling_rows(runs: Mapping) -> list[dict]:
         if kind == "runs":
             target = paper.BEST_OF_N_SAMPLING
             deviates = not all(_paper_best_of_n(data["decoder"]) for (k, b, m), data in runs.items()
-                               if k == "runs" and m == "best_of_n")
+                               if k == "runs" and m == POOL_METHOD)
         else:
             target = pool_sampling(BestOfN(**paper.CANDIDATE_SAMPLING))
             deviates = set(by_value) != {target}
@@ -187,7 +187,7 @@ def _sps_rows(runs: Mapping) -> list[dict]:
     """The temperature of Scalable Power Sampling's candidate blocks (the paper's table
     gives it as T = 0.25; the decoder's default draws them from p, T = 1)."""
     used = {(data["decoder"].candidate_temperature, b) for (kind, b, m), data in runs.items()
-            if m == "scalable_power"}
+            if isinstance(data["decoder"], ScalablePower)}
     if not used:
         return []
     by_value: dict[float, list] = {}
@@ -272,13 +272,13 @@ def _recorded_rows(study: Study, status: Mapping) -> list[dict]:
     for job in study.latest("jobs").values():
         label = "pool" if job["kind"] == "pool" else job["method"]
         for k, v in job["deviations"].items():
-            if k in _CAP_SETTINGS or (job["method"] == "best_of_n" and k in _SAMPLING):
+            if k in _CAP_SETTINGS or (job["method"] == POOL_METHOD and k in _SAMPLING):
                 continue
             grouped.setdefault((k, json.dumps(v["paper"]), json.dumps(v["used"])), []).append(
                 (label, job["benchmark"]))
     rows = [_deviation(k, json.loads(paper_value), f"{json.loads(used)}: {_where(items)}", True)
             for (k, paper_value, used), items in sorted(grouped.items())]
-    rows += [_deviation(f"{paper.METHOD_LABELS.get(m, m)} selection weights", v["paper"],
+    rows += [_deviation(f"{row_label(m)} selection weights", v["paper"],
                         f"{v['used']}: {b}", True)
              for b, dev in status["selection_deviations"].items() for m, v in dev.items()]
     return rows
@@ -298,7 +298,7 @@ def _coverage_rows(study: Study, status: Mapping, verdict) -> list[dict]:
         any(b not in sizes or min(v) < sizes[b] for b, v in done.items()))]
     table_rows = {m for table in paper.TABLE1.values() for m in table}
     ours = {m for _, m in verdict}
-    missing = [", ".join(paper.METHOD_LABELS[m] for m in TABLE1_ORDER if m in table_rows - ours),
+    missing = [", ".join(row_label(m) for m in TABLE1_ORDER if m in table_rows - ours),
                ", ".join(paper.BENCHMARK_LABELS[b] for b in sizes if b not in done)]
     rows.append(_deviation("Table 1 cells", f"{len(table_rows)} methods × {len(sizes)} benchmarks",
                            "not run: " + "; ".join(x for x in missing if x) if any(missing)

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from degs_jax.analysis import format_interval
 from degs_jax.reproduce import paper
+from degs_jax.reproduce.study import row_label
 
 
 def format_number(x, digits: int = 3, kind: str = "f") -> str:
@@ -128,7 +129,7 @@ def _table1_section(table1: Mapping[str, Any], figures: Mapping[str, str]) -> li
     rows = []
     for model_name, table in paper.TABLE1.items():
         for m, cells in table.items():
-            rows.append([model_name, paper.METHOD_LABELS[m]] + [f"{cells[b]:.3f}" for b in bs])
+            rows.append([model_name, row_label(m)] + [f"{cells[b]:.3f}" for b in bs])
     md.append(_md_table(["model", "method"] + [paper.BENCHMARK_LABELS[b] for b in bs], rows))
     return md
 
@@ -301,7 +302,7 @@ def _compute_section(compute: Mapping[str, Any]) -> list[str]:
                   "forward-equivalents per generated token.")
     w = paper.WALL_CLOCK_S
     md += ["", f"Paper ({w['model']} / MATH500, {w['device']}), seconds per problem: "
-               + ", ".join(f"{paper.METHOD_LABELS[m]} {s}" for m, s in w["seconds"].items())
+               + ", ".join(f"{row_label(m)} {s}" for m, s in w["seconds"].items())
                + f"; probe overhead +{100 * paper.PROBE_OVERHEAD['degs_mcmc_vs_power_mcmc']:.1f}% "
                  f"(DEGS-MCMC), +{100 * paper.PROBE_OVERHEAD['degs_rerank_vs_best_of_n']:.1f}% "
                  "(DEGS reranking); acceptance "

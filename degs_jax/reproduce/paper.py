@@ -3,25 +3,11 @@
 Every value here is copied from the LaTeX source of "Depth-Entropy Guided Sampling for
 Training-Free LLM Reasoning"; the comment above each constant names the table or
 sentence. Accuracies are fractions (the ablation tables' percentages divided by 100).
-Benchmark and method keys are this library's names.
+Benchmark and method keys are this library's names (the rows' labels, the paper's
+names for them, are the methods' own: ``StudyRow.label``, ``degs_jax.method``).
 """
 
 from __future__ import annotations
-
-# The paper's row labels for this library's decoders (Table 1 order, then the ablation rows).
-METHOD_LABELS = {
-    "greedy": "Base (greedy)",
-    "temperature": "Low-temperature",
-    "best_of_n": "Best-of-N",
-    "power_mcmc": "MCMC Power Sampling",
-    "scalable_power": "Scalable Power Sampling",
-    "power_smc": "Power-SMC",
-    "best_of_n_entropy": "Best-of-N-Entropy",
-    "degs_rerank": "DEGS reranking",
-    "depth_only": "Depth-only (alpha = 0)",
-    "degs_mcmc": "DEGS-MCMC",
-    "degs_smc": "DEGS-SMC",
-}
 
 BENCHMARK_LABELS = {
     "math500": "MATH500", "deepmind500": "DeepMind500", "gsm8k": "GSM8K (test)",

@@ -10,6 +10,9 @@ compute accounting and Figure 1):
   pools for the same seed and pool hyperparameters (same per-problem keys, same
   sampler) and differ only in the argmax, so they cost no generation of their own
   (``tests/test_reproduce.py`` checks the selections against the decoders).
+  What the study knows of a row it reads off the method class (:func:`study_rows`: its
+  ``StudyRow``, ``degs_jax.method``): its label and place, the method it is selected
+  from and by which rule, its comparisons and beta pair; no name is special here.
 - **Predictive-validity pool** (``pool/<benchmark>/``): best_of_n with N = 16, T = 0.8,
   top-p 0.9, every candidate graded (the paper's higher-entropy regime for this
   analysis).
@@ -81,31 +84,27 @@ from degs_jax.eval.processes import (ProcessGroup, failures_published, from_proc
                                      gathered_on_process_0, process_group)
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
-from degs_jax.hyperparameters import hyperparameters_for, method_classes, method_from_record, resolve_hyperparameters
+from degs_jax.hyperparameters import (METHODS, hyperparameters_for, method_classes, method_from_record,
+                                      resolve_hyperparameters)
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
-from degs_jax.method import Method
+from degs_jax.method import Method, StudyRow, registered_methods, study_row, study_variants_of
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
+from degs_jax.sampling import BestOfN, DegsRerank
 from degs_jax.scoring import completion_layer_entropies
 
 STUDY_FILE = "study.json"
 LAYERS_FILE = "layers.jsonl"
 LAYERS_META = "layers.json"
 
-# Table 1's row order (the paper's, then our reranking rows), and the rows of the default
-# study, listed here and not read off the registry: a method an installed package adds
-# (degs_jax.hyperparameters) joins a study, after these, only where --methods names it.
-TABLE1_ORDER = ("greedy", "temperature", "best_of_n", "power_mcmc", "scalable_power",
-                "power_smc", "best_of_n_entropy", "degs_rerank", "depth_only", "degs_mcmc",
-                "degs_smc")
-POOL_METHOD = "best_of_n"  # the decoder whose kept candidates every reranking row selects from
-SELECTED_FROM_POOL = ("best_of_n_entropy", "degs_rerank", "depth_only")
+POOL_METHOD = BestOfN.method  # the decoder of the predictive-validity pool
+POOL_RERANK = DegsRerank.method  # the selection the L_sub ablation scores on that pool
 POOL_SCOPE = "pool"  # name of the predictive-validity pool in --hp / --batch-size
 # The predictive-validity pool of the paper (N, T, top-p).
 POOL_SETTINGS = dict(CANDIDATE_SAMPLING)
 # The paper decodes HumanEval at T = 0.5 (alpha = 1/T = 2) "to retain the diversity
 # program synthesis requires"; every other benchmark at the defaults (alpha 4, T 0.25).
+# The low-temperature row's T = 0.5 is its own fact (`StudyRow.benchmark_settings`).
 HUMANEVAL_ALPHA = 2.0
-HUMANEVAL_TEMPERATURE = 0.5
 DEFAULT_BATCH_SIZE = 16
 # Layer pass: lens rows (layers x positions) per forward, bounding the [rows, 8192] fp32
 # blocks of the streamed lens to 1 GiB; sequence lengths are padded to a multiple of
@@ -118,14 +117,85 @@ LAYER_PASS_PROBLEMS = 8  # pool problems per stored layer-pass step
 UNMEASURED_RESERVE = 0.15
 
 
-# --------------------------------------------------------------------------- methods
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True)
+class Row:
+    """A row of the study: its name, the method it is (a variant's: the method that
+    states it) and what the method says of it (``StudyRow``)."""
+
+    name: str
+    method: str
+    facts: StudyRow
+
+    @property
+    def label(self) -> str:
+        return self.facts.label or self.name
+
+
+def _rows_of(classes: Mapping[str, type[Method]]) -> dict[str, Row]:
+    """The rows the method classes state, those with a Table 1 position first (in its
+    order), then the others in the classes' order. TypeError for a variant named as a
+    method or another row, or not selected from a method's kept candidates (a variant
+    has no run of its own)."""
+    rows: dict[str, Row] = {}
+    for name, cls in classes.items():
+        rows[name] = Row(name, name, study_row(cls))
+        for variant, facts in study_variants_of(cls).items():
+            if variant in classes or variant in rows:
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}: the study row {variant!r} is "
+                                "named as a method or another row; choose another name")
+            if not facts.selected_from:
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}: the study row {variant!r} is a "
+                                "variant, so it must be selected from a method's kept candidates "
+                                "(StudyRow(selected_from=..., select=...))")
+            rows[variant] = Row(variant, name, facts)
+    placed = sorted((r for r in rows.values() if r.facts.position is not None),
+                    key=lambda r: r.facts.position)
+    return {r.name: r for r in placed + [r for r in rows.values() if r.facts.position is None]}
+
+
+def study_rows() -> dict[str, Row]:
+    """Every row the study can produce, by name: Table 1's (the library's methods and
+    their variants, in the order of their positions), then the methods installed
+    packages or scripts add (``degs_jax.hyperparameters.method_classes``), by their
+    positions where they state one, else after them."""
+    return _rows_of(method_classes())
+
+
+# Table 1's rows, in order: the rows of the default study. Those of the library, not
+# read off the whole registry: a method an installed package adds joins a study only
+# where --methods names it.
+TABLE1_ORDER = tuple(name for name, row in _rows_of({m: registered_methods()[m] for m in METHODS}).items()
+                     if row.facts.position is not None)
+
+
+def study_row_of(name: str) -> Row:
+    """The row ``name`` (ValueError naming the rows for another)."""
+    rows = study_rows()
+    if name not in rows:
+        raise ValueError(f"unknown method {name!r}; the study has {', '.join(rows)}")
+    return rows[name]
+
+
+def row_label(name: str) -> str:
+    """A row's label in the report's tables (the paper's, for the library's); a name that
+    is no row (a method not installed here): the name."""
+    row = study_rows().get(name)
+    return name if row is None else row.label
+
+
+def row_decoder(name: str) -> str:
+    """The method whose run gives the row: the one it is selected from, else its own."""
+    row = study_row_of(name)
+    return row.facts.selected_from or row.method
 
 
 def available_methods() -> tuple[str, ...]:
-    """Every row the study can produce: Table 1's (the paper's decoders and the pool
-    selections), then the methods installed packages add
-    (``degs_jax.hyperparameters.method_classes``)."""
-    return TABLE1_ORDER + tuple(m for m in method_classes() if m not in TABLE1_ORDER)
+    """Every row the study can produce (:func:`study_rows`): Table 1's (the paper's
+    decoders and the pool selections), then the methods installed packages add."""
+    return tuple(study_rows())
 
 
 def method_defaults(method: str) -> dict[str, Any]:
@@ -189,8 +259,9 @@ class StudyRequest:
             if scope not in scopes:
                 raise ValueError(f"unknown scope {scope!r} in --hp/--batch-size: use a method "
                                  f"({', '.join(rows)}), 'pool' or no prefix")
-        decoders = {"degs_rerank" if m == "depth_only" else m for m in self.methods}
-        if self.pool_benchmarks or decoders & set(SELECTED_FROM_POOL):
+        decoders = {study_row_of(m).method for m in self.methods}
+        decoders |= {row_decoder(m) for m in self.methods}  # the selections' sources
+        if self.pool_benchmarks:
             decoders.add(POOL_METHOD)
         for name in self.overrides.get("*", {}):  # else it would be ignored without a word
             if not any(name in method_defaults(d) for d in decoders):
@@ -229,43 +300,50 @@ def _scoped(overrides: Mapping[str, Mapping[str, Any]], method: str, defaults: M
     return hp
 
 
+def _value_text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+
+
 def job_hyperparameters(method: str, benchmark: str,
                         overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The hyperparameter overrides of ``method`` on ``benchmark`` (its defaults are the
-    paper's): the paper's HumanEval settings, then the request's ``*`` and per-method
-    overrides. For a pool selection: the selection's weights (``alpha``, ``beta`` of
-    degs_rerank; ``alpha = 0`` for depth-only). Errors name the bad hyperparameter."""
-    decoder = "degs_rerank" if method == "depth_only" else method
+    """The hyperparameter overrides of the row ``method`` on ``benchmark`` (its defaults
+    are the paper's): the paper's settings of the benchmark (HumanEval: alpha 2 for every
+    method that has one, and the row's own ``benchmark_settings``), then the request's
+    ``*`` and per-row overrides, then what a variant fixes. For a pool selection: the
+    selection's weights (its ``StudyRow.weights``: ``alpha``, ``beta`` of degs_rerank,
+    ``alpha = 0`` for depth-only), after checking that it selects from the pool its
+    source draws. Errors name the bad hyperparameter."""
+    row = study_row_of(method)
+    decoder = row.method
     defaults = method_defaults(decoder)
     hp: dict[str, Any] = {}
-    if canonical_name(benchmark) == "humaneval":
-        if "alpha" in defaults:
-            hp["alpha"] = HUMANEVAL_ALPHA
-        if method == "temperature":
-            hp["temperature"] = HUMANEVAL_TEMPERATURE
+    if canonical_name(benchmark) == "humaneval" and "alpha" in defaults:
+        hp["alpha"] = HUMANEVAL_ALPHA
+    hp.update({name: value for on, name, value in row.facts.benchmark_settings
+               if canonical_name(on) == canonical_name(benchmark)})
     hp.update(_scoped(overrides, decoder, defaults, scope=method))
-    if method == "depth_only":
-        if "alpha" in overrides.get("depth_only", {}):
-            raise ValueError("depth_only is alpha = 0 by definition; set degs_rerank's alpha instead")
-        hp["alpha"] = 0.0
+    for name, value in row.facts.fixed:
+        if name in overrides.get(method, {}):
+            raise ValueError(f"{method} is {name} = {_value_text(value)} by definition; set {decoder}'s "
+                             f"{name} instead")
+        hp[name] = value
     resolved = resolve_hyperparameters(decoder, hp)  # ValueError on bad names or values
-    if method in SELECTED_FROM_POOL:
-        pool = {**method_defaults(POOL_METHOD),
-                **job_hyperparameters(POOL_METHOD, benchmark, overrides)}
+    source = row.facts.selected_from
+    if source:
+        pool = {**method_defaults(source), **job_hyperparameters(source, benchmark, overrides)}
         shared = sorted(k for k in pool if k in resolved and pool[k] != resolved[k])
         if shared:
-            raise ValueError(f"{method} selects from best_of_n's pool, so its {', '.join(shared)} "
-                             f"must equal best_of_n's; set them for best_of_n (or without a prefix)")
+            raise ValueError(f"{method} selects from {source}'s pool, so its {', '.join(shared)} "
+                             f"must equal {source}'s; set them for {source} (or without a prefix)")
         return selection_weights(method, resolved)
     return hp
 
 
 def selection_weights(method: str, hyperparameters: Mapping[str, Any]) -> dict[str, float]:
-    """What a pool selection ranks by: DEGS reranking and depth-only ``alpha``, ``beta``
-    (argmax alpha·log p + beta·D); Best-of-N-Entropy nothing (argmin final-layer entropy)."""
-    if method == "best_of_n_entropy":
-        return {}
-    return {"alpha": float(hyperparameters["alpha"]), "beta": float(hyperparameters["beta"])}
+    """What the pool selection ``method`` ranks by: its hyperparameters that its row names
+    (``StudyRow.weights``; DEGS reranking and depth-only ``alpha``, ``beta``: argmax
+    alpha·log p + beta·D; Best-of-N-Entropy none: argmin final-layer entropy)."""
+    return {name: float(hyperparameters[name]) for name in study_row_of(method).facts.weights}
 
 
 def pool_hyperparameters(benchmark: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict:
@@ -321,14 +399,15 @@ def plan_jobs(request: StudyRequest) -> list[Job]:
     jobs = []
     decoders = []
     for m in request.methods:
-        d = POOL_METHOD if m in SELECTED_FROM_POOL else m
+        d = row_decoder(m)
         if d not in decoders:
             decoders.append(d)
+    sources = {row.facts.selected_from for row in study_rows().values()}  # their candidates are kept
     for benchmark, limit in request.benchmarks.items():
         for method in decoders:
             jobs.append(Job("decoder", benchmark, method,
                             job_hyperparameters(method, benchmark, request.overrides), limit,
-                            request.batch_size(method), method == POOL_METHOD,
+                            request.batch_size(method), method in sources,
                             run_directory(benchmark, method)))
         if benchmark in request.pool_benchmarks:
             jobs.append(_pool_job(request, benchmark))
@@ -705,7 +784,7 @@ def describe(request: StudyRequest, jobs: Sequence[Job], targets: Mapping[str, i
     selections: dict[str, dict] = {}
     for benchmark in dict(request.benchmarks) | dict(request.pool_benchmarks):
         rows = {m: job_hyperparameters(m, benchmark, request.overrides)
-                for m in request.methods if m in SELECTED_FROM_POOL}
+                for m in request.methods if study_row_of(m).facts.selected_from}
         paper = {m: job_hyperparameters(m, benchmark, {}) for m in rows}
         selections[benchmark] = {"rows": rows,
                                  "pool_rerank": rerank_weights(benchmark, request.overrides),
@@ -715,13 +794,14 @@ def describe(request: StudyRequest, jobs: Sequence[Job], targets: Mapping[str, i
 
 
 def rerank_weights(benchmark: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """DEGS reranking's (alpha, beta) on ``benchmark``: the paper's (HumanEval alpha 2)
-    with the request's overrides of those two (used on the predictive-validity pool)."""
-    defaults = method_defaults("degs_rerank")
+    """DEGS reranking's (alpha, beta) on ``benchmark`` (``POOL_RERANK``'s weights): the
+    paper's (HumanEval alpha 2) with the request's overrides of those two (used on the
+    predictive-validity pool)."""
+    defaults = method_defaults(POOL_RERANK)
+    weights = study_row_of(POOL_RERANK).facts.weights
     hp = {"alpha": HUMANEVAL_ALPHA} if canonical_name(benchmark) == "humaneval" else {}
-    hp.update({k: v for k, v in _scoped(overrides, "degs_rerank", defaults).items()
-               if k in ("alpha", "beta")})
-    return selection_weights("degs_rerank", {**defaults, **hp})
+    hp.update({k: v for k, v in _scoped(overrides, POOL_RERANK, defaults).items() if k in weights})
+    return selection_weights(POOL_RERANK, {**defaults, **hp})
 
 
 # --------------------------------------------------------------------------- layer pass

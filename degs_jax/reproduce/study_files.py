@@ -22,10 +22,10 @@ from degs_jax.reproduce.study import (
     LAYERS_FILE,
     LAYERS_META,
     STUDY_FILE,
-    TABLE1_ORDER,
     read_jsonl,
     read_records,
     read_study_file,
+    study_rows,
 )
 
 
@@ -88,10 +88,11 @@ def load_study(directory) -> Study:
 
 
 def ordered_methods(methods) -> list[str]:
-    """``methods`` without repeats, Table 1's rows first in its order, then the others sorted."""
+    """``methods`` without repeats, the rows with a Table 1 position first in its order
+    (``StudyRow.position``), then the others sorted."""
     methods = list(dict.fromkeys(methods))
-    known = [m for m in TABLE1_ORDER if m in methods]
-    return known + sorted(m for m in methods if m not in known)
+    placed = [m for m, row in study_rows().items() if m in methods and row.facts.position is not None]
+    return placed + sorted(m for m in methods if m not in placed)
 
 
 def pool_sampling(pool: BestOfN) -> str:
