@@ -550,6 +550,17 @@ def test_a_users_method_states_its_study_row(synthetic_study, tmp_path, monkeypa
         StudyRow(selected_from="best_of_n")
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-cpu-smoke", "qwen2.5-coder-1.5b"])
+def test_a_committed_study_renders_its_committed_report(name, tmp_path):
+    """The report is a function of the stored files: a committed study's report.md comes
+    back byte for byte (every row, label, comparison, beta pair and claim the method
+    classes state; the 1.5B study has both beta pairs, SPS and the pool selections, the
+    smoke study greedy's compute unit and the layer pass)."""
+    source = Path(__file__).parents[1] / "docs" / "reproduction" / name
+    result = report.write_report(source, tmp_path)
+    assert Path(result["report"]).read_text() == (source / "report.md").read_text()
+
+
 def test_paired_table_holm_over_the_comparisons_made():
     # Only the beta pair ran, on two benchmarks: gsm8k 0 / 8 discordant (exact p = 2 / 2^8),
     # math500 0 / 3 (p = 2 / 2^3). Holm over the two: 2·p_min, then max(that, 1·p_max).
