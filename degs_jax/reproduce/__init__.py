@@ -1,7 +1,9 @@
 """The paper's study for one model, from one resumable command (`degs reproduce`).
 
 - :mod:`degs_jax.reproduce.study`: what runs (Table 1 decoders, the predictive-validity
-  pool, the layer pass), in which order, within which time budget; resumable.
+  pool, the layer pass), in which order, within which time budget; resumable. Its rows
+  (``study_rows``) are what the method classes state of themselves
+  (``degs_jax.method.StudyRow``).
 - :mod:`degs_jax.reproduce.report`: tables, figures and ``report.md`` from the stored
   files alone; a compact export for committing. It composes ``study_files`` (reading the
   directory), the tables of ``accuracy``, ``pool_tables``, ``compute_accounting``,
@@ -22,12 +24,13 @@ from degs_jax.reproduce.study import (
     plan_jobs,
     plan_table,
     run_study,
+    study_rows,
 )
 
 _REPORT = ("build_tables", "export_study", "load_study", "write_report")
 
 __all__ = ["StudyRequest", "available_methods", "format_plan", "paper_lsub_sets", "plan_jobs",
-           "plan_table", "run_study", *_REPORT]
+           "plan_table", "run_study", "study_rows", *_REPORT]
 
 
 def __getattr__(name):
