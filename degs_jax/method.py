@@ -47,7 +47,13 @@ What a method answers (the drivers never switch on a method's class or name):
 - for the host driver (`decoders.decode`, which calls `advance` in jitted chunks):
   `progress(carry)` (traced: units done), `progress_total(settings)` and `progress_unit`
   (the progress bar), and `run_details(...)` (on the host, from the final carry: per-row
-  `Candidate` fields, per-prompt diagnostics and extra counters; `RunDetails`).
+  `Candidate` fields, per-prompt diagnostics and extra counters; `RunDetails`);
+- for `degs reproduce` (class attributes, each class's own): `study`, its row of the
+  study (`StudyRow`: the paper's label, its Table 1 place, the method whose kept
+  candidates it is selected from and by which rule, its comparisons and beta pair, what
+  the report says of it), and `study_variants`, rows that are the method with
+  hyperparameters fixed (depth-only: DEGS reranking at alpha = 0). The study branches on
+  no method name (docs/extending.md).
 """
 
 from __future__ import annotations
