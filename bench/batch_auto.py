@@ -49,7 +49,7 @@ def one(args) -> dict:
     from common import forced_eos_model, shape_config
     from degs_jax.batching import choose_batch_size, peak_memory
     from degs_jax.decoders import decode
-    from degs_jax.hyperparameters import hyperparameters_for
+    from degs_jax.methods import hyperparameters_for
     from degs_jax.models import init_params
 
     cfg = shape_config(args.shape)
@@ -93,7 +93,7 @@ def one(args) -> dict:
 
 
 def main():
-    from degs_jax.hyperparameters import METHODS
+    from degs_jax.methods import METHODS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2.5-7b")

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import BUFFER_NEW, emit, environment, shape_config
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.models import forward, init_cache, init_params
 from degs_jax.models.params import stack_layers
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import numpy as np
 
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.mcmc import MCMCConfig
 from degs_jax.model_api import StepOutput
 from degs_jax.models import TransformerLM
@@ -169,7 +169,7 @@ def target_lengths(problems: int, median: float, sigma: float, cap: int, seed: i
 
 def default_mcmc(method: str, num_layers: int, eos_ids: tuple[int, ...] = (), **overrides) -> MCMCConfig:
     """The MCMCConfig of `method` ("power_mcmc" or "degs_mcmc") with the library's defaults
-    (`degs_jax.hyperparameters`) updated by `overrides` (e.g. block_len, mh_steps);
+    (`degs_jax.methods`) updated by `overrides` (e.g. block_len, mh_steps);
     no `eos_ids`: EOS suppressed."""
     return hyperparameters_for(method, **overrides).kernel_config(num_layers, tuple(eos_ids))
 

@@ -9,7 +9,7 @@ attention read (`auto` = `loop` on CPU and for prefills, the Pallas `kernel` for
 DIR each program is compiled twice: cold (written to DIR) and again after
 `jax.clear_caches()` (read back from DIR), the cost of a later process.
 
-Buffer: the library defaults (`degs_jax.hyperparameters`): 16 blocks x 192 = 3072 new-token
+Buffer: the library defaults (`degs_jax.methods`): 16 blocks x 192 = 3072 new-token
 slots after the prompt, for both programs; the MCMC block is degs_mcmc's defaults
 (10 MH steps, alpha 4, beta 5, default L_sub).
 

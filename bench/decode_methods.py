@@ -23,7 +23,7 @@ import numpy as np
 
 from common import emit, environment, forced_eos_model, shape_config
 from degs_jax.decoders import decode
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.models import init_params
 
 OUT = "decode_methods.jsonl"

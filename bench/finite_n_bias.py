@@ -56,7 +56,7 @@ from test_mcmc_exactness import (BLOCK, EOS, LSUB, PROMPT, completion_index,  # 
                                  enumerable_model, exact_stats, pick_tau, target)
 
 from degs_jax.generation import GenState, pad_prompts, prefill  # noqa: E402
-from degs_jax.hyperparameters import hyperparameters_for  # noqa: E402
+from degs_jax.methods import hyperparameters_for  # noqa: E402
 from degs_jax.mcmc import run_chains  # noqa: E402
 from degs_jax.models import TransformerLM, forward  # noqa: E402
 from degs_jax.rows import repeat_rows  # noqa: E402

@@ -112,7 +112,7 @@ def phases(model_name: str | None = None, seed: int = 0) -> dict:
 def readme_method():
     """The README command's method and settings, with the buffer `degs sample` gives them."""
     from degs_jax.cli import sample_budget
-    from degs_jax.hyperparameters import hyperparameters_for
+    from degs_jax.methods import hyperparameters_for
 
     options = dict(zip([a.lstrip("-").replace("-", "_") for a in SAMPLE_ARGS[2::2]],
                        [int(a) for a in SAMPLE_ARGS[3::2]]))

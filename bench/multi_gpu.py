@@ -30,7 +30,7 @@ import numpy as np
 from common import (BUFFER_NEW, copy_bandwidth, decode_seconds, decode_step_bytes, emit, environment,
                     forced_eos_model, param_bytes, shape_config)
 from degs_jax.decoders import decode
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.models import init_params
 from degs_jax.models.attention import read_mode
 from degs_jax.models.compilation import enable_compilation_cache

@@ -65,7 +65,7 @@ import numpy as np
 from common import (BUFFER_NEW, SHAPES, copy_bandwidth, decode_seconds, decode_step_bytes, emit,
                     environment, forced_eos_model, shape_config, target_lengths)
 from degs_jax.decoders import decode
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.lens import LensConfig
 from degs_jax.models import ModelConfig, init_params, stack_layers
 from degs_jax.models.compilation import enable_compilation_cache

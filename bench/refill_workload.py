@@ -71,7 +71,7 @@ import numpy as np
 
 from common import ROW_STEPS, PromptCodedEOSLM, emit, encode_target, environment, random_model, target_lengths
 from degs_jax.decoders import decode
-from degs_jax.hyperparameters import METHODS, field_names, hyperparameters_for, method_record
+from degs_jax.methods import METHODS, field_names, hyperparameters_for, method_record
 
 OUT_NAME = "refill.jsonl"
 

@@ -27,7 +27,7 @@ from common import SHAPES, default_mcmc, emit, environment, random_model
 
 from degs_jax import decoders, generation
 from degs_jax.generation import Proposal, SamplerSpec, generate, prefill, truncations
-from degs_jax.hyperparameters import Temperature
+from degs_jax.methods import Temperature
 from degs_jax.models import TransformerLM
 from degs_jax.models import ModelConfig, init_params
 

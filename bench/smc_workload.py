@@ -163,7 +163,7 @@ def run_reference_subprocess(args) -> dict | None:
 def method_configs(method: str, args, num_layers: int):
     """The decoder's hyperparameters for this workload (its defaults with the budget) and
     its kernel config, EOS suppressed (no eos_ids), as `decode` builds it."""
-    from degs_jax.hyperparameters import hyperparameters_for
+    from degs_jax.methods import hyperparameters_for
 
     if method in ("power_smc", "degs_smc", "power_smc_resample_every_check"):
         always = method == "power_smc_resample_every_check"

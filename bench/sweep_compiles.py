@@ -25,7 +25,7 @@ import numpy as np
 from common import emit, environment, shape_config
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import DegsMCMC
+from degs_jax.methods import DegsMCMC
 from degs_jax.models import TransformerLM, init_params
 
 OUT = "sweep_compiles.jsonl"

@@ -8,7 +8,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_HOMES = {"DecodeResult": "decoders", "decode": "decoders", "METHODS": "hyperparameters",
+_HOMES = {"DecodeResult": "decoders", "decode": "decoders", "METHODS": "methods",
           "sample": "text"}
 
 __all__ = ["METHODS", "DecodeResult", "decode", "sample", "__version__"]

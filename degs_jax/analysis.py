@@ -49,7 +49,7 @@ from matplotlib.figure import Figure
 
 from degs_jax.decisions import (decision_anatomy, decision_table, departures, format_anatomy,
                                 has_decision_records, plot_decisions)
-from degs_jax.hyperparameters import DegsMCMC, DegsRerank, method_from_record
+from degs_jax.methods import DegsMCMC, DegsRerank, method_from_record
 from degs_jax.lens import LensConfig
 from degs_jax.models import with_tuned_lens
 from degs_jax.plots import save_png

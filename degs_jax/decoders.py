@@ -15,7 +15,7 @@ program (`decode_tokens`). The text API (`sample`) is in `degs_jax.text`.
 | scalable_power      | Scalable Power Sampling, block form (sps.py)                  |
 
 Methods: frozen values with their typed hyperparameters and defaults (`degs_jax.method`;
-the registry of names: `degs_jax.hyperparameters`). Rows: prompt i's candidate (pool
+the registry of names: `degs_jax.methods`). Rows: prompt i's candidate (pool
 member, chain or particle) j is row i·n + j.
 
 Two drivers, same tokens for the same per-prompt keys:
@@ -51,7 +51,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .generation import GenState, completions, pad_prompts, prefill
-from .hyperparameters import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, as_method
+from .methods import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, as_method
 from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .method import Method, positive_int
 from .model_api import CausalLM, params_dtype

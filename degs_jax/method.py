@@ -18,7 +18,7 @@ The methods themselves live beside their kernels, one file per family:
 
 A class with a method name of its own (`method = "name"`) registers itself when it is
 defined (`Method.__init_subclass__`; `registered_methods()` lists them): adding a method
-is one class, in this package or in a user's own (`degs_jax.hyperparameters` finds the
+is one class, in this package or in a user's own (`degs_jax.methods` finds the
 methods of installed packages through their entry points; docs/extending.md).
 
 What a method answers (the drivers never switch on a method's class or name):
@@ -177,7 +177,7 @@ def _register(cls: type["Method"]) -> None:
 
 def registered_methods() -> dict[str, type["Method"]]:
     """Every method class defined so far, by name, in the order they were defined
-    (`degs_jax.hyperparameters.method_classes` adds the installed packages' and orders them)."""
+    (`degs_jax.methods.method_classes` adds the installed packages' and orders them)."""
     return dict(_REGISTERED)
 
 

@@ -10,7 +10,7 @@ import jax
 
 from .chat import encode_prompt
 from .decoders import DecodeResult, decode
-from .hyperparameters import as_method
+from .methods import as_method
 from .method import Method
 from .models import with_tuned_lens
 from .stops import cut_at_stop, token_bytes

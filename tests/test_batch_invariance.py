@@ -30,7 +30,7 @@ import pytest
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, SMC_METHODS, field_names, hyperparameters_for, method_classes
+from degs_jax.methods import METHODS, SMC_METHODS, field_names, hyperparameters_for, method_classes
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_cache, init_params
 from tiny_models import tiny_config

@@ -14,7 +14,7 @@ from degs_jax.batching import (DEVICE_MEMORY_FRACTION, MAX_AUTO_BATCH, MEMORY_FR
                                card_memory, choose_batch_size, claim_device_memory, describe_batch_choice,
                                device_memory_setting, parse_batch_size, peak_memory, pick_batch_size,
                                row_cost)
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.examples.nnx_lm import tiny_nnx_model
 
 LM, _ = tiny_nnx_model()

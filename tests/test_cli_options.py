@@ -8,7 +8,7 @@ import dataclasses
 
 from degs_jax.cli import build_parser
 from degs_jax.cli.options import _cli_fields, _hyperparameters
-from degs_jax.hyperparameters import METHODS, method_classes
+from degs_jax.methods import METHODS, method_classes
 
 
 def _sample_parser():

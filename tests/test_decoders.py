@@ -23,7 +23,7 @@ import pytest
 
 from degs_jax.decoders import decode
 from degs_jax.eval.results import read_run_file
-from degs_jax.hyperparameters import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC, DegsSMC,
+from degs_jax.methods import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC, DegsSMC,
                                       PowerMCMC, ScalablePower, hyperparameters_for, method_from_record,
                                       resolve_hyperparameters)
 from degs_jax.generation import GenState, Proposal, SamplerSpec, completions, generate, pad_prompts, prefill

@@ -25,7 +25,7 @@ import pytest
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.examples.nnx_lm import tiny_nnx_model
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_classes
+from degs_jax.methods import METHODS, hyperparameters_for, method_classes
 from degs_jax.method import SMALLEST_RUN_TOKENS
 from degs_jax.models import TransformerLM, init_params
 from tiny_models import tiny_config

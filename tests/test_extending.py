@@ -26,7 +26,7 @@ import pytest
 
 import degs_jax.method
 from degs_jax import cli
-from degs_jax.hyperparameters import (METHODS, hyperparameters_for, method_classes, method_from_record,
+from degs_jax.methods import (METHODS, hyperparameters_for, method_classes, method_from_record,
                                       method_origin)
 from degs_jax.method import method_field
 from degs_jax.reproduce.study import TABLE1_ORDER, StudyRequest, available_methods
@@ -204,7 +204,7 @@ def _installed_package(site, module, entry_points, source=""):
 
 
 def test_installed_packages_are_loaded_once_and_a_broken_one_is_a_warning(registry, monkeypatch, tmp_path):
-    import degs_jax.hyperparameters as registry_module
+    import degs_jax.methods as registry_module
 
     _installed_package(tmp_path, "pkg_rule_ok", "ok_rule = pkg_rule_ok:OkRule\n",
                        "import dataclasses\nfrom typing import ClassVar\nfrom degs_jax.sampling import BestOfN\n\n"
@@ -243,7 +243,7 @@ def test_a_package_that_exits_or_misnames_its_method_is_one_warning_and_never_ru
     and an entry point whose name is not its class's method, are each one warning naming
     the package; neither class is offered, and the tool works (its parser, every library
     method)."""
-    import degs_jax.hyperparameters as registry_module
+    import degs_jax.methods as registry_module
     from degs_jax.cli import build_parser
 
     rule = ("import dataclasses\nfrom typing import ClassVar\nfrom degs_jax.sampling import BestOfN\n\n"

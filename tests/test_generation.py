@@ -32,7 +32,7 @@ import pytest
 
 from degs_jax.generation import (GenState, MinP, Proposal, SamplerSpec, TopK, TopP, Typical, completions,
                                  generate, kth_largest, pad_prompts, prefill, truncations)
-from degs_jax.hyperparameters import hyperparameters_for
+from degs_jax.methods import hyperparameters_for
 from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward, init_params

@@ -1,4 +1,4 @@
-"""Golden numbers: every decoder of `degs_jax.hyperparameters.METHODS`, on CPU, on a
+"""Golden numbers: every decoder of `degs_jax.methods.METHODS`, on CPU, on a
 tiny random transformer with fixed keys, gives the values recorded in
 `tests/golden/decoders.json` (written from the code of 827a286, before the layering
 refactor of issue 26; the `scalable_power` entry from 209f809, after issue 25 made SPS
@@ -72,7 +72,7 @@ import pytest
 
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts
-from degs_jax.hyperparameters import METHODS, hyperparameters_for, method_classes
+from degs_jax.methods import METHODS, hyperparameters_for, method_classes
 from degs_jax.models import TransformerLM
 from degs_jax.models import init_params
 from tiny_models import tiny_config

@@ -26,7 +26,7 @@ import pytest
 
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import Proposal, TopK, TopP, pad_prompts
-from degs_jax.hyperparameters import DegsMCMC, DegsRerank, DegsSMC, PowerMCMC, ScalablePower, Temperature
+from degs_jax.methods import DegsMCMC, DegsRerank, DegsSMC, PowerMCMC, ScalablePower, Temperature
 from degs_jax.mcmc import MCMCConfig
 from degs_jax.models import TransformerLM, init_params
 from tiny_models import tiny_config

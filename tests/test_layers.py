@@ -2,7 +2,7 @@
 
     tiling, model protocol, chat  <  models  <  examples  <  statistics
         <  stop strings / traced fields  <  lens / rows / generation / scoring / method  <  sampling / mcmc / smc / sps
-        <  decoders (+ the method registry, hyperparameters)
+        <  decoders (+ the method registry, methods)
         <  text API  <  eval  <  analysis / decisions / probe  <  training  <  reproduction  <  CLI
 
 A module may import only from its own layer or lower ones. On top of that:
@@ -44,7 +44,7 @@ LAYERS = [
     ("lens / rows / generation / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
                                                      "degs_jax.scoring", "degs_jax.method")),
     ("sampling / mcmc / smc / sps", ("degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
-    ("decoders", ("degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
+    ("decoders", ("degs_jax.methods", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
     ("analysis", ("degs_jax.analysis", "degs_jax.decisions", "degs_jax.probe", "degs_jax.plots")),
@@ -55,7 +55,7 @@ LAYERS = [
 PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
 SAMPLERS = ("degs_jax.stops", "degs_jax.traced_fields", "degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
             "degs_jax.scoring", "degs_jax.method", "degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc",
-            "degs_jax.sps", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")
+            "degs_jax.sps", "degs_jax.methods", "degs_jax.decoders", "degs_jax.batching")
 LOCAL_IMPORTS_MAX = 20
 
 

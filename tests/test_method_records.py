@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from degs_jax.eval.results import read_run_file
-from degs_jax.hyperparameters import (METHODS, DegsMCMC, ScalablePower, as_method, hyperparameters_for,
+from degs_jax.methods import (METHODS, DegsMCMC, ScalablePower, as_method, hyperparameters_for,
                                       method_from_record, method_record)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from degs_jax import hyperparameters, mcmc, method, sampling, smc, sps
-from degs_jax.hyperparameters import METHODS, method_classes
+from degs_jax import mcmc, method, methods, sampling, smc, sps
+from degs_jax.methods import METHODS, method_classes
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = {name: method_classes()[name] for name in METHODS}
@@ -59,7 +59,7 @@ def test_readme_class_list():
 
 
 def test_registry_docstring_table():
-    rows = [row[:3] for row in docstring_rows(hyperparameters)]
+    rows = [row[:3] for row in docstring_rows(methods)]
     assert rows == [(name, cls.__name__, cls.__module__) for name, cls in CLASSES.items()]
 
 

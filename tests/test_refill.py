@@ -21,7 +21,7 @@ import pytest
 
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_stream
-from degs_jax.hyperparameters import METHODS, hyperparameters_for
+from degs_jax.methods import METHODS, hyperparameters_for
 from degs_jax.mcmc import ChainRows, MCMCMethod
 from degs_jax.stops import TokenBytes
 from test_batch_invariance import DECODER_EOS, DECODER_SETTINGS, _bits, _model
@@ -119,7 +119,7 @@ def test_plan_prices_fixed_batches_by_their_useful_row_steps():
     answers have 4 and 12 tokens (1 and 3 blocks of 4, 2 MH steps: 8 and 36 sequential
     steps, sum_k (l + T·k·l/2)) used 44 of its 2 · 36 row-steps; a refilled record (no
     batch_share) and a batch of one count nothing."""
-    from degs_jax.hyperparameters import PowerMCMC
+    from degs_jax.methods import PowerMCMC
     from degs_jax.reproduce.study import fixed_batch_utilisation
 
     method = PowerMCMC(block_len=4, num_blocks=4, mh_steps=2)

@@ -13,7 +13,7 @@ from degs_jax import stats
 from degs_jax.eval import graders
 from degs_jax.cli import reproduction as command
 from degs_jax.reproduce import accuracy, claims, paper, report, study, study_files
-from degs_jax.hyperparameters import DegsMCMC, hyperparameters_for
+from degs_jax.methods import DegsMCMC, hyperparameters_for
 from degs_jax.method import study_row
 from degs_jax.reproduce.study import StudyRequest, job_hyperparameters
 
@@ -83,7 +83,7 @@ def test_request_validation_and_jobs():
 
 
 def test_available_methods_follow_table1_order():
-    from degs_jax.hyperparameters import METHODS
+    from degs_jax.methods import METHODS
 
     rows = study.available_methods()
     assert set(rows) == set(METHODS) | {"depth_only"}
@@ -500,7 +500,7 @@ def test_a_users_method_states_its_study_row(synthetic_study, tmp_path, monkeypa
     from typing import ClassVar
 
     import degs_jax.method
-    from degs_jax.hyperparameters import BestOfN
+    from degs_jax.methods import BestOfN
     from degs_jax.method import Comparison, StudyRow
 
     monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(degs_jax.method._REGISTERED))

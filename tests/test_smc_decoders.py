@@ -22,7 +22,7 @@ from degs_jax.cli import build_parser
 from degs_jax.cli.options import _hyperparameters
 from degs_jax.decoders import decode
 from degs_jax.generation import pad_prompts, prefill
-from degs_jax.hyperparameters import DegsSMC, PowerSMC, ScalablePower, hyperparameters_for, resolve_hyperparameters
+from degs_jax.methods import DegsSMC, PowerSMC, ScalablePower, hyperparameters_for, resolve_hyperparameters
 from degs_jax.models import TransformerLM
 from degs_jax.models import forward
 from degs_jax.rows import repeat_rows
@@ -208,7 +208,7 @@ def test_cli_passes_the_new_hyperparameters():
 
 def test_defaults_one_home():
     """The SMC / SPS defaults (sources in SMCConfig's and SPSConfig's docstrings) live in
-    degs_jax.hyperparameters and reach the kernels unchanged."""
+    degs_jax.methods and reach the kernels unchanged."""
     for cls, beta in ((PowerSMC, 0.0), (DegsSMC, 5.0)):
         config = cls()
         assert (config.alpha, config.beta, config.n_particles, config.max_new_tokens, config.ramp_tokens,

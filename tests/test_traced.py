@@ -26,7 +26,7 @@ import pytest
 from degs_jax import decoders
 from degs_jax.decoders import decode, decode_tokens
 from degs_jax.generation import pad_prompts, prefill
-from degs_jax.hyperparameters import BestOfN, DegsMCMC, Temperature
+from degs_jax.methods import BestOfN, DegsMCMC, Temperature
 from degs_jax.lens import LensConfig
 from degs_jax.models import TransformerLM
 from degs_jax.models import init_params

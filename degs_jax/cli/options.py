@@ -1,5 +1,5 @@
 """What the `degs` commands share: the options of the model, the decoders and the lens
-(each hyperparameter option generated from `degs_jax.hyperparameters`), their parsers and
+(each hyperparameter option generated from `degs_jax.methods`), their parsers and
 checks (seed, prompt, output directory, probe sets), and the HumanEval isolation that
 `degs eval` and `degs reproduce` settle before loading a model. Every check raises
 ValueError with the option's name: `main` prints it as one `degs: error: ...` line."""
@@ -19,7 +19,7 @@ from typing import Iterable
 
 from ..eval import sandbox
 from ..eval.benchmarks import canonical_name
-from ..hyperparameters import field_types, hyperparameters_for, method_classes
+from ..methods import field_types, hyperparameters_for, method_classes
 from ..lens import default_lsub, validate_lsub
 from ..method import Method
 from ..models.loading import AUTO_DTYPE, DTYPE_CHOICES, resolve_dtype
@@ -30,7 +30,7 @@ from ..train.tuned_lens import resolve_lens
 
 def method_help() -> str:
     """What --method takes: the library's decoders and those of installed packages
-    (`degs_jax.hyperparameters.method_classes`, read when the parser is built)."""
+    (`degs_jax.methods.method_classes`, read when the parser is built)."""
     return (f"decoders: {', '.join(method_classes())} (docs/design.md §4; an installed package "
             "adds its own, docs/extending.md). Hyperparameters a method does not take are rejected.")
 
@@ -81,7 +81,7 @@ def _mesh_shape(text: str) -> tuple[int, int]:
 
 def _add_decoder_args(p: argparse.ArgumentParser, default_method: str) -> None:
     """--method, --seed and one option per hyperparameter field of the methods
-    (`degs_jax.hyperparameters`: names, types, documentation and defaults come from there)."""
+    (`degs_jax.methods`: names, types, documentation and defaults come from there)."""
     p.add_argument("--method", default=default_method, help=method_help())
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (same seed, same tokens)")
     g = p.add_argument_group("hyperparameters (unset: the method's default, as in the paper)")

@@ -224,7 +224,7 @@ def read_json(path: str | os.PathLike) -> dict:
 def read_run_file(path: str | os.PathLike) -> dict:
     """A run's ``run.json``: an object whose ``config`` is an object and whose
     ``invocations`` is a list of objects; ValueError naming the file otherwise. Its
-    method is read by `degs_jax.hyperparameters.method_from_record`."""
+    method is read by `degs_jax.methods.method_from_record`."""
     run = read_json(path)
     config, invocations = run.get("config"), run.get("invocations")
     if not isinstance(config, dict):

@@ -111,7 +111,7 @@ from degs_jax.eval.results import (
     write_json,
     write_summary,
 )
-from degs_jax.hyperparameters import as_method, method_from_record, method_origin, method_record
+from degs_jax.methods import as_method, method_from_record, method_origin, method_record
 from degs_jax.method import Method
 from degs_jax.model_api import params_dtype
 from degs_jax.models import with_tuned_lens

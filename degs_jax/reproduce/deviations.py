@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from degs_jax.eval.graders import RULES_VERSION
-from degs_jax.hyperparameters import BestOfN, ScalablePower
+from degs_jax.methods import BestOfN, ScalablePower
 from degs_jax.method import Method
 from degs_jax.models.loading import BUILTIN_MODELS
 from degs_jax.reproduce import paper

@@ -84,7 +84,7 @@ from degs_jax.eval.processes import (ProcessGroup, failures_published, from_proc
                                      gathered_on_process_0, process_group)
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
-from degs_jax.hyperparameters import (METHODS, hyperparameters_for, method_classes, method_from_record,
+from degs_jax.methods import (METHODS, hyperparameters_for, method_classes, method_from_record,
                                       resolve_hyperparameters)
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
 from degs_jax.method import Method, StudyRow, registered_methods, study_row, study_variants_of
@@ -159,7 +159,7 @@ def _rows_of(classes: Mapping[str, type[Method]]) -> dict[str, Row]:
 def study_rows() -> dict[str, Row]:
     """Every row the study can produce, by name: Table 1's (the library's methods and
     their variants, in the order of their positions), then the methods installed
-    packages or scripts add (``degs_jax.hyperparameters.method_classes``), by their
+    packages or scripts add (``degs_jax.methods.method_classes``), by their
     positions where they state one, else after them."""
     return _rows_of(method_classes())
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 from degs_jax.eval.benchmarks import BENCHMARKS
 from degs_jax.eval.results import read_run_file
-from degs_jax.hyperparameters import BestOfN, method_from_record
+from degs_jax.methods import BestOfN, method_from_record
 from degs_jax.reproduce.study import (
     LAYERS_FILE,
     LAYERS_META,

@@ -17,7 +17,8 @@ configuration, the study and the analyses find methods here. The library's:
 
 `METHODS` names these, in this order (their families' order, each in the order its file
 defines them). An installed package adds methods through the entry-point group
-`degs_jax.methods` (`name = "package.module:Class"`; docs/extending.md): the first
+`degs_jax.methods`, this module's name (`name = "package.module:Class"`;
+docs/extending.md): the first
 `method_classes()` call loads them (a package that fails to load is a warning naming
 it), and from then on `degs sample/eval/reproduce` list, run and resume them like the
 library's. A method class defined in a script registers itself as well, for the Python
