@@ -169,6 +169,20 @@ def test_names_are_checked_when_the_class_is_defined(registry):
         type("Unnamed", (BestOfN,), {})  # its runs would record, and resume as, best_of_n
 
 
+def test_the_registrys_old_name_warns_and_is_the_same_module(monkeypatch):
+    """`degs_jax.hyperparameters` (the registry's name until issue 54, shown in the README
+    and docs/sweeps.md) still imports, with a DeprecationWarning, as `degs_jax.methods`."""
+    import sys
+
+    import degs_jax.methods
+
+    monkeypatch.delitem(sys.modules, "degs_jax.hyperparameters", raising=False)
+    with pytest.warns(DeprecationWarning, match="degs_jax.hyperparameters is now degs_jax.methods"):
+        from degs_jax.hyperparameters import DegsMCMC, method_classes
+    assert sys.modules["degs_jax.hyperparameters"] is degs_jax.methods
+    assert (DegsMCMC, method_classes) == (degs_jax.methods.DegsMCMC, degs_jax.methods.method_classes)
+
+
 def test_a_record_of_a_method_not_installed_names_its_package():
     record = {"method": "nowhere", "hyperparameters": {},
               "method_origin": {"module": "their_methods", "distribution": "their-methods"}}

@@ -44,7 +44,7 @@ LAYERS = [
     ("lens / rows / generation / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
                                                      "degs_jax.scoring", "degs_jax.method")),
     ("sampling / mcmc / smc / sps", ("degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
-    ("decoders", ("degs_jax.methods", "degs_jax.decoders", "degs_jax.batching")),
+    ("decoders", ("degs_jax.methods", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
     ("eval", ("degs_jax.eval",)),
     ("analysis", ("degs_jax.analysis", "degs_jax.decisions", "degs_jax.probe", "degs_jax.plots")),
