@@ -135,7 +135,9 @@ def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():
 
 def test_a_refill_call_takes_every_batch_the_budget_holds(tmp_path):
     """With refill a `run_eval` call streams its problems through the batch's slots, so it
-    takes every batch whose cumulative estimate fits (one while the job was never measured)."""
+    takes every batch whose cumulative estimate fits: without a budget all of them (the
+    slots of a finished chain take the next problem at once), under one a single batch
+    while the job was never measured."""
     job = study.Job(kind="decoder", benchmark="math500", method="greedy", hyperparameters={}, limit=None,
                     batch_size=2, keep_candidates=False, directory=study.run_directory("math500", "greedy"))
     rates, skipped = study._Rates(), []
@@ -143,7 +145,8 @@ def test_a_refill_call_takes_every_batch_the_budget_holds(tmp_path):
     def call(budget):
         return study._next_call(job, study._batches(job, 0, 5), 1, tmp_path, rates, budget, skipped, refill=True)
 
-    assert call(study.Budget(None)) == [[0, 1]]  # never measured: one batch
+    assert call(study.Budget(None)) == [[0, 1], [2, 3], [4]]  # no budget: the whole job streams
+    assert call(study.Budget(1000.0)) == [[0, 1]]  # a budget, never measured: one batch
     rates.add(study._job_rate_keys(job), 10.0, 1)
     assert call(study.Budget(None)) == [[0, 1], [2, 3], [4]]
     assert call(study.Budget(45.0)) == [[0, 1], [2, 3]] and skipped == ["math500 greedy problems 4-4"]
@@ -612,9 +615,14 @@ def test_beta_verdict_counts_ties_as_no_direction():
 
 def test_export_drops_tokens_and_renders_the_same_tables(synthetic_study, tmp_path):
     full = report.build_tables(report.load_study(synthetic_study))
+    in_flight = synthetic_study / "runs/gsm8k/best_of_n/checkpoints"  # a chain of a killed run
+    in_flight.mkdir()
+    (in_flight / "test%2F7.npz").write_bytes(b"snapshot")
     exported = report.export_study(synthetic_study, tmp_path / "export")
     for line in (tmp_path / "export/runs/gsm8k/best_of_n/results.jsonl").read_text().splitlines():
         assert all("tokens" not in c for c in json.loads(line)["candidates"])
+    # the copy continues where the study stopped: its in-flight chains come along
+    assert (tmp_path / "export/runs/gsm8k/best_of_n/checkpoints/test%2F7.npz").read_bytes() == b"snapshot"
     for name in ("deviations", "table1", "paired", "predictive_validity", "lsub", "trajectories",
                  "compute", "claims"):
         assert json.loads(json.dumps(exported[name])) == json.loads(json.dumps(full[name])), name

@@ -40,6 +40,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from degs_jax.eval.checkpoints import CHECKPOINT_DIR
 from degs_jax.eval.results import write_json
 from degs_jax.reproduce.accuracy import paired_table, table1, verdicts
 from degs_jax.reproduce.claims import claims_table
@@ -94,8 +95,10 @@ def export_study(study_dir, dest) -> dict[str, Any]:
 
     Keeps study.json, every run.json / summary.json, the per-problem records (chosen
     completions as stored: GPQA only as hashes) with each kept candidate's scores and
-    verdict but without its tokens, and the layer-pass files; then writes the report
-    into ``dest``. The copy renders the same tables (they never read tokens).
+    verdict but without its tokens, the layer-pass files, and the checkpoints of chains
+    still in flight (`degs_jax.eval.checkpoints`: a study exported mid-run continues from
+    the copy, `degs reproduce --out DEST`); then writes the report into ``dest``. The
+    copy renders the same tables (they never read tokens).
     """
     src, dest = Path(study_dir), Path(dest)
     load_study(src)  # refuse a directory that is not a study
@@ -113,6 +116,8 @@ def export_study(study_dir, dest) -> dict[str, Any]:
         for name in ("run.json", "summary.json", LAYERS_META, LAYERS_FILE):
             if (run_dir / name).exists():
                 shutil.copy2(run_dir / name, target / name)
+        if (run_dir / CHECKPOINT_DIR).is_dir() and any((run_dir / CHECKPOINT_DIR).iterdir()):
+            shutil.copytree(run_dir / CHECKPOINT_DIR, target / CHECKPOINT_DIR)
         with open(target / "results.jsonl", "w", encoding="utf-8") as f:
             for r in read_records(run_dir):
                 if "candidates" in r:

@@ -593,9 +593,11 @@ def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rat
     A batch cut short (by a round's end or by finished problems) ends the call, so that
     ``run_eval``, cutting the call's problems into batches of the largest one's size,
     decodes exactly these batches. refill (one process): the call streams its problems
-    through ``batch_size`` slots, so it takes every batch whose cumulative estimate fits
-    (one batch while the job's cost was never measured). Batches the budget does not
-    admit go to ``skipped``; [] when ``chunks`` has no more."""
+    through ``batch_size`` slots, so it takes every batch whose cumulative estimate fits:
+    without a time budget every batch (a slot freed by a finished chain takes the next
+    problem at once, never waiting for the batch's slowest), under a budget one batch
+    while the job's cost was never measured. Batches the budget does not admit go to
+    ``skipped``; [] when ``chunks`` has no more."""
     call: list[list[int]] = []
     for chunk in chunks:
         done = {r["index"] for r in read_records(out / job.directory)}
@@ -608,7 +610,7 @@ def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rat
             skipped.append(f"{job.label} problems {todo[0]}-{todo[-1]}")
             continue
         call.append(todo)
-        if refill and rate is not None:
+        if refill and (rate is not None or budget.seconds is None):
             continue
         if len(call) == width or len(todo) < job.batch_size:
             break
