@@ -64,6 +64,7 @@ def render_markdown(tables: Mapping[str, Any], figures: Mapping[str, str]) -> st
           + _lsub_section(tables["lsub"])
           + _trajectory_section(tables["trajectories"], figures)
           + _compute_section(tables["compute"])
+          + _decisions_section(tables["decisions"])
           + _claims_section(tables["claims"]))
     return "\n".join(md)
 
@@ -307,6 +308,35 @@ def _compute_section(compute: Mapping[str, Any]) -> list[str]:
                  f"(DEGS-MCMC), +{100 * paper.PROBE_OVERHEAD['degs_rerank_vs_best_of_n']:.1f}% "
                  "(DEGS reranking); acceptance "
                + ", ".join(f"{k} {100 * v:.0f}%" for k, v in paper.ACCEPTANCE.items()) + "."]
+    return md
+
+
+def _decisions_section(decisions: Mapping[str, Any]) -> list[str]:
+    """The MH decisions of every run that recorded them (none: no section)."""
+    rows = decisions["rows"]
+    if not rows:
+        return []
+    near = rows[0]["near_zero_nats"]
+    md = ["", "## Where the depth term acts: the MH decisions", "",
+          "Every recorded MH decision of each MCMC run: accepted and null-move fractions; "
+          "decided by β·ΔD (log u between power sampling's log r_0 and log r_0 + β·ΔD: the "
+          "power-MCMC decision from the same u goes the other way, and the chain departs from "
+          "the power chain of its keys there); medians over the non-null decisions of "
+          f"|log r_0| and |β·ΔD|, and the fraction with |log r_0| < {near:g} nats; the β at "
+          "which the records expect half the chains to depart from the chain they visited "
+          "(first order, on `degs_jax.decisions.BETA_GRID`: the prediction for a run at "
+          "another β; `degs analyze` gives the whole curve).", ""]
+    md.append(_md_table(
+        ["benchmark", "method", "β", "problems", "decisions", "accepted", "null moves",
+         "decided by β·ΔD (chains)", "median \\|log r_0\\|", "median \\|β·ΔD\\|",
+         f"\\|log r_0\\| < {near:g}",
+         "β: half the chains depart"],
+        [[r["benchmark"], r["method"], format_number(r["beta"], 3, "g"), r["problems"], f"{r['decisions']:,}",
+          format_number(r["accepted"], 3), format_number(r["null_moves"], 3),
+          "n/a" if r["chains_depth_decided"] is None else f"{r['depth_decided']} ({r['chains_depth_decided']})",
+          format_number(r["median_abs_log_ratio_power"], 3, "g"),
+          format_number(r["median_abs_beta_depth_delta"], 3, "g"), format_number(r["near_zero_fraction"], 3),
+          format_number(r["beta_half_chains_depart"], 3, "g")] for r in rows]))
     return md
 
 

@@ -45,6 +45,7 @@ from degs_jax.eval.results import write_json
 from degs_jax.reproduce.accuracy import paired_table, table1, verdicts
 from degs_jax.reproduce.claims import claims_table
 from degs_jax.reproduce.compute_accounting import compute_table
+from degs_jax.reproduce.decision_anatomy import decisions_table
 from degs_jax.reproduce.deviations import deviations_table
 from degs_jax.reproduce.figures import write_figures
 from degs_jax.reproduce.markdown import render_markdown
@@ -69,7 +70,7 @@ def build_tables(study: Study) -> dict[str, Any]:
     return {"status": status, "deviations": deviations_table(study, status, verdict),
             "table1": t1, "paired": paired,
             "predictive_validity": validity, "lsub": lsub_table(study),
-            "trajectories": trajectory_table(study), "compute": compute,
+            "trajectories": trajectory_table(study), "compute": compute, "decisions": decisions_table(study),
             "claims": claims_table(paired, validity, compute)}
 
 
