@@ -179,10 +179,12 @@ def _missing_hooks(cls: type["Method"]) -> list[str]:
 
 
 def _installed_owner(cls: type["Method"], name: str) -> Optional[str]:
-    """The installed package that declares the method `name` through its entry point, as
-    "'package' (module:Class)", when that entry point is not `cls` itself; else None."""
+    """The installed package whose entry point declares the method `name`, as "the
+    installed package 'package' (module:Class)", where `cls` is not that package's: its
+    module is outside the entry point's top-level package (a package may name a class it
+    re-exports, `package:Rule` of `package.rules.Rule`). None where no entry point does."""
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
-        if (entry.module, entry.attr) != (cls.__module__, cls.__qualname__):
+        if entry.module.partition(".")[0] != cls.__module__.partition(".")[0]:
             package = entry.dist.name if entry.dist is not None else "?"
             return f"the installed package {package!r} ({entry.value})"
     return None
@@ -209,6 +211,7 @@ def _register(cls: type["Method"]) -> None:
     taken = _REGISTERED.get(name)
     if taken is not None and (taken.__module__, taken.__qualname__) == (cls.__module__, cls.__qualname__):
         taken = None  # the same class defined again (e.g. its module reloaded): the new one
+    # (the library's own names are its own: no package can take them)
     owner = _installed_owner(cls, name) if not cls.__module__.startswith("degs_jax.") else None
     if owner is None and taken is not None:
         owner = f"{taken.__module__}.{taken.__qualname__}"

@@ -116,6 +116,11 @@ def test_the_walk_through_installs_lists_runs_and_resumes_a_users_method(tmp_pat
     assert sorted(r["index"] for r in records) == list(range(PROBLEMS))  # nothing lost, nothing repeated
     for r in records:  # the method's own statistic of the chosen candidate (gamma 1; float32)
         assert r["extras"]["penalized_score"] == pytest.approx(r["log_p"] - r["final_entropy"], rel=1e-5, abs=1e-5)
+    mean = sum(r["extras"]["penalized_score"] for r in records) / PROBLEMS  # summarised (float64 sums)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["extras"] == {"penalized_score": {"mean": pytest.approx(mean, rel=1e-12), "n": PROBLEMS}}
+    assert re.search(rf"^  mean penalized_score +{summary['extras']['penalized_score']['mean']:.4g}$",
+                     resumed.stdout, re.M)
     assert (out / "results.jsonl").read_bytes().startswith(first[:first.rindex(b"\n") + 1])
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["method"] == "entropy_penalized"
@@ -388,6 +393,10 @@ def test_an_installed_methods_name_is_the_same_error_in_either_load_order(regist
             classes = method_classes()
         assert classes["owned_rule"].__module__ == "pkg_rule_owner"
     assert errors[0] == errors[1]
+    # the package's own class, where its entry point names a re-export of it, is its own
+    monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(before))
+    own = _define("owned_rule", __module__="pkg_rule_owner.rules")
+    assert degs_jax.method.registered_methods()["owned_rule"] is own
 
 
 def test_degs_sample_shows_a_methods_own_statistics(degs, registry):
