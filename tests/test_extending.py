@@ -360,8 +360,13 @@ def test_a_method_missing_a_hook_fails_when_defined_naming_it(registry):
                    max_new_tokens=method_field(4, "budget"), __annotations__={"method": ClassVar[str],
                                                                               "max_new_tokens": int})
     assert method_classes()["own_kernel"] is done and done().max_new_tokens == 4
-    # a budget given as a property, and a library method's subclass: nothing missing
+    # a budget given as a property or as a field without a default, and a library
+    # method's subclass: nothing missing
     _define("budget_property", base=family, progress=lambda self, carry: 0, max_new_tokens=property(lambda s: 4))
+    budget_field = dataclasses.dataclass(frozen=True, kw_only=True)(type("Rule_kw", (family,), {
+        "__module__": "my_script", "method": "budget_field", "progress": lambda self, carry: 0,
+        "__annotations__": {"method": ClassVar[str], "max_new_tokens": int}}))
+    assert budget_field(max_new_tokens=3).max_new_tokens == 3
     _define("my_chain", base=DegsMCMC)
 
 

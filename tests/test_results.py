@@ -155,7 +155,7 @@ def test_eval_summary_averages_numeric_extras_counts_others_and_shows_only_rows_
 
     run = {"config": {"template_sha256": "x" * 64, "model": {"name": "m"}, "benchmark": "gsm8k",
                       "method": "my_rule", "seed": 0}, "invocations": [{"versions": {}}]}
-    records = [_eval_record(i, extras={"score": [1.0, 2, 4.5][i], "verdict": ["kept", "cut", "kept"][i],
+    records = [_eval_record(i, extras={"score": [1.0, 2, 4.5][i], "verdict": ["cut", "kept", "kept"][i],
                                        "flag": [True, False, True][i], **({"late": 7} if i == 2 else {})})
                for i in range(3)]
     summary = run_summary(records, run)
