@@ -62,8 +62,7 @@ Array = jax.Array
 
 __all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "SMC_METHODS", "Candidate", "Output", "DecodeResult",
            "Decoded", "decode", "decode_stream", "decode_tokens", "candidate_scores", "completion_tokens",
-           "pool_rows", "row_keys",
-           "run_kernel", "advance_chunk", "advance_on_host"]
+           "pool_rows", "row_keys", "run_kernel", "advance_chunk", "advance_on_host"]
 
 
 @dataclasses.dataclass
