@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from .generation import GenState, completions, pad_prompts, prefill
 from .methods import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, as_method
 from .lens import masked_sum, mean_final_entropy, sequence_depth
-from .method import Method, positive_int
+from .method import NO_TOKEN, Method, PoolRows, positive_int
 from .model_api import CausalLM, params_dtype
 from .rows import put_slots, repeat_rows, take_slot, work_totals
 from .stops import TokenBytes
@@ -61,8 +61,8 @@ from .stops import TokenBytes
 Array = jax.Array
 
 __all__ = ["METHODS", "MCMC_METHODS", "RERANK_METHODS", "SMC_METHODS", "Candidate", "Output", "DecodeResult",
-           "Decoded", "decode", "decode_stream", "decode_tokens", "candidate_scores", "choose", "row_keys",
-           "run_kernel", "advance_chunk", "advance_on_host"]
+           "Decoded", "decode", "decode_stream", "decode_tokens", "candidate_scores", "completion_tokens",
+           "pool_rows", "row_keys", "run_kernel", "advance_chunk", "advance_on_host"]
 
 
 @dataclasses.dataclass
@@ -158,10 +158,24 @@ def candidate_scores(state: GenState, num_layers: int,
             mean_final_entropy(state.final_entropy, scored, batch_invariant))
 
 
-def choose(config: Method, log_p: Array, depth: Array, final_entropy: Array) -> Array:
-    """[prompts] int32: each prompt's answer among its n = config.pool_size candidates
-    (rows i·n .. i·n + n - 1), by the method's rule (`Method.choose`; first on ties)."""
-    return config.choose(log_p, depth, final_entropy)
+@functools.partial(jax.jit, static_argnames=("width",))
+def completion_tokens(state: GenState, width: int) -> Array:
+    """[B, width] int32: each row's completion token ids from its first (a final end token
+    included, as `completions`), NO_TOKEN past its end (and where a completion were longer
+    than `width`, its first `width` tokens)."""
+    column = jnp.arange(width)[None]
+    slot = jnp.minimum(state.prompt_len[:, None] + column, state.max_len - 1)
+    inside = column < (state.length - state.prompt_len)[:, None]
+    return jnp.where(inside, jnp.take_along_axis(state.tokens, slot, axis=1), NO_TOKEN)
+
+
+def pool_rows(model: CausalLM, state: GenState, width: int) -> PoolRows:
+    """What a pool rule sees of the final rows `state` (`Method.choose`): their scores
+    (`candidate_scores`) and completions (`completion_tokens`, `width`: the method's
+    `max_new_tokens`). Traceable; on the host each part is one jitted program."""
+    log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
+    return PoolRows(log_p=log_p, depth=depth, final_entropy=final_entropy, tokens=completion_tokens(state, width),
+                    length=state.length - state.prompt_len, ended=state.ended)
 
 
 def row_keys(keys: Array, n: int) -> Array:
@@ -217,8 +231,9 @@ def decode_tokens(model: CausalLM, params: Any, prompts: Array, prompt_len: Arra
         ran = jnp.zeros((state.length.shape[0], 0), bool)
     else:
         accepted, depth_decided, ran = answer.accepted, answer.depth_decided, answer.ran
-    log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
-    chosen = choose(config, log_p, depth, final_entropy) if answer.chosen is None else answer.chosen
+    rows = pool_rows(model, state, config.max_new_tokens)
+    chosen = config.choose(rows) if answer.chosen is None else answer.chosen
+    log_p, depth, final_entropy = rows.log_p, rows.depth, rows.final_entropy
     return Decoded(state=state, accepted=accepted, ran=ran, depth_decided=depth_decided,
                    decisions=answer.decisions, log_p=log_p, depth=depth, final_entropy=final_entropy, chosen=chosen)
 
@@ -377,8 +392,12 @@ def _outputs(model: CausalLM, config: Method, state: GenState, answer: Any, deta
     """Every prompt's `Output` from the final rows of its run (`answer`: the method's
     `Answer`, `details`: its `RunDetails`), prompt i's rows i·n .. i·n + n - 1."""
     n = config.pool_size
-    log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
-    chosen = choose(config, log_p, depth, final_entropy) if answer.chosen is None else answer.chosen
+    if answer.chosen is None:  # the method's rule on the rows
+        rows = pool_rows(model, state, config.max_new_tokens)
+        log_p, depth, final_entropy, chosen = rows.log_p, rows.depth, rows.final_entropy, config.choose(rows)
+    else:  # drawn by the method (SMC)
+        log_p, depth, final_entropy = candidate_scores(state, model.num_layers, model.batch_invariant)
+        chosen = answer.chosen
     ended, log_p, depth, final_entropy, chosen = jax.device_get(
         (state.ended, log_p, depth, final_entropy, chosen))
     pool = [Candidate(tokens=tokens, log_p=float(log_p[r]),

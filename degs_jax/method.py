@@ -19,7 +19,15 @@ The methods themselves live beside their kernels, one file per family:
 A class with a method name of its own (`method = "name"`) registers itself when it is
 defined (`Method.__init_subclass__`; `registered_methods()` lists them): adding a method
 is one class, in this package or in a user's own (`degs_jax.methods` finds the
-methods of installed packages through their entry points; docs/extending.md).
+methods of installed packages through their entry points; docs/extending.md). The class
+is checked then, so that a mistake fails where it is written rather than in a run: every
+hook the kernel needs (those marked `abc.abstractmethod` below, a family's own such as
+`SamplingMethod.temperature_of`, and the budget `max_new_tokens`, a field or a property)
+must be defined, and `checkpoint` and `resume` where `checkpoint_versions` is; a missing
+one is one TypeError naming each. A family (no name) may leave hooks to its methods. A
+name that an installed package's entry point declares belongs to that package: another
+class under it is the same TypeError whether the package was loaded before or after
+(the entry points' names are read without importing anything).
 
 What a method answers (the drivers never switch on a method's class or name):
 
@@ -32,7 +40,9 @@ What a method answers (the drivers never switch on a method's class or name):
   sizer's memory estimate, `degs_jax.batching`);
 - `worst_case_cost()`: (generated tokens per prompt, sequential decode steps) when
   nothing ends early, or None where no formula is known (the study's time budget);
-- `choose(log_p, depth, final_entropy)`: each prompt's answer among its rows;
+- `choose(rows)`: each prompt's answer among its rows, from what `PoolRows` holds of
+  each (log p(x), D(x), mean final-layer entropy, the completion's token ids and length,
+  whether it ended);
 - its kernel, over the method's own named state (a registered dataclass pytree, the
   carry of the drivers' loop): `init(model, params, state, keys, settings)` from the
   prefilled rows (`pool_size` consecutive rows per prompt) and their row keys,
@@ -58,7 +68,9 @@ What a method answers (the drivers never switch on a method's class or name):
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import importlib.metadata
 import re
 from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Optional, Sequence
 
@@ -149,13 +161,47 @@ def require_lens(beta: Any, lens: Optional[LensConfig]) -> None:
 _REGISTERED: dict[str, type["Method"]] = {}
 # A method's name is a command-line value and a directory name (`degs reproduce`'s runs).
 _METHOD_NAME = re.compile(r"[a-z][a-z0-9_]*")
+ENTRY_POINT_GROUP = "degs_jax.methods"  # where an installed package names its method classes
+# The token budget: a hook every method answers, as a field or a property (a dataclass
+# field cannot be an abstract property: the property would shadow the field's value).
+BUDGET_HOOK = "max_new_tokens"
+
+
+def _missing_hooks(cls: type["Method"]) -> list[str]:
+    """The hooks `cls` leaves undefined (module docstring), in alphabetical order: those
+    that resolve to an `abc.abstractmethod`, the budget, and `checkpoint` / `resume` when
+    `checkpoint_versions` is overridden. Read from the class before the dataclass
+    decorator runs (a field is then an annotation, with or without a default)."""
+    def resolved(name: str) -> Any:
+        return next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
+
+    names = {name for k in cls.__mro__ for name in vars(k)}
+    missing = {name for name in names if getattr(resolved(name), "__isabstractmethod__", False)}
+    if not any(BUDGET_HOOK in vars(k) or BUDGET_HOOK in vars(k).get("__annotations__", {}) for k in cls.__mro__):
+        missing.add(f"{BUDGET_HOOK} (a field or a property)")
+    if resolved("checkpoint_versions") is not vars(Method)["checkpoint_versions"]:
+        missing |= {name for name in ("checkpoint", "resume") if resolved(name) is vars(Method)[name]}
+    return sorted(missing)
+
+
+def _installed_owner(cls: type["Method"], name: str) -> Optional[str]:
+    """The installed package whose entry point declares the method `name`, as "the
+    installed package 'package' (module:Class)", where `cls` is not that package's: its
+    module is outside the entry point's top-level package (a package may name a class it
+    re-exports, `package:Rule` of `package.rules.Rule`). None where no entry point does."""
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
+        if entry.module.partition(".")[0] != cls.__module__.partition(".")[0]:
+            package = entry.dist.name if entry.dist is not None else "?"
+            return f"the installed package {package!r} ({entry.value})"
+    return None
 
 
 def _register(cls: type["Method"]) -> None:
-    """Register `cls` under its own `method` name. TypeError for a name that is not lower
-    case letters, digits and underscores, one another class has, or a subclass of a
-    registered method that keeps its parent's name (a run of it would record, and resume,
-    the parent)."""
+    """Register `cls` under its own `method` name, after checking it (module docstring).
+    TypeError for a name that is not lower case letters, digits and underscores, one that
+    an installed package declares for another class, one another class has, a subclass of
+    a registered method that keeps its parent's name (a run of it would record, and resume,
+    the parent), or a method that leaves a hook undefined."""
     where = f"{cls.__module__}.{cls.__qualname__}"
     name = cls.__dict__.get("method")
     if name is None:
@@ -169,10 +215,19 @@ def _register(cls: type["Method"]) -> None:
         raise TypeError(f"{where}: the method name {name!r} must be lower-case letters, digits and "
                         "underscores, starting with a letter")
     taken = _REGISTERED.get(name)
-    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise TypeError(f"{where}: the method name {name!r} is taken by "
-                        f"{taken.__module__}.{taken.__qualname__}; choose another")
-    _REGISTERED[name] = cls  # (the same class defined again, e.g. its module reloaded: the new one)
+    if taken is not None and (taken.__module__, taken.__qualname__) == (cls.__module__, cls.__qualname__):
+        taken = None  # the same class defined again (e.g. its module reloaded): the new one
+    # (the library's own names are its own: no package can take them)
+    owner = _installed_owner(cls, name) if not cls.__module__.startswith("degs_jax.") else None
+    if owner is None and taken is not None:
+        owner = f"{taken.__module__}.{taken.__qualname__}"
+    if owner is not None:
+        raise TypeError(f"{where}: the method name {name!r} is taken by {owner}; choose another")
+    missing = _missing_hooks(cls)
+    if missing:
+        raise TypeError(f"{where} (the method {name!r}) does not define {', '.join(missing)}: every method "
+                        "defines the hooks its family leaves open (degs_jax/method.py says what each answers)")
+    _REGISTERED[name] = cls
 
 
 def registered_methods() -> dict[str, type["Method"]]:
@@ -239,14 +294,16 @@ class StudyRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class Method:
+class Method(abc.ABC):
     """Settings every method takes. Frozen and hashable. A pytree
     (`traced_fields.register_traced_dataclass`): the fields made with
     `method_field(traced=True)` (alpha, beta, ...) are its leaves, data of the compiled
     program; every other field is static, part of it (as a static argument's value).
 
-    A subclass that sets `method` to a name registers itself under it when it is defined
-    (a family of methods, which leaves it empty, does not)."""
+    A subclass that sets `method` to a name registers itself under it when it is defined,
+    once it defines every hook (module docstring; the hooks marked `abc.abstractmethod`
+    and the budget `max_new_tokens`); a family of methods, which leaves the name empty, may
+    leave hooks open (it cannot be built then, as any abstract class)."""
 
     method: ClassVar[str] = ""  # the method's name in `decode`, the CLI and run.json
     # The hyperparameters of the smallest run that still goes through every code path of
@@ -312,9 +369,9 @@ class Method:
     # What each family defines (and `max_new_tokens`, a field or a property: the budget).
 
     @property
+    @abc.abstractmethod
     def probed(self) -> bool:
         """Whether decoding records collapse depths d_t (and so D(x))."""
-        raise NotImplementedError
 
     @property
     def pool_size(self) -> int:
@@ -326,6 +383,7 @@ class Method:
         """KV-cache sequences one prompt holds at once (the batch size's memory estimate)."""
         return self.pool_size
 
+    @abc.abstractmethod
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> Any:
         """The kernel's settings for a model with `num_layers` blocks; `stop`: the compiled
@@ -333,7 +391,6 @@ class Method:
         their jitted loops as an argument): a frozen dataclass registered with
         `traced_fields.register_traced_dataclass`, whose traced fields are data of the
         program and the rest static (`mcmc.MCMCConfig`)."""
-        raise NotImplementedError
 
     def plan(self, model: Any, eos_ids: Sequence[int], token_bytes: Optional[TokenBytes] = None) -> Any:
         """The kernel's settings against `model` (a `CausalLM`): L_sub is defaulted and
@@ -368,35 +425,36 @@ class Method:
         stands for its pool's)."""
         return n_tokens + 1
 
-    def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
+    def choose(self, rows: "PoolRows") -> Array:
         """[prompts] int32: each prompt's answer among its n = pool_size rows (rows
-        i·n .. i·n + n - 1), first on ties; 0 for methods without a pool choice."""
-        return jnp.zeros(log_p.shape[0] // self.pool_size, jnp.int32)
+        i·n .. i·n + n - 1), first on ties, from what `rows` holds of each (traced: under
+        `decode_tokens` it runs inside the program); 0 for methods without a pool choice."""
+        return jnp.zeros(rows.log_p.shape[0] // self.pool_size, jnp.int32)
 
     # The kernel (module docstring): pure functions of arrays, traceable (jit, vmap).
 
+    @abc.abstractmethod
     def init(self, model: Any, params: Any, state: Any, keys: Array, settings: Any) -> Any:
         """The loop's carry from freshly prefilled rows `state` (a GenState) and row keys."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def advance(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any) -> Any:
         """One unit of the method's work on every row that has some left."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prompt_done(self, carry: Any, settings: Any) -> Array:
         """[prompts] bool: nothing is left to do for the prompt (its `pool_size` rows).
         Every counter of a row's phase (MCMC block and MH step, SMC step, SPS block) is per row, so the
         prompts of one carry may be at different phases (the host driver's refill)."""
-        raise NotImplementedError
 
     def done(self, carry: Any, settings: Any) -> Array:
         """bool scalar: nothing is left to do for any prompt."""
         return jnp.all(self.prompt_done(carry, settings))
 
+    @abc.abstractmethod
     def answer(self, model: Any, params: Any, carry: Any, keys: Array, settings: Any) -> "Answer":
         """The final rows and what the method decided (`Answer`). Called outside `jit` by
         `decode`, where it may donate the carry to its own jitted work (SPS's token form)."""
-        raise NotImplementedError
 
     # Checkpoints (`decoders.decode_stream`'s `on_checkpoint` / `resume`; `degs eval` stores
     # them in its run directory): a method whose rows reach points it can resume from says
@@ -424,14 +482,14 @@ class Method:
 
     progress_unit: ClassVar[str] = "step"  # what `progress` counts (the progress bar's unit)
 
+    @abc.abstractmethod
     def progress_total(self, settings: Any) -> int:
         """Units of `progress` in a run where nothing ends early (the progress bar's total)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def progress(self, carry: Any) -> Array:
         """int32 scalar: units of work done, never decreasing, `progress_total` at the end of
         a run where nothing ends early (traced; the host reads it once per call)."""
-        raise NotImplementedError
 
     def run_details(self, model: Any, carry: Any, keys: Array, settings: Any) -> "RunDetails":
         """On the host, from the final carry (before `answer`, which may consume it): what
@@ -455,6 +513,30 @@ def study_variants_of(cls: type[Method]) -> Mapping[str, StudyRow]:
 
 
 register_traced_dataclass(Method)
+
+
+# `PoolRows.tokens` past a completion's end (no token id is negative).
+NO_TOKEN = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PoolRows:
+    """What a pool rule sees of every row (`Method.choose`; `sampling.BestOfN.pool_score`):
+    its scores and its tokens, [rows] each but `tokens`; prompt i's rows are i·n .. i·n + n - 1
+    (n = pool_size). `decoders.pool_rows` builds it from the final rows, for both drivers
+    (under `decode_tokens`, inside the program: a rule must be traceable). A rule on
+    lengths, e.g. a length-penalised rerank, reads `length`; one on the text reads `tokens`
+    (`tokens != NO_TOKEN` is the completion's mask)."""
+
+    log_p: Array  # [rows] fp32 log p(x) (a final end token included)
+    depth: Array  # [rows] fp32 D(x), the mean d_t / L of the scored tokens (0 where not probed)
+    final_entropy: Array  # [rows] fp32 mean final-layer entropy of the scored tokens
+    # [rows, max_new_tokens] int32: the completion's token ids from its first, NO_TOKEN past
+    # its end (as `decoders.Candidate.tokens`, padded)
+    tokens: Array
+    length: Array  # [rows] int32 completion tokens (a final end token or stop-completing token included)
+    ended: Array  # [rows] bool: ended at an end token or a stop string (False: the budget)
 
 
 @jax.tree_util.register_dataclass

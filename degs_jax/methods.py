@@ -22,9 +22,11 @@ docs/extending.md): the first
 `method_classes()` call loads them (a package that fails to load is a warning naming
 it), and from then on `degs sample/eval/reproduce` list, run and resume them like the
 library's. A method class defined in a script registers itself as well, for the Python
-API. `method_origin` says where a class came from (its module and distribution), which
-run.json records beside the method, so that a run of a method that is not installed
-names the package to install.
+API, under a name of its own: a name an installed package declares is refused whether
+the package was loaded before or after (`degs_jax.method._register` reads the entry
+points' names). `method_origin` says where a class came from (its module and
+distribution), which run.json records beside the method, so that a run of a method that
+is not installed names the package to install.
 
 `hyperparameters_for(method, **overrides)` builds one from a method name (unknown names
 are an error); `as_method` takes a name with overrides or a value (what the layers above
@@ -47,7 +49,7 @@ import jax.numpy as jnp
 
 from . import mcmc, sampling, smc, sps
 from .mcmc import DegsMCMC, MCMCMethod, PowerMCMC
-from .method import Method, registered_methods
+from .method import ENTRY_POINT_GROUP, Method, registered_methods
 from .sampling import BestOfN, BestOfNEntropy, DegsRerank, Greedy, SamplingMethod, Temperature
 from .smc import DegsSMC, PowerSMC, SMCMethod
 from .sps import ScalablePower
@@ -62,7 +64,6 @@ __all__ = ["Method", "SamplingMethod", "MCMCMethod", "SMCMethod", "Greedy", "Tem
 # The library's families, in the order METHODS lists their methods.
 LIBRARY_MODULES = tuple(m.__name__ for m in (sampling, mcmc, smc, sps))
 LIBRARY_DISTRIBUTION = "degs-jax"
-ENTRY_POINT_GROUP = "degs_jax.methods"  # where an installed package names its method classes
 
 # module -> distribution of the classes loaded through an entry point; None until loaded
 _installed: Optional[dict[str, str]] = None

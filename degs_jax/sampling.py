@@ -17,6 +17,7 @@ step of every active row, so `decode_tokens`' loop is `generate`'s, step for ste
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar, Mapping, Optional
 
@@ -26,7 +27,8 @@ import numpy as np
 
 from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
 from .method import (DEFAULT_ALPHA, Answer, Comparison, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
-                     SMALLEST_RUN_TOKENS, Method, StudyRow, method_field, positive_int, validate_temperature)
+                     SMALLEST_RUN_TOKENS, Method, PoolRows, StudyRow, method_field, positive_int,
+                     validate_temperature)
 from .stops import StopAutomaton
 from .traced_fields import FLOAT32_MAX, concrete_values_satisfy
 
@@ -51,9 +53,9 @@ class SamplingMethod(Method):
     def probed(self) -> bool:
         return self.probe
 
+    @abc.abstractmethod
     def temperature_of(self) -> float:
         """The sampling temperature (0 = greedy)."""
-        raise NotImplementedError
 
     def kernel_config(self, num_layers: int, eos_ids: tuple[int, ...],
                       stop: Optional[StopAutomaton] = None) -> SamplerSpec:
@@ -158,12 +160,13 @@ class BestOfN(SamplingMethod):
     def temperature_of(self) -> float:
         return self.temperature
 
-    def pool_score(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
-        """[rows] the score the answer maximises."""
-        return log_p
+    def pool_score(self, rows: PoolRows) -> Array:
+        """[rows] the score the answer maximises (first on ties), from what `rows` holds
+        of each candidate (traced)."""
+        return rows.log_p
 
-    def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
-        score = self.pool_score(log_p, depth, final_entropy).reshape(-1, self.pool_size)
+    def choose(self, rows: PoolRows) -> Array:
+        score = self.pool_score(rows).reshape(-1, self.pool_size)
         return jnp.argmax(score, axis=1).astype(jnp.int32)
 
 
@@ -176,8 +179,8 @@ class BestOfNEntropy(BestOfN):
         label="Best-of-N-Entropy", position=7, selected_from="best_of_n", select=lowest_final_entropy,
         comparisons=(Comparison("best_of_n", "final-layer entropy vs likelihood reranking", 4),))
 
-    def choose(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
-        return jnp.argmin(final_entropy.reshape(-1, self.pool_size), axis=1).astype(jnp.int32)
+    def choose(self, rows: PoolRows) -> Array:
+        return jnp.argmin(rows.final_entropy.reshape(-1, self.pool_size), axis=1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,5 +210,5 @@ class DegsRerank(BestOfN):
         if not self.probe:
             raise ValueError("degs_rerank needs probe=True (it ranks by D(x))")
 
-    def pool_score(self, log_p: Array, depth: Array, final_entropy: Array) -> Array:
-        return self.alpha * log_p + self.beta * depth
+    def pool_score(self, rows: PoolRows) -> Array:
+        return self.alpha * rows.log_p + self.beta * rows.depth

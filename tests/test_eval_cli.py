@@ -126,9 +126,10 @@ def test_greedy_on_each_benchmark(benchmark, degs, model, tmp_path, shared_promp
     assert run["config"]["hyperparameters"]["lsub"] == [4, 9, 14, 18, 22, 26, 30]
     assert len(run["config"]["template_sha256"]) == 64
     assert run["invocations"][0]["versions"]["jax"]
-    for field in ("accuracy", "95% CI", "completion tokens", "acceptance rate",
-                  "generated tokens", "forward-equivalents", "wall-clock"):
+    for field in ("accuracy", "95% CI", "completion tokens", "generated tokens", "forward-equivalents",
+                  "wall-clock", "mean D(x)"):
         assert field in stdout
+    assert "acceptance rate" not in stdout and "n/a" not in stdout  # MCMC's rows: not greedy's
     if benchmark == "gpqa":
         _assert_no_gpqa_text(problems, out, stdout + err)
 

@@ -32,6 +32,7 @@ from degs_jax.method import method_field
 from degs_jax.reproduce.study import TABLE1_ORDER, StudyRequest, available_methods
 from degs_jax.sampling import BestOfN
 from test_dtype_choice import write_tiny_model
+from test_cli_hostile import degs, tiny_model  # noqa: F401 (fixtures)
 from test_eval_cli import _count_lines, _records, kill_after_first_record, process_env
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -115,6 +116,11 @@ def test_the_walk_through_installs_lists_runs_and_resumes_a_users_method(tmp_pat
     assert sorted(r["index"] for r in records) == list(range(PROBLEMS))  # nothing lost, nothing repeated
     for r in records:  # the method's own statistic of the chosen candidate (gamma 1; float32)
         assert r["extras"]["penalized_score"] == pytest.approx(r["log_p"] - r["final_entropy"], rel=1e-5, abs=1e-5)
+    mean = sum(r["extras"]["penalized_score"] for r in records) / PROBLEMS  # summarised (float64 sums)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["extras"] == {"penalized_score": {"mean": pytest.approx(mean, rel=1e-12), "n": PROBLEMS}}
+    assert re.search(rf"^  mean penalized_score +{summary['extras']['penalized_score']['mean']:.4g}$",
+                     resumed.stdout, re.M)
     assert (out / "results.jsonl").read_bytes().startswith(first[:first.rindex(b"\n") + 1])
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["method"] == "entropy_penalized"
@@ -284,3 +290,161 @@ def test_a_package_that_exits_or_misnames_its_method_is_one_warning_and_never_ru
         hyperparameters_for("misnamed_rule")
     assert "misnamed_rule" not in build_parser().format_help()
     assert hyperparameters_for("best_of_n", n=2).n == 2
+
+
+# --------------------------------------------------------------------------- issue 54, item 4
+
+
+def test_a_pool_rule_on_lengths_needs_only_pool_score(registry):
+    """A length-rewarding rerank (log p(x) + bonus · length) is one `pool_score` over
+    `PoolRows`: both drivers pick what the candidates' own lengths and log p say, which is
+    not what best_of_n picks; the rows it sees hold each candidate's tokens (NO_TOKEN past
+    its end), length and end flag, as the candidates report them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from degs_jax.decoders import decode, decode_tokens
+    from degs_jax.generation import pad_prompts
+    from degs_jax.method import NO_TOKEN
+    from test_drivers import PROMPTS, transformer
+
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class LengthBonus(BestOfN):
+        method: ClassVar[str] = "length_bonus"
+        bonus: float = method_field(10.0, "log p(x) gained per completion token")
+
+        def pool_score(self, rows):
+            if not isinstance(rows.length, jax.core.Tracer):  # (decode's host call: keep what it saw)
+                seen.append(jax.device_get(rows))
+            return rows.log_p + self.bonus * rows.length
+
+    lm, params, eos = transformer()  # EOS likely: some candidates end early
+    keys = jax.random.split(jax.random.key(1), len(PROMPTS))
+    config = LengthBonus(n=4, max_new_tokens=6)
+    result = decode(lm, params, PROMPTS, config, keys=keys, eos_ids=eos)
+    (rows,) = seen
+    pool = [c for o in result.outputs for c in o.candidates]
+    lengths = np.array([len(c.tokens) for c in pool])
+    np.testing.assert_array_equal(rows.length, lengths)
+    np.testing.assert_array_equal(rows.ended, [c.ended for c in pool])
+    assert rows.tokens.shape == (len(pool), 6)
+    for r, c in enumerate(pool):
+        assert rows.tokens[r].tolist() == c.tokens + [NO_TOKEN] * (6 - len(c.tokens))
+    log_p = np.array([c.log_p for c in pool])
+    want = np.argmax((log_p + 10.0 * lengths).reshape(-1, 4), axis=1)
+    assert len(set(lengths)) > 1 and (want != np.argmax(log_p.reshape(-1, 4), axis=1)).any()  # the rule decides
+    assert [o.candidates.index(o.chosen) for o in result.outputs] == want.tolist()
+    tokens, prompt_len = pad_prompts(PROMPTS)
+    decoded = decode_tokens(lm, params, jnp.asarray(tokens), jnp.asarray(prompt_len), keys, config, eos)
+    assert jax.device_get(decoded.chosen).tolist() == want.tolist()  # the same rule, traced
+
+
+def test_a_method_missing_a_hook_fails_when_defined_naming_it(registry):
+    """A class with a method name that leaves a hook of its family open is one TypeError
+    where it is defined, naming every missing hook (and it is not registered); a family
+    without a name may leave them to its methods."""
+    import degs_jax.method as method_module
+    from degs_jax.mcmc import DegsMCMC
+    from degs_jax.sampling import SamplingMethod
+
+    def kernel_hooks(*left_out):
+        hooks = {name: (lambda self, *args: None) for name in
+                 ("kernel_config", "init", "advance", "prompt_done", "answer", "progress_total", "progress")}
+        hooks["probed"] = property(lambda self: False)
+        return {k: v for k, v in hooks.items() if k not in left_out}
+
+    with pytest.raises(TypeError, match=r"^my_script\.Rule_own_kernel \(the method 'own_kernel'\) does not define "
+                                        r"max_new_tokens \(a field or a property\), probed, progress: "):
+        _define("own_kernel", base=degs_jax.method.Method, **kernel_hooks("progress", "probed"))
+    with pytest.raises(TypeError, match=r"\(the method 'no_temperature'\) does not define temperature_of: "):
+        _define("no_temperature", base=SamplingMethod)
+    with pytest.raises(TypeError, match=r"\(the method 'half_checkpoints'\) does not define checkpoint, resume: "):
+        _define("half_checkpoints", base=BestOfN, checkpoint_versions=lambda self, carry: None)
+    assert not {"own_kernel", "no_temperature", "half_checkpoints"} & set(method_classes())
+
+    # a family (no name) leaves hooks open; its method defines the rest
+    family = dataclasses.dataclass(frozen=True)(type("KernelFamily", (method_module.Method,), {
+        "__module__": "my_script", **kernel_hooks("progress")}))
+    with pytest.raises(TypeError, match="abstract"):
+        family()  # (an abstract class)
+    done = _define("own_kernel", base=family, progress=lambda self, carry: 0,
+                   max_new_tokens=method_field(4, "budget"), __annotations__={"method": ClassVar[str],
+                                                                              "max_new_tokens": int})
+    assert method_classes()["own_kernel"] is done and done().max_new_tokens == 4
+    # a budget given as a property or as a field without a default, and a library
+    # method's subclass: nothing missing
+    _define("budget_property", base=family, progress=lambda self, carry: 0, max_new_tokens=property(lambda s: 4))
+    budget_field = dataclasses.dataclass(frozen=True, kw_only=True)(type("Rule_kw", (family,), {
+        "__module__": "my_script", "method": "budget_field", "progress": lambda self, carry: 0,
+        "__annotations__": {"method": ClassVar[str], "max_new_tokens": int}}))
+    assert budget_field(max_new_tokens=3).max_new_tokens == 3
+    _define("my_chain", base=DegsMCMC)
+
+
+def test_an_installed_methods_name_is_the_same_error_in_either_load_order(registry, monkeypatch, tmp_path):
+    """A script's class under a name an installed package declares fails where it is
+    defined with one message, whether the package was loaded before it or not; the
+    package's class is offered either way."""
+    import degs_jax.methods as registry_module
+
+    _installed_package(tmp_path, "pkg_rule_owner", "owned_rule = pkg_rule_owner:OwnedRule\n",
+                       "import dataclasses\nfrom typing import ClassVar\nfrom degs_jax.sampling import BestOfN\n\n"
+                       "@dataclasses.dataclass(frozen=True)\nclass OwnedRule(BestOfN):\n"
+                       "    method: ClassVar[str] = 'owned_rule'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = (r"^my_script\.Rule_owned_rule: the method name 'owned_rule' is taken by the installed package "
+               r"'pkg-rule-owner' \(pkg_rule_owner:OwnedRule\); choose another$")
+    errors, before = [], dict(degs_jax.method._REGISTERED)
+    for package_first in (True, False):  # each as in a fresh process
+        monkeypatch.setattr(registry_module, "_installed", None)
+        monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(before))
+        monkeypatch.delitem(sys.modules, "pkg_rule_owner", raising=False)
+        if package_first:
+            method_classes()
+        with pytest.raises(TypeError, match=message) as info:
+            _define("owned_rule")
+        errors.append(str(info.value))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the package loads as it would alone
+            classes = method_classes()
+        assert classes["owned_rule"].__module__ == "pkg_rule_owner"
+    assert errors[0] == errors[1]
+    # the package's own class, where its entry point names a re-export of it, is its own
+    monkeypatch.setattr(degs_jax.method, "_REGISTERED", dict(before))
+    own = _define("owned_rule", __module__="pkg_rule_owner.rules")
+    assert degs_jax.method.registered_methods()["owned_rule"] is own
+
+
+def test_degs_sample_shows_a_methods_own_statistics(degs, registry):
+    """`degs sample` prints a method's extras (its `RunDetails.candidate_fields` beyond
+    the `Candidate` fields) and puts them in its --json report; a method without any
+    prints no such line."""
+    import jax
+
+    from degs_jax.decoders import pool_rows
+    from degs_jax.method import RunDetails
+
+    @dataclasses.dataclass(frozen=True)
+    class Reports(BestOfN):
+        method: ClassVar[str] = "reports_extras"
+
+        def run_details(self, model, carry, keys, settings):
+            rows = jax.device_get(pool_rows(model, carry.state, self.max_new_tokens))
+            return RunDetails(candidate_fields=[{"score": float(s), "parity": "even" if n % 2 == 0 else "odd"}
+                                                for s, n in zip(rows.log_p, rows.length)])
+
+    argv = ("sample", "x", "--method", "reports_extras", "--n", "2", "--max-new-tokens", "4")
+    rc, out, err, _ = degs(*argv, "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["extras"]["score"] == report["log_p"]  # the chosen candidate's
+    assert report["extras"]["parity"] == ("even" if report["tokens"] % 2 == 0 else "odd")
+    rc, out, err, _ = degs(*argv)
+    assert rc == 0, err
+    (line,) = [x for x in err.splitlines() if x.startswith("reports_extras's own: ")]
+    assert line == f"reports_extras's own: score {report['log_p']:.4g}  parity {report['extras']['parity']}"
+    rc, out, err, _ = degs("sample", "x", "--method", "best_of_n", "--n", "2", "--max-new-tokens", "4")
+    assert rc == 0 and "'s own: " not in err

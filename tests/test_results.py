@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -136,6 +137,44 @@ def test_summary(tmp_path):
     assert path.name == "summary.json"
     assert loaded["accuracy"]["correct"] == 2 and loaded["template_sha256"] == "x" * 64
     assert loaded["means"]["tokens"] == 20.0
+
+
+def _eval_record(i, **fields):
+    """A `degs eval` record of the fields `format_summary` reads (a non-MCMC method's)."""
+    return {"id": str(i), "index": i, "correct": i % 2 == 0, "n_tokens": 10 + i, "ended_by": 2,
+            "log_p": -1.0 - i, "D": 0.5, "mean_acceptance": None, "depth_decisions_total": None,
+            "generated_tokens": 10 + i, "forward_equivalents": 12.0, "wall_clock_s": 0.1, **fields}
+
+
+def test_eval_summary_averages_numeric_extras_counts_others_and_shows_only_rows_that_apply(tmp_path):
+    """`degs eval`'s summary (issue 54): a method's own statistics of its answers (each
+    record's "extras") are averaged where every value is a number and counted otherwise,
+    in summary.json and the printed table; the MCMC rows (acceptance, beta·ΔD decisions)
+    and D(x) are shown only where the records have them."""
+    from degs_jax.eval.runner import extras_summary, format_summary, run_summary
+
+    run = {"config": {"template_sha256": "x" * 64, "model": {"name": "m"}, "benchmark": "gsm8k",
+                      "method": "my_rule", "seed": 0}, "invocations": [{"versions": {}}]}
+    records = [_eval_record(i, extras={"score": [1.0, 2, 4.5][i], "verdict": ["cut", "kept", "kept"][i],
+                                       "flag": [True, False, True][i], **({"late": 7} if i == 2 else {})})
+               for i in range(3)]
+    summary = run_summary(records, run)
+    assert summary["extras"] == {"score": {"mean": 2.5, "n": 3}, "verdict": {"counts": {"kept": 2, "cut": 1}},
+                                 "flag": {"counts": {"true": 2, "false": 1}}, "late": {"mean": 7.0, "n": 1}}
+    assert list(summary["extras"]["verdict"]["counts"]) == ["kept", "cut"]  # most frequent first
+    assert json.loads(write_summary(tmp_path, summary).read_text())["extras"] == summary["extras"]
+    table = format_summary(summary)
+    for row in ("mean score  2.5", "verdict  kept (2), cut (1)", "flag  true (2), false (1)", "mean late  7",
+                "mean D(x)  0.5000"):
+        assert re.search(rf"^  {re.escape(row.split('  ')[0])} +{re.escape(row.split('  ')[1])}$", table, re.M), row
+    assert "n/a" not in table and "acceptance" not in table and "beta·ΔD" not in table
+
+    mcmc = [_eval_record(i, mean_acceptance=0.25 * i, depth_decisions_total=i, D=None) for i in range(3)]
+    table = format_summary(run_summary(mcmc, run))
+    assert re.search(r"^  acceptance rate +0\.250$", table, re.M)
+    assert re.search(r"^  MH decisions decided by beta·ΔD +1\.00 / problem$", table, re.M)
+    assert "D(x)" not in table and "extras" not in run_summary(mcmc, run)  # not probed; no extras
+    assert extras_summary([_eval_record(0, extras={"x": None})]) == {}
 
 
 def test_package_versions():

@@ -1,7 +1,8 @@
 """The `degs` command line.
 
   degs generate "prompt"                      greedy continuation (the default model)
-  degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, timing
+  degs sample "prompt" --method degs_mcmc     any decoder, with log p, D(x), acceptance, its own
+                                              statistics (extras), timing
   degs probe --input file.jsonl --out DIR     D(x) and per-layer lens entropies of completions
   degs eval / degs analyze                    benchmarks and the paper's analyses (cli/evaluation.py)
   degs train-grpo / degs train-lens           GRPO reference and tuned lens (cli/training.py)
@@ -147,11 +148,22 @@ def cmd_sample(args) -> int:
         d = out.diagnostics
         print(f"particle weight {c.weight:.3f} of {len(out.candidates)}  log Z-hat {d['log_evidence']:.3f}  "
               f"resamplings {d['resamples']} ({d['copied_rows']} rows copied)", file=sys.stderr)
+    if c.extras:  # the method's own statistics of its answer (`RunDetails.candidate_fields`)
+        print(f"{result.method}'s own: " + "  ".join(f"{name} {_shown(value)}" for name, value in c.extras.items()),
+              file=sys.stderr)
     s = result.seconds
     print(f"time: prefill {s['prefill']:.2f}s  decode {s['decode']:.2f}s  total {s['total']:.2f}s "
           f"(first call includes compilation)  |  generated {result.counters['generated_tokens']} tokens, "
           f"{fe:.0f} forward-equivalent tokens", file=sys.stderr)
     return 0
+
+
+def _shown(value) -> str:
+    """An extra statistic as `degs sample` prints it: a float to 4 significant digits, a
+    string as it is, anything else as JSON."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _sample_report(result, out, seed, num_layers) -> dict:
@@ -162,7 +174,7 @@ def _sample_report(result, out, seed, num_layers) -> dict:
         "tokens": len(c.tokens), "ended_with_eos": c.ended, "ended_by": c.ended_by, "log_p": c.log_p, "D": c.depth,
         "final_entropy": c.final_entropy, "acceptance_per_block": c.acceptance,
         "depth_decisions_per_block": c.depth_decisions,
-        "weight": c.weight, "diagnostics": out.diagnostics,
+        "weight": c.weight, "diagnostics": out.diagnostics, "extras": c.extras,
         "counters": result.counters, "forward_equivalents": result.forward_equivalents(num_layers),
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
         "hyperparameters": {k: v for k, v in result.hyperparameters.items() if v is not None},

@@ -8,8 +8,10 @@ A run directory holds
 - ``results.jsonl``: one record per finished problem, appended through
   :class:`~degs_jax.eval.results.ResultStore` (flushed and fsynced) as soon as the problem
   is done;
-- ``summary.json``: accuracy with a 95% Wilson interval and per-problem means,
-  rewritten after every batch_size finished problems and at the end of every invocation.
+- ``summary.json``: accuracy with a 95% Wilson interval, per-problem means and the
+  method's own statistics of its answers (``extras``: numbers averaged, other values
+  counted; :func:`extras_summary`), rewritten after every batch_size finished problems
+  and at the end of every invocation.
 
 Scheduling (``refill``, the default; recorded in each invocation): the problems stream
 through ``batch_size`` slots, and a slot whose problem is done takes the next waiting one
@@ -72,6 +74,7 @@ and verdict, for `degs analyze`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -126,8 +129,8 @@ GPQA = "gpqa_diamond"
 
 SHARD_PATTERN = "results.process-*-of-*.jsonl"
 
-__all__ = ["run_eval", "run_config", "problem_key", "run_summary", "format_summary", "shard_file",
-           "check_run_directory", "recorded_dtype",
+__all__ = ["run_eval", "run_config", "problem_key", "run_summary", "extras_summary", "format_summary",
+           "shard_file", "check_run_directory", "recorded_dtype",
            "RUN_FILE", "RESULTS_FILE", "SUMMARY_FILE", "SHARD_PATTERN"]
 
 
@@ -684,6 +687,9 @@ def run_summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) ->
                         n_problems=len(records))
     summary["means"].pop("index", None)
     summary["means"].pop("ended_by", None)  # token ids, not quantities
+    extras = extras_summary(records)
+    if extras:  # the method's own statistics
+        summary["extras"] = extras
     levels = sorted({r["isolation"] for r in records if r.get("isolation")})
     if levels:  # HumanEval: what the programs were graded under
         summary["isolation"] = levels
@@ -698,6 +704,36 @@ def run_summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) ->
                           for k in sorted({1, k_max}) if k_max >= 1},
         }
     return summary
+
+
+def extras_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The method's own statistics of the chosen candidates (each record's "extras": what
+    its `RunDetails.candidate_fields` named), by name in the order first seen: one whose
+    every value is a number (not a bool) is averaged, `{"mean": m, "n": records with it}`;
+    any other is counted, `{"counts": {value: records}}`, most frequent first (the value
+    as JSON text where it is not a string). None values are left out."""
+    values: dict[str, list[Any]] = {}
+    for record in records:
+        for name, value in (record.get("extras") or {}).items():
+            if value is not None:
+                values.setdefault(name, []).append(value)
+    summary = {}
+    for name, seen in values.items():
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in seen):
+            summary[name] = {"mean": float(np.mean(seen)), "n": len(seen)}
+        else:
+            keys = [v if isinstance(v, str) else json.dumps(v, sort_keys=True) for v in seen]
+            counts = collections.Counter(keys)
+            summary[name] = {"counts": dict(counts.most_common())}
+    return summary
+
+
+# The summary table's rows that only some methods have (a quantity no record has is not
+# shown: MCMC's acceptance and beta·ΔD decisions, D(x) where nothing was probed).
+_METHOD_ROWS = (("acceptance rate", "mean_acceptance", ".3f", ""),
+                ("MH decisions decided by beta·ΔD", "depth_decisions_total", ".2f", " / problem"))
+# Distinct values of a counted extra shown in the table (summary.json has them all).
+SHOWN_COUNTS = 5
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -718,14 +754,21 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows = [
         ("accuracy", acc_s),
         ("completion tokens", m("n_tokens", ".1f", " / problem")),
-        ("acceptance rate", m("mean_acceptance", ".3f")),
-        ("MH decisions decided by beta·ΔD", m("depth_decisions_total", ".2f", " / problem")),
+        *((label, m(name, fmt, unit)) for label, name, fmt, unit in _METHOD_ROWS if name in means),
         ("generated tokens", m("generated_tokens", ".1f", " / problem")),
         ("forward-equivalents", m("forward_equivalents", ".1f", " / problem")),
         ("wall-clock", m("wall_clock_s", ".2f", " s / problem")),
         ("mean log p(x)", m("log_p", ".2f")),
-        ("mean D(x)", m("D", ".4f")),
+        *((("mean D(x)", m("D", ".4f")),) if "D" in means else ()),
     ]
+    for name, stat in summary.get("extras", {}).items():  # the method's own statistics
+        if "mean" in stat:
+            rows.append((f"mean {name}", f"{stat['mean']:.4g}"))
+        else:
+            shown = list(stat["counts"].items())[:SHOWN_COUNTS]
+            more = len(stat["counts"]) - len(shown)
+            rows.append((name, ", ".join(f"{value} ({count})" for value, count in shown)
+                         + (f", {more} more values" if more else "")))
     if "candidates" in summary:
         c = summary["candidates"]
         rows.append(("candidates", f"{c['n_candidates']} graded, accuracy "
