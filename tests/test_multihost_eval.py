@@ -285,7 +285,8 @@ def test_two_processes_on_a_fresh_cache_convert_the_builtin_model_once(setup, tm
 # A study of greedy decoding and a pool (2 candidates each), on 2 problems, one per batch
 # (both prompts in one length bucket: one compilation per decoder), with its layer pass
 # one problem per group: two processes take both batches (or groups) in one step, one
-# process one per step. Both decode the same batches, so their records are equal without
+# process streams a job's problems through its slot in one refilled call (the layer pass:
+# one group per step). Both decode the same batches, so their records are equal without
 # --batch-invariant. STUDY_CLI is `degs` with a layer pass of one problem per group and
 # two candidates per lens call (on the CPU a call at the default row budget takes ~10 s).
 STUDY = ["reproduce", "--benchmarks", "deepmind500", "--methods", "greedy", "--limit", "2",
@@ -322,7 +323,9 @@ def test_a_study_in_two_processes_matches_one(setup, tmp_path):
         ("runs/deepmind500/greedy", [0, 1]), ("pool/deepmind500", [0, 1]),
         ("pool/deepmind500/layers", [0, 1])]
     single = json.loads((one / "study.json").read_text())["invocations"][0]["steps"]
-    assert [s["problems"] for s in single] == [[0], [1]] * 3
+    # one process: each decoder job streams both problems through its one slot in one
+    # refilled call; the layer pass takes a group per step
+    assert [s["problems"] for s in single] == [[0, 1], [0, 1], [0], [1]]
     (rc0, out0, err0), (rc1, out1, err1) = results
     assert "report: " in out0 and (two / "report.md").exists()  # process 0 writes it
     assert "study finished" in err0 and out1 == "" and "study finished" not in err1

@@ -1089,7 +1089,8 @@ def test_the_default_batch_shrinks_to_what_fits_and_a_given_one_is_kept(embedded
                                 dataclasses.replace(request, batch_sizes={"*": 16}),
                                 progress=False, grader=grader, log=messages.append)
     (inv,) = fitted["invocations"]
-    assert [s["problems"] for s in inv["steps"]] == [[0, 1], [2]]
+    # one refilled call: the three problems stream through the two slots that fit
+    assert [s["problems"] for s in inv["steps"]] == [[0, 1, 2]]
     assert inv["jobs"]["runs/gsm8k/greedy"]["batch_size"] == 2
     assert messages[0].startswith("gsm8k greedy: 2 problems per batch instead of the default 16 "
                                   "(batch size 2 (auto, limited by memory")
