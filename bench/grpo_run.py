@@ -74,19 +74,13 @@ PHASE_SECONDS = {"eval": 150.0, "lens": 100.0, "pool": 80.0, "compare": 120.0}
 
 
 def record(**fields) -> None:
-    """One JSON line (NaN, e.g. an AUC with one class only, written as null)."""
+    """One JSON line (NaN, e.g. an AUC with one class only, written as null: the run files'
+    own rule, `degs_jax.eval.results.strict_json`)."""
     from common import environment
 
-    def clean(x):
-        if isinstance(x, float) and x != x:
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
+    from degs_jax.eval.results import strict_json
 
-    print(json.dumps(clean({**fields, **environment()}), allow_nan=False), flush=True)
+    print(json.dumps(strict_json({**fields, **environment()}), allow_nan=False), flush=True)
 
 
 class Budget:

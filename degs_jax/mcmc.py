@@ -371,8 +371,9 @@ class MCMCMethod(Method):
         return self.num_blocks
 
     def progress(self, carry: "ChainRows") -> Array:
-        """Blocks completed by the row furthest behind (a finished chain counts them all)."""
-        return jnp.min(carry.blocks_done)
+        """Blocks completed by the row furthest behind (a row's block is the number it has
+        completed; a finished chain's is num_blocks)."""
+        return jnp.min(carry.block)
 
     def run_details(self, model, carry: "ChainRows", keys: Array, settings: MCMCConfig) -> RunDetails:
         """Per row, over every block it ran: the acceptance rate, the depth-decided decisions
@@ -611,11 +612,6 @@ class ChainRows:
     decisions: MHDecisions  # [B, num_blocks, mh_steps]: every MH decision
     ran: Array  # [B, num_blocks] bool: the row ran the block (it had not ended before it)
     saved: ChainSnapshot  # every row as its last completed block left it (a killed run resumes there)
-
-    @property
-    def blocks_done(self) -> Array:
-        """[B] int32: blocks the row has completed (num_blocks once finished)."""
-        return self.block
 
     def chains(self) -> GenState:
         """The chains x with every row's work counters (the proposal state's: the decode

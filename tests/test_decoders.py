@@ -24,8 +24,8 @@ import pytest
 from degs_jax.decoders import decode
 from degs_jax.eval.results import read_run_file
 from degs_jax.methods import (METHODS, MCMC_METHODS, RERANK_METHODS, SMC_METHODS, DegsMCMC, DegsSMC,
-                                      PowerMCMC, ScalablePower, hyperparameters_for, method_from_record,
-                                      resolve_hyperparameters)
+                              PowerMCMC, ScalablePower, hyperparameters_for, method_from_record,
+                              resolve_hyperparameters)
 from degs_jax.generation import GenState, Proposal, SamplerSpec, completions, generate, pad_prompts, prefill
 from degs_jax.lens import LensConfig, sequence_depth
 from degs_jax.mcmc import (ACCEPT_STREAM, CUT_STREAM, EXACT_KERNEL, FIRST_MH_STREAM, REFERENCE_KERNEL, REGENERATE_STREAM,

@@ -27,7 +27,7 @@ import pytest
 import degs_jax.method
 from degs_jax import cli
 from degs_jax.methods import (METHODS, hyperparameters_for, method_classes, method_from_record,
-                                      method_origin)
+                              method_origin)
 from degs_jax.method import method_field
 from degs_jax.reproduce.study import TABLE1_ORDER, StudyRequest, available_methods
 from degs_jax.sampling import BestOfN

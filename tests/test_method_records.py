@@ -12,7 +12,7 @@ import pytest
 
 from degs_jax.eval.results import read_run_file
 from degs_jax.methods import (METHODS, DegsMCMC, ScalablePower, as_method, hyperparameters_for,
-                                      method_from_record, method_record)
+                              method_from_record, method_record)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 DOCS_RUNS = sorted(p for p in DOCS.rglob("run.json") if "method" in json.loads(p.read_text())["config"])

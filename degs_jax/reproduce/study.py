@@ -85,7 +85,7 @@ from degs_jax.eval.processes import (ProcessGroup, failures_published, from_proc
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
 from degs_jax.eval.results import EVAL_RECORD_FIELDS, ResultStore, candidate_tokens, package_versions, write_json
 from degs_jax.methods import (METHODS, hyperparameters_for, method_classes, method_from_record,
-                                      resolve_hyperparameters)
+                              resolve_hyperparameters)
 from degs_jax.lens import collapse_depth, default_lsub, sequence_depth
 from degs_jax.method import Method, StudyRow, registered_methods, study_row, study_variants_of
 from degs_jax.reproduce.paper import CANDIDATE_SAMPLING
