@@ -553,7 +553,8 @@ def test_a_users_method_states_its_study_row(synthetic_study, tmp_path, monkeypa
         StudyRow(selected_from="best_of_n")
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-cpu-smoke", "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-whole"])
+@pytest.mark.parametrize("name", ["smollm2-135m-cpu-smoke", "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-whole",
+                                  "qwen2.5-coder-1.5b-whole-completion"])
 def test_a_committed_study_renders_its_committed_report(name, tmp_path):
     """The report is a function of the stored files: a committed study's report.md comes
     back byte for byte (every row, label, comparison, beta pair and claim the method
@@ -565,7 +566,7 @@ def test_a_committed_study_renders_its_committed_report(name, tmp_path):
 
 
 def test_the_decision_anatomy_of_the_whole_math500_run():
-    """The report's MH-decision table on the committed 486 DEGS-MCMC chains of MATH500 at
+    """The report's MH-decision table on the committed 500 DEGS-MCMC chains of MATH500 at
     1.5B, against counts made directly from the records' `mh_decisions` here; a study whose
     MCMC records predate decision records has no row and no section."""
     source = Path(__file__).parents[1] / "docs" / "reproduction"
@@ -584,10 +585,10 @@ def test_the_decision_anatomy_of_the_whole_math500_run():
                     decided += 1
                     chains.add(r["index"])
     [row] = report.build_tables(study)["decisions"]["rows"]
-    assert (row["benchmark"], row["method"], row["beta"], row["problems"]) == ("math500", "degs_mcmc", 5.0, 486)
+    assert (row["benchmark"], row["method"], row["beta"], row["problems"]) == ("math500", "degs_mcmc", 5.0, 500)
     assert (row["decisions"], row["depth_decided"], row["chains_depth_decided"]) == (decisions, decided, len(chains))
     assert row["accepted"] == pytest.approx(accepted / decisions) and row["null_moves"] == pytest.approx(null / decisions)
-    assert (decisions, decided, len(chains)) == (18010, 7, 7)  # docs/reproduction.md quotes these
+    assert (decisions, decided, len(chains)) == (20250, 7, 7)  # docs/reproduction.md quotes these
     assert row["beta_half_chains_depart"] == 200.0  # the moving beta the study states before running it
     older = report.load_study(source / "qwen2.5-coder-1.5b")
     assert report.build_tables(older)["decisions"]["rows"] == []
