@@ -1099,3 +1099,8 @@ def test_the_default_batch_shrinks_to_what_fits_and_a_given_one_is_kept(embedded
     assert [s["problems"] for s in inv["steps"]] == [[0, 1, 2]]
     assert inv["jobs"]["runs/gsm8k/greedy"]["batch_size"] == 16
     assert not any("instead of the default" in m for m in messages[1:])
+    # the given size is kept, and the study warns before compiling that the estimate fits 2
+    warnings = [m for m in messages[1:] if "warning" in m]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "gsm8k greedy: warning: batch size 16 kept as given, but the memory estimate fits 2 "
+        "(batch size 2 (auto, limited by memory")

@@ -77,7 +77,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
-from degs_jax.batching import AUTO, describe_batch_choice
+from degs_jax.batching import AUTO, BatchDoesNotFitError, describe_batch_choice
 from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
 from degs_jax.eval.processes import (ProcessGroup, failures_published, from_process_0,
@@ -623,12 +623,25 @@ def _fit_to_memory(model, job: Job, request: StudyRequest, problems: Sequence, l
     auto`` would choose for these problems from the free memory, so that the study never
     runs out of memory at a size it chose itself (Scalable Power Sampling holds up to 105
     caches of the whole buffer per problem: 16 problems of a 1.5B model need 163 GiB). A
-    size the request gives is kept: the user chose it. A problem that fits nowhere is
-    refused here (``BatchDoesNotFitError``), before anything is compiled."""
-    if request.gives_batch_size(job.scope) or not problems:
+    size the request gives is kept: the user chose it; where the estimate fits fewer, a
+    warning says so before anything is compiled (the run may still fit: the estimate
+    leaves 1 - DEFAULT_MEMORY_FRACTION of the free memory unused). A problem that fits
+    nowhere is refused here (``BatchDoesNotFitError``), before anything is compiled."""
+    if not problems:
         return job
-    choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat)
+    given = request.gives_batch_size(job.scope)
+    try:
+        choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat)
+    except BatchDoesNotFitError:
+        if given:  # the user's size is kept, and the run will say what does not fit
+            return job
+        raise
     if choice["limited_by"] != "memory" or choice["batch_size"] >= job.batch_size:
+        return job
+    if given:
+        log(f"{job.label}: warning: batch size {job.batch_size} kept as given, but the memory "
+            f"estimate fits {choice['batch_size']} ({describe_batch_choice(choice)}); a larger "
+            "batch may run out of memory (leave --batch-size to the study to fit it)")
         return job
     log(f"{job.label}: {choice['batch_size']} problems per batch instead of the default "
         f"{job.batch_size} ({describe_batch_choice(choice)})")
