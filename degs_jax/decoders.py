@@ -105,6 +105,11 @@ class Output:
     # `decode_stream` (refill): this prompt's work counters (its rows' work totals and the
     # method's counters); None from a fixed batch (`DecodeResult.counters` are the batch's)
     counters: Optional[dict[str, int]] = None
+    # `decode_stream`: the fastest seconds per `advance` (MCMC: per decode step of every row)
+    # of the stream's chunks so far, compilation excluded by taking the fastest: about the
+    # step's latency when few rows run, the pace of a run's slowest prompt once it runs
+    # alone (`degs reproduce --plan`); None from a fixed batch
+    advance_seconds: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -521,6 +526,7 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     saved_versions = np.asarray(jax.device_get(versions)) if checkpointing else None
     bar = tqdm(total=len(prompts), desc=config.method, unit="prompt", disable=not progress)
     advances, total_advances = FIRST_CHUNK_ADVANCES, 0
+    fastest = None  # seconds per advance of the fastest chunk so far
     while any(h is not None for h in holding):
         watch = np.array([h is not None for h in holding])
         started = time.perf_counter()
@@ -532,7 +538,10 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
             (prompt_done, ran, config.checkpoint_versions(carry) if checkpointing else None))
         prompt_done = np.asarray(prompt_done)
         total_advances += int(ran)
-        advances = next_chunk(advances, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        if ran:
+            fastest = elapsed / int(ran) if fastest is None else min(fastest, elapsed / int(ran))
+        advances = next_chunk(advances, elapsed)
         if checkpointing:
             for slot in np.flatnonzero(watch & ~prompt_done):
                 rows = slice(slot * n, (slot + 1) * n)
@@ -548,6 +557,7 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
             answer = config.answer(model, params, sub, sub_keys, settings)
             (output,) = _outputs(model, config, answer.state, answer, details)
             output.counters = {**work_totals(answer.state), **details.counters}
+            output.advance_seconds = fastest
             holding[slot] = None
             bar.update(1)
             yield index, output

@@ -298,6 +298,11 @@ class MCMCMethod(Method):
         steps = int(b * l + t * l * b * (b + 1) / 4)
         return self.n_chains * steps, steps
 
+    def worst_case_advances(self) -> int:
+        """A chain's decode steps when nothing ends early (an `advance` is one decode step
+        of every row's proposal, `chain_step`): the chain is the prompt's critical path."""
+        return self.worst_case_cost()[1]
+
     def sequential_steps(self, n_tokens: int) -> float:
         """Blocks k = 1..ceil(n / l) of l tokens, each extended and then regenerated T times
         from a cut uniform over its k·l tokens: sum_k (l + T·k·l/2)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import numpy as np
@@ -77,8 +78,8 @@ def test_refill_equals_one_prompt_at_a_time(case, monkeypatch):
         alone, counters = _alone(case, index)
         got = dataclasses.asdict(output)
         assert _bits(got.pop("counters")) == _bits(counters), f"prompt {index}: counters"
-        alone = dict(alone, counters=None)
-        got["counters"] = None
+        alone = dict(alone, counters=None, advance_seconds=None)  # (the stream's pace: a timing)
+        got["counters"] = got["advance_seconds"] = None
         for name in alone:
             assert _bits(got[name]) == _bits(alone[name]), f"prompt {index}: {name} differs from the prompt alone"
         for name, value in counters.items():
@@ -87,12 +88,13 @@ def test_refill_equals_one_prompt_at_a_time(case, monkeypatch):
 
 
 def test_stream_yields_prompts_as_they_finish():
-    """`decode_stream` yields every prompt once, with its own counters, and returns its
-    seconds."""
+    """`decode_stream` yields every prompt once, with its own counters and the stream's
+    fastest pace so far (seconds per advance: never above a later prompt's, and no slower
+    than the whole decode spread over its advances), and returns its seconds."""
     model, params = _model("float32")
     stream = decode_stream(model, params, PROMPTS, "greedy", keys=KEYS, eos_ids=DECODER_EOS, slots=3,
                            max_new_tokens=4)
-    seen = []
+    seen, paces = [], []
     while True:
         try:
             index, output = next(stream)
@@ -100,10 +102,49 @@ def test_stream_yields_prompts_as_they_finish():
             seconds = finished.value
             break
         seen.append(index)
+        paces.append(output.advance_seconds)
         assert output.counters["generated_tokens"] == len(output.chosen.tokens)
     assert sorted(seen) == list(range(len(PROMPTS)))
     assert set(seconds) == {"prefill", "decode", "total", "advances"} and seconds["total"] >= seconds["decode"] > 0
     assert seconds["advances"] >= 4  # a greedy advance is one decode step: at least the 4 tokens
+    assert all(p is not None and p > 0 for p in paces) and paces == sorted(paces, reverse=True)
+    assert paces[-1] <= seconds["decode"] / seconds["advances"]
+    assert decode(model, params, PROMPTS, "greedy", keys=KEYS, eos_ids=DECODER_EOS,
+                  max_new_tokens=4).outputs[0].advance_seconds is None  # a fixed batch times no advance
+
+
+def test_stream_pace_is_the_fastest_chunk_so_far(monkeypatch):
+    """`Output.advance_seconds` is the minimum over the chunks run before the prompt
+    finished of chunk seconds / advances (a clock that makes the chunks take 2 s, 0.01 s,
+    3 s, ... in turn, so the fastest chunk is neither the first nor the last)."""
+    import types
+
+    model, params = _model("float32")
+    durations, chunks, clock = [2.0, 0.01, 3.0, 0.5], [], {"now": 0.0, "calls": 0}
+
+    def perf_counter():  # calls: t0, t1, then (start, end) per chunk, then t2
+        clock["calls"] += 1
+        if clock["calls"] > 2 and clock["calls"] % 2 == 0:  # a chunk's end
+            clock["now"] += durations[(len(chunks) - 1) % len(durations)]  # (counted already)
+        return clock["now"]
+
+    real_chunk = decoders.advance_chunk
+
+    def counted(*args, **kwargs):
+        out = real_chunk(*args, **kwargs)
+        chunks.append((durations[len(chunks) % len(durations)], int(out[3])))
+        return out
+
+    monkeypatch.setattr(decoders, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(decoders, "advance_chunk", counted)
+    stream = decode_stream(model, params, PROMPTS, "greedy", keys=KEYS, eos_ids=DECODER_EOS, slots=3,
+                           max_new_tokens=6)
+    checked = 0
+    for _, output in stream:
+        want = min(d / ran for d, ran in chunks if ran)
+        assert output.advance_seconds == pytest.approx(want)
+        checked += output.advance_seconds != chunks[-1][0] / max(chunks[-1][1], 1)
+    assert len(chunks) >= 3 and checked, "the fastest chunk was always the last: the check is vacuous"
 
 
 def test_refill_needs_one_key_per_prompt():
@@ -130,6 +171,41 @@ def test_plan_prices_fixed_batches_by_their_useful_row_steps():
     assert fixed_batch_utilisation(records[2:], method) is None
 
 
+def test_plan_prices_a_refilled_job_at_least_as_its_slowest_chain(tmp_path):
+    """`degs reproduce --plan` with refill: one MCMC problem left costs at least its chain
+    alone (worst-case decode steps x the fastest measured seconds per step), not the job's
+    seconds per problem; the same method's rate and pace measured on another benchmark serve a job
+    never run; a sampling method (no worst-case advances) and a finished job get none."""
+    from degs_jax.eval.results import write_json
+    from degs_jax.methods import PowerMCMC
+    from degs_jax.reproduce import study
+
+    small = {"max_new_tokens": 8, "block_len": 4, "num_blocks": 2, "mh_steps": 2}
+    request = study.StudyRequest(benchmarks={"gsm8k": 3, "math500": 2}, methods=("greedy", "power_mcmc"),
+                                 pool_benchmarks={}, overrides={"*": small})
+    steps = PowerMCMC(block_len=4, num_blocks=2, mh_steps=2).worst_case_advances()
+    assert steps == 2 * 4 + 2 * 4 * 2 * 3 // 4  # B·l + T·l·B(B+1)/4
+    records = {"runs/gsm8k/power_mcmc": [{"id": "a", "index": 0, "correct": True, "wall_clock_s": 1.0,
+                                          "advance_s": 0.5},
+                                         {"id": "b", "index": 1, "correct": False, "wall_clock_s": 1.0,
+                                          "advance_s": 0.25}],
+               "runs/gsm8k/greedy": [{"id": str(i), "index": i, "correct": True, "wall_clock_s": 0.1, "advance_s": 0.01}
+                                     for i in range(3)]}
+    for directory, recs in records.items():
+        (tmp_path / directory).mkdir(parents=True)
+        (tmp_path / directory / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    write_json(tmp_path / "study.json", {"model": {"name": "m", "num_layers": 2}, "invocations": []})
+    rows = {r["directory"]: r for r in study.plan_table(tmp_path, request)}
+    mcmc = rows["runs/gsm8k/power_mcmc"]
+    assert (mcmc["estimate_s"], mcmc["advance_s"]) == (1.0, 0.25)
+    assert mcmc["slowest_prompt_s"] == 0.25 * steps and mcmc["refill_estimate_s"] == 0.25 * steps
+    other = rows["runs/math500/power_mcmc"]  # never run: the method's rate (2 x 1 s) and pace
+    assert other["estimate_s"] == 2.0 and other["slowest_prompt_s"] == other["refill_estimate_s"] == 0.25 * steps
+    assert rows["runs/gsm8k/greedy"]["slowest_prompt_s"] is None  # done, and no worst-case advances
+    assert rows["runs/math500/greedy"]["slowest_prompt_s"] is None
+    assert "its slowest prompt alone" in study.format_plan(list(rows.values()))
+
+
 # Stop strings with refill: the tiny vocabulary spelled as bytes "a".."d" (EOS: none), so
 # that "ab" ends many completions at different lengths, the stop states live in the carry.
 STOP_PIECES = TokenBytes([bytes([ord("a") + i % 4]) for i in range(97)])
@@ -146,7 +222,7 @@ def test_refill_with_stop_strings_equals_one_prompt_at_a_time(method):
     ended = 0
     for index, (output, single) in enumerate(zip(refilled.outputs, alone)):
         got, want = dataclasses.asdict(output), dataclasses.asdict(single)
-        got["counters"] = want["counters"] = None
+        got["counters"] = want["counters"] = got["advance_seconds"] = None
         for name in want:
             assert _bits(got[name]) == _bits(want[name]), f"prompt {index}: {name} differs from the prompt alone"
         ended += sum(c.ended for c in output.candidates)
@@ -160,6 +236,11 @@ CHAIN = dict(DECODER_SETTINGS["degs_mcmc"], num_blocks=4)
 
 class Killed(Exception):
     pass
+
+
+def _untimed(output) -> dict:
+    """An Output's fields without the stream's pace (`advance_seconds`: a timing)."""
+    return dict(dataclasses.asdict(output), advance_seconds=None)
 
 
 def _stream(prompts, keys, **kwargs):
@@ -205,11 +286,11 @@ def test_a_killed_chain_resumes_from_its_last_block_as_if_never_stopped():
     _, restarted_stats = _stream(prompts, keys)
     assert resumed_stats["advances"] < restarted_stats["advances"], (resumed_stats, restarted_stats)
     for position, index in enumerate(left):
-        got, want = dataclasses.asdict(resumed[position]), dataclasses.asdict(uninterrupted[index])
+        got, want = _untimed(resumed[position]), _untimed(uninterrupted[index])
         for name in want:
             assert _bits(got[name]) == _bits(want[name]), f"prompt {index}: {name} differs from the run never stopped"
     for index, output in finished.items():
-        assert _bits(dataclasses.asdict(output)) == _bits(dataclasses.asdict(uninterrupted[index]))
+        assert _bits(_untimed(output)) == _bits(_untimed(uninterrupted[index]))
 
 
 def test_a_snapshot_of_another_configuration_is_refused():

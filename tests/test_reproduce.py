@@ -616,6 +616,14 @@ def test_paired_table_holm_over_the_comparisons_made():
     assert comps["gsm8k"]["p_holm"] == pytest.approx(2 * 2 / 256)
     assert comps["math500"]["p_holm"] == pytest.approx(2 / 8)
     assert paired["holm_family"] == 2
+    # pooled over the two benchmarks: 15 pairs, 0 / 11 discordant, outside Holm's family
+    (pooled,) = paired["pooled"]
+    assert (pooled["treatment"], pooled["baseline"], pooled["benchmarks"]) == ("degs_mcmc", "power_mcmc",
+                                                                              ["math500", "gsm8k"])
+    assert (pooled["n"], pooled["only_a"], pooled["only_b"]) == (15, 0, 11)
+    assert pooled["difference"] == pytest.approx(11 / 15) and pooled["p_value"] == pytest.approx(2 / 2 ** 11)
+    one = study_files.Study(Path("toy"), toy.meta, runs={k: v for k, v in runs.items() if k[0] == "gsm8k"})
+    assert accuracy.paired_table(one, accuracy.verdicts(one))["pooled"] == []  # one benchmark: nothing to pool
     assert claims.beta_verdict(paired["comparisons"], paired["holm_family"]).endswith(
         "one-sided sign test over the 2 non-zero cells p = 0.25; significant at 5% after "
         "Holm over the 2 comparisons of the paired table: gsm8k")
@@ -863,7 +871,7 @@ E2E = ["--benchmarks", "gsm8k,humaneval", "--methods", "greedy,degs_mcmc", "--li
        "--pool-benchmarks", "gsm8k", "--hp", "max_new_tokens=8", "--hp", "block_len=4",
        "--hp", "num_blocks=2", "--hp", "mh_steps=2", "--hp", "pool.n=2", "--batch-size", "2",
        "--no-progress", "--compilation-cache", "none"]
-TIMING = {"decode_s", "grade_s", "wall_clock_s", "seconds"}
+TIMING = {"decode_s", "grade_s", "wall_clock_s", "seconds", "advance_s"}
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,9 @@ def add_commands(sub, load_model) -> None:
     m = r.add_argument_group("modes")
     m.add_argument("--plan", action="store_true",
                    help="print the jobs, what is done, worst-case tokens and measured cost per "
-                        "problem with the estimate of what is left; load nothing, run nothing")
+                        "problem with the estimate of what is left (with refill: at least the "
+                        "job's slowest chain alone, from the measured seconds per decode step); "
+                        "load nothing, run nothing")
     m.add_argument("--report-only", action="store_true",
                    help="rewrite OUT/report.md, tables/ and figures/ from the stored files (no model)")
     m.add_argument("--no-report", action="store_true", help="run without writing the report")

@@ -668,6 +668,8 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         record["extras"] = chosen.extras
     if share > 1:
         record["batch_share"] = share  # counters are the batch's totals / share
+    if getattr(output, "advance_seconds", None) is not None:  # refill: the stream's fastest advance
+        record["advance_s"] = output.advance_seconds
     if output.diagnostics is not None:  # SMC: log Z-hat, ESS, resamplings; SPS: rollouts
         record["diagnostics"] = output.diagnostics
     if keep_candidates:

@@ -4,7 +4,8 @@
 - :func:`paired_table`: paired comparisons (:func:`paired_comparisons`, the ones the rows
   state) on the problems both rows answered: accuracy difference with Newcombe's 95%
   paired score interval, the exact McNemar test and its Holm adjustment over the table's
-  comparisons; the sign test over benchmarks of beta = 5 vs beta = 0; the common random
+  comparisons; each comparison pooled over the benchmarks it was made on
+  (:func:`pooled_comparisons`); the sign test over benchmarks of beta = 5 vs beta = 0; the common random
   numbers of each beta pair (:func:`beta_pairs`), with how many final completions are
   identical (:func:`common_random_numbers`).
 
@@ -96,6 +97,24 @@ def table1(study: Study, verdict: Mapping[tuple[str, str], Mapping[int, bool]]) 
     return {"benchmarks": benchmarks, "rows": rows}
 
 
+def pooled_comparisons(study: Study, verdict, comparisons: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Each comparison made on two or more benchmarks, pooled over them: every common
+    problem of every benchmark is one pair (so a benchmark weighs by its problems), with
+    Newcombe's interval and the exact McNemar p of the pooled pairs. They restate the
+    per-benchmark rows and are not in Holm's family."""
+    pooled = []
+    for treat, base, question in paired_comparisons():
+        benchmarks = [c["benchmark"] for c in comparisons if (c["treatment"], c["baseline"]) == (treat, base)]
+        if len(benchmarks) < 2:
+            continue
+        pairs = [(verdict[(b, base)][i], verdict[(b, treat)][i]) for b in benchmarks
+                 for i in sorted(set(verdict[(b, treat)]) & set(verdict[(b, base)]))]
+        c = compare_paired([a for a, _ in pairs], [t for _, t in pairs])
+        pooled.append({"treatment": treat, "baseline": base, "question": question,
+                       "benchmarks": benchmarks, **asdict(c)})
+    return pooled
+
+
 def paired_table(study: Study, verdict) -> dict:
     """Every pair of :func:`paired_comparisons` on every benchmark where both rows
     answered common problems: Newcombe's interval, the exact McNemar p and its Holm
@@ -127,6 +146,7 @@ def paired_table(study: Study, verdict) -> dict:
     m = len(comparisons)
     crn = common_random_numbers(study)
     return {"comparisons": comparisons, "comparisons_made": m, "holm_family": family,
+            "pooled": pooled_comparisons(study, verdict, comparisons),
             "beta_sign_tests": beta, "common_random_numbers": crn,
             "common_random_numbers_notes": _crn_statements(crn),
             "note": "difference = accuracy(treatment) − accuracy(baseline) on the problems both "

@@ -153,6 +153,17 @@ def _paired_section(paired: Mapping[str, Any], figures: Mapping[str, str]) -> li
           f"{c['difference']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
           f"{c['only_a']} / {c['only_b']}", f"{c['p_value']:.3g}", f"{c['p_holm']:.3g}"]
          for c in paired["comparisons"]]))
+    if paired.get("pooled"):
+        md += ["", "Pooled over benchmarks: every common problem of each benchmark is one pair, so a "
+               "benchmark weighs by its problems; these restate the rows above and are not in Holm's family.",
+               "", _md_table(
+                   ["treatment − baseline", "benchmarks", "n", "baseline", "treatment",
+                    "difference [95% Newcombe CI]", "discordant: only baseline / only treatment",
+                    "exact McNemar p"],
+                   [[f"{c['treatment']} − {c['baseline']}", ", ".join(c["benchmarks"]), c["n"],
+                     f"{c['accuracy_a']:.3f}", f"{c['accuracy_b']:.3f}",
+                     f"{c['difference']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
+                     f"{c['only_a']} / {c['only_b']}", f"{c['p_value']:.3g}"] for c in paired["pooled"]])]
     for s in paired["beta_sign_tests"]:
         md.append(f"\nSign test over benchmarks, {s['treatment']} − {s['baseline']} > 0: "
                   f"{s['positive']} positive, {s['negative']} negative, {s['zero']} zero "

@@ -1008,15 +1008,25 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     """Per job: target and finished problems, the worst-case generated tokens per problem
     and the measured seconds per problem (this job, else the same method elsewhere in the
     study) with the estimate for what is left; where the job's records come from fixed
-    batches, also the estimate with refill (`fixed_batch_utilisation`). No model is loaded."""
+    batches, also the estimate with refill (`fixed_batch_utilisation`); and where refilled
+    records measured the pace of an advance (``advance_s``: the stream's fastest seconds per
+    `advance`, this job's or its method's elsewhere) and the method knows its worst case
+    (`Method.worst_case_advances`), the refill estimate is at least the slowest prompt
+    alone (``slowest_prompt_s``): a refilled job lasts as long as its longest chain
+    whatever its slots. No model is loaded."""
     out = Path(out_dir)
     jobs = plan_jobs(request)
     sizes = {b: len(load_benchmark(b, data_dir=data_dir)) for b in {j.benchmark for j in jobs}}
     rates = _Rates()
+    paces: dict[str, float] = {}  # the fastest measured seconds per advance, per job and per method
     for job in jobs:
         recs = read_records(out / job.directory)
         if recs:
             rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
+        for key in _job_rate_keys(job)[:2]:
+            for r in recs:
+                if r.get("advance_s") is not None:
+                    paces[key] = min(paces.get(key, r["advance_s"]), r["advance_s"])
     rows = []
     for job in jobs:
         target = sizes[job.benchmark] if job.limit is None else min(job.limit, sizes[job.benchmark])
@@ -1025,6 +1035,12 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
         worst = job.decoder.worst_case_cost()
         utilisation = fixed_batch_utilisation(read_records(out / job.directory), job.decoder)
         estimate = None if rate is None else rate * (target - done)
+        refill_estimate = estimate if estimate is None or utilisation is None else estimate * utilisation
+        pace = next((paces[k] for k in _job_rate_keys(job)[:2] if k in paces), None)
+        advances = job.decoder.worst_case_advances()
+        slowest = None if pace is None or advances is None or done >= target else pace * advances
+        if slowest is not None and refill_estimate is not None:
+            refill_estimate = max(refill_estimate, slowest)
         rows.append({"job": job.label, "directory": job.directory, "target": target, "done": done,
                      "batch_size": job.batch_size,
                      "worst_case_tokens_per_problem": worst and worst[0],
@@ -1032,8 +1048,9 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
                      "seconds_per_problem": rate,
                      "estimate_s": estimate,
                      "fixed_batch_utilisation": utilisation,
-                     "refill_estimate_s": estimate if estimate is None or utilisation is None
-                     else estimate * utilisation})
+                     "advance_s": pace,
+                     "slowest_prompt_s": slowest,
+                     "refill_estimate_s": refill_estimate})
         if job.kind == "pool" and request.layer_pass:
             stored = read_jsonl(out / job.directory / LAYERS_FILE)
             rate = (sum(r["seconds"] for r in stored) / len(stored)) if stored else None
@@ -1062,6 +1079,8 @@ def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
             refill_total += refill or 0.0
             if r.get("fixed_batch_utilisation") is not None:
                 est += f" (refill {refill:.0f} s: fixed batches {100 * r['fixed_batch_utilisation']:.0f}% used)"
+            elif refill is not None and refill != r["estimate_s"]:
+                est += f" (refill {refill:.0f} s: its slowest prompt alone)"
         wt, ws = r["worst_case_tokens_per_problem"], r["worst_case_steps_per_batch"]
         lines.append(f"{r['job']:<28} {r['target']:>6} {r['done']:>5} {r['batch_size']:>5} "
                      f"{'?' if wt is None else f'{wt:,}':>17} {'?' if ws is None else f'{ws:,}':>17} "
@@ -1072,7 +1091,9 @@ def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
     if refill_total != total:
         lines.append(f"with refill (the default schedule): {refill_total:.0f} s; where the records come from "
                      "fixed batches, their seconds times the fraction of the batches' row-steps that did "
-                     "useful work, modelled from the answers' lengths (the end of a run's drain aside)")
+                     "useful work, modelled from the answers' lengths; and no less than the job's slowest "
+                     "prompt alone: its worst-case advances (MCMC: a chain's decode steps) times the "
+                     "fastest seconds per advance the refilled records measured")
     lines.append("(worst case: no completion ends before its budget. Seconds per problem from "
                  "stored records: decoding, including the compilation of each new batch shape, "
                  "plus grading; for the layer pass its forward passes)")
