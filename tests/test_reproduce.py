@@ -553,8 +553,7 @@ def test_a_users_method_states_its_study_row(synthetic_study, tmp_path, monkeypa
         StudyRow(selected_from="best_of_n")
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-cpu-smoke", "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-whole",
-                                  "qwen2.5-coder-1.5b-whole-completion"])
+@pytest.mark.parametrize("name", ["smollm2-135m-cpu-smoke", "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-whole"])
 def test_a_committed_study_renders_its_committed_report(name, tmp_path):
     """The report is a function of the stored files: a committed study's report.md comes
     back byte for byte (every row, label, comparison, beta pair and claim the method
@@ -584,8 +583,13 @@ def test_the_decision_anatomy_of_the_whole_math500_run():
                 if m["depth_decided"][b][s]:
                     decided += 1
                     chains.add(r["index"])
-    [row] = report.build_tables(study)["decisions"]["rows"]
+    rows = {r["benchmark"]: r for r in report.build_tables(study)["decisions"]["rows"]}
+    assert sorted(rows) == ["humaneval", "math500"]
+    row, humaneval = rows["math500"], rows["humaneval"]
     assert (row["benchmark"], row["method"], row["beta"], row["problems"]) == ("math500", "degs_mcmc", 5.0, 500)
+    # HumanEval (completion format, alpha 2): the depth term decides more (docs/reproduction.md)
+    assert (humaneval["benchmark"], humaneval["problems"], humaneval["decisions"], humaneval["depth_decided"],
+            humaneval["chains_depth_decided"]) == ("humaneval", 163, 1640, 11, 10)
     assert (row["decisions"], row["depth_decided"], row["chains_depth_decided"]) == (decisions, decided, len(chains))
     assert row["accepted"] == pytest.approx(accepted / decisions) and row["null_moves"] == pytest.approx(null / decisions)
     assert (decisions, decided, len(chains)) == (20250, 7, 7)  # docs/reproduction.md quotes these
@@ -593,6 +597,29 @@ def test_the_decision_anatomy_of_the_whole_math500_run():
     older = report.load_study(source / "qwen2.5-coder-1.5b")
     assert report.build_tables(older)["decisions"]["rows"] == []
     assert "## Where the depth term acts" not in (source / "qwen2.5-coder-1.5b" / "report.md").read_text()
+
+
+def test_raw_prompts_give_a_benchmark_its_own_format(embedded_model, tmp_path):
+    """`--raw-prompts gsm8k`: GSM8K's prompts go as raw text and MATH500's through the chat
+    template in one study (each run records its format, and the deviations table says
+    which); a benchmark name is canonicalised, and an unknown one refused."""
+    from degs_jax.eval import Grader
+    from degs_jax.reproduce import deviations
+
+    request = StudyRequest(benchmarks={"math500": 1, "gsm8k": 1}, methods=("greedy",), pool_benchmarks={},
+                           overrides={"*": {"max_new_tokens": 2}}, layer_pass=False, raw_benchmarks=("GSM8K",))
+    assert request.raw_benchmarks == ("gsm8k",) and not request.chat_for("gsm8k") and request.chat_for("math500")
+    with pytest.raises(ValueError, match="unknown benchmark 'gsm9k'"):
+        StudyRequest(benchmarks={"gsm8k": 1}, methods=("greedy",), raw_benchmarks=("gsm9k",))
+    with Grader() as grader:
+        study.run_study(embedded_model, tmp_path, request, progress=False, grader=grader, log=lambda m: None)
+    chat = {b: json.loads((tmp_path / "runs" / b / "greedy" / "run.json").read_text())["config"]["chat"]
+            for b in ("math500", "gsm8k")}
+    assert chat == {"math500": True, "gsm8k": False}
+    loaded = report.load_study(tmp_path)
+    configs = {key: data["run"]["config"] for key, data in deviations._all_runs(loaded).items()}
+    (model_row,) = deviations._model_rows(loaded, configs)
+    assert model_row["used"].endswith("; raw text for gsm8k")
 
 
 def test_paired_table_holm_over_the_comparisons_made():

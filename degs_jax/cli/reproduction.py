@@ -70,6 +70,11 @@ def add_commands(sub, load_model) -> None:
     g.add_argument("--benchmarks", default=ALL_BENCHMARKS,
                    help=f"comma-separated, in priority order ({ALL_BENCHMARKS}); 'none' for no "
                         "Table 1 runs")
+    g.add_argument("--raw-prompts", default="none", metavar="BENCHMARKS",
+                   help="comma-separated benchmarks whose prompts go as raw text while the others "
+                        "use the chat template, so that one study holds each benchmark in its "
+                        "format: 'humaneval' for the paper's HumanEval (the model completes the "
+                        "signature and docstring); --no-chat makes every prompt raw")
     g.add_argument("--methods", default=None,
                    help="rows, comma-separated, in priority order (default: the paper's Table 1, "
                         f"{', '.join(TABLE1_ORDER)}); the methods of installed packages "
@@ -204,7 +209,7 @@ def build_request(args):
         pool_benchmarks={b: limit(pool_limits, b, limit(limits, b)) for b in pool},
         overrides=parse_overrides(args.hp), batch_sizes=_scoped_ints(args.batch_size, "--batch-size"),
         seed=args.seed, round_size=args.round_size, layer_pass=not args.no_layer_pass,
-        chat=not args.no_chat)
+        chat=not args.no_chat, raw_benchmarks=tuple(_split(args.raw_prompts)))
 
 
 def cmd_reproduce(args, load_model) -> int:

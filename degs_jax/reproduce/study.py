@@ -221,6 +221,10 @@ class StudyRequest:
     lsub_sets: the probe sets of the L_sub ablation (None: the paper's, mapped to the
       model's depth by :func:`paper_lsub_sets`).
     layer_pass: run the layer pass on the pool (trajectories and the L_sub ablation).
+    chat: prompts through the tokenizer's chat template (False: every prompt as raw text).
+    raw_benchmarks: benchmarks whose prompts go as raw text whatever ``chat`` says (the
+      paper's HumanEval is a completion of the signature and docstring), so that one study
+      holds every benchmark in its own format (:meth:`chat_for`).
     """
 
     benchmarks: Mapping[str, Optional[int]]
@@ -233,8 +237,11 @@ class StudyRequest:
     lsub_sets: Optional[tuple[tuple[int, ...], ...]] = None
     layer_pass: bool = True
     chat: bool = True
+    raw_benchmarks: tuple[str, ...] = ()
 
     def __post_init__(self):
+        raw = tuple(canonical_name(b) for b in self.raw_benchmarks)
+        object.__setattr__(self, "raw_benchmarks", raw)
         benchmarks = {canonical_name(b): n for b, n in self.benchmarks.items()}
         pool = {canonical_name(b): n for b, n in self.pool_benchmarks.items()}
         for b, n in list(benchmarks.items()) + list(pool.items()):
@@ -273,6 +280,10 @@ class StudyRequest:
         for benchmark in self.pool_benchmarks:
             pool_hyperparameters(benchmark, self.overrides)
 
+    def chat_for(self, benchmark: str) -> bool:
+        """Whether ``benchmark``'s prompts go through the chat template."""
+        return self.chat and canonical_name(benchmark) not in self.raw_benchmarks
+
     def batch_size(self, scope: str) -> int:
         return self.batch_sizes.get(scope, self.batch_sizes.get("*", DEFAULT_BATCH_SIZE))
 
@@ -287,7 +298,8 @@ class StudyRequest:
                 "batch_sizes": dict(self.batch_sizes), "seed": self.seed,
                 "round_size": self.round_size,
                 "lsub_sets": None if self.lsub_sets is None else [list(s) for s in self.lsub_sets],
-                "layer_pass": self.layer_pass, "chat": self.chat}
+                "layer_pass": self.layer_pass, "chat": self.chat,
+                "raw_benchmarks": list(self.raw_benchmarks)}
 
 
 def _scoped(overrides: Mapping[str, Mapping[str, Any]], method: str, defaults: Mapping,
@@ -631,7 +643,7 @@ def _fit_to_memory(model, job: Job, request: StudyRequest, problems: Sequence, l
         return job
     given = request.gives_batch_size(job.scope)
     try:
-        choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat)
+        choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat_for(job.benchmark))
     except BatchDoesNotFitError:
         if given:  # the user's size is kept, and the run will say what does not fit
             return job
@@ -742,7 +754,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                              method=job.decoder, seed=request.seed, indices=todo,
                              batch_size=job.batch_size if refill else max(map(len, call)),
                              keep_candidates=job.keep_candidates,
-                             chat=request.chat, progress=progress, data_dir=data_dir,
+                             chat=request.chat_for(job.benchmark), progress=progress, data_dir=data_dir,
                              grader=grader, argv=argv, print_table=False, refill=refill)
                     seconds = time.monotonic() - t0
                     if not lead:
