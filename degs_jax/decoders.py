@@ -106,9 +106,10 @@ class Output:
     # method's counters); None from a fixed batch (`DecodeResult.counters` are the batch's)
     counters: Optional[dict[str, int]] = None
     # `decode_stream`: the fastest seconds per `advance` (MCMC: per decode step of every row)
-    # of the stream's chunks so far, compilation excluded by taking the fastest: about the
-    # step's latency when few rows run, the pace of a run's slowest prompt once it runs
-    # alone (`degs reproduce --plan`); None from a fixed batch
+    # of the stream's chunks so far; the fastest, so that compilation and admissions'
+    # prefills are left out. The stream's shape is fixed, so a step costs about the same
+    # however many rows are live: the pace of a run's slowest prompt once it runs alone
+    # (`degs reproduce --plan`); None from a fixed batch
     advance_seconds: Optional[float] = None
 
 

@@ -79,7 +79,7 @@ def test_refill_equals_one_prompt_at_a_time(case, monkeypatch):
         got = dataclasses.asdict(output)
         assert _bits(got.pop("counters")) == _bits(counters), f"prompt {index}: counters"
         alone = dict(alone, counters=None, advance_seconds=None)  # (the stream's pace: a timing)
-        got["counters"] = got["advance_seconds"] = None
+        got = dict(_untimed(output), counters=None)
         for name in alone:
             assert _bits(got[name]) == _bits(alone[name]), f"prompt {index}: {name} differs from the prompt alone"
         for name, value in counters.items():
@@ -181,8 +181,8 @@ def test_plan_prices_a_refilled_job_at_least_as_its_slowest_chain(tmp_path):
     from degs_jax.reproduce import study
 
     small = {"max_new_tokens": 8, "block_len": 4, "num_blocks": 2, "mh_steps": 2}
-    request = study.StudyRequest(benchmarks={"gsm8k": 3, "math500": 2}, methods=("greedy", "power_mcmc"),
-                                 pool_benchmarks={}, overrides={"*": small})
+    request = study.StudyRequest(benchmarks={"gsm8k": 3, "math500": 2, "deepmind500": 1},
+                                 methods=("greedy", "power_mcmc"), pool_benchmarks={}, overrides={"*": small})
     steps = PowerMCMC(block_len=4, num_blocks=2, mh_steps=2).worst_case_advances()
     assert steps == 2 * 4 + 2 * 4 * 2 * 3 // 4  # B·l + T·l·B(B+1)/4
     records = {"runs/gsm8k/power_mcmc": [{"id": "a", "index": 0, "correct": True, "wall_clock_s": 1.0,
@@ -190,7 +190,9 @@ def test_plan_prices_a_refilled_job_at_least_as_its_slowest_chain(tmp_path):
                                          {"id": "b", "index": 1, "correct": False, "wall_clock_s": 1.0,
                                           "advance_s": 0.25}],
                "runs/gsm8k/greedy": [{"id": str(i), "index": i, "correct": True, "wall_clock_s": 0.1, "advance_s": 0.01}
-                                     for i in range(3)]}
+                                     for i in range(3)],
+               "runs/deepmind500/power_mcmc": [{"id": "d", "index": 0, "correct": True, "wall_clock_s": 1.0,
+                                                "advance_s": 0.5}]}
     for directory, recs in records.items():
         (tmp_path / directory).mkdir(parents=True)
         (tmp_path / directory / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -202,6 +204,7 @@ def test_plan_prices_a_refilled_job_at_least_as_its_slowest_chain(tmp_path):
     other = rows["runs/math500/power_mcmc"]  # never run: the method's rate (2 x 1 s) and pace
     assert other["estimate_s"] == 2.0 and other["slowest_prompt_s"] == other["refill_estimate_s"] == 0.25 * steps
     assert rows["runs/gsm8k/greedy"]["slowest_prompt_s"] is None  # done, and no worst-case advances
+    assert rows["runs/deepmind500/power_mcmc"]["slowest_prompt_s"] is None  # done: nothing left to wait for
     assert rows["runs/math500/greedy"]["slowest_prompt_s"] is None
     assert "its slowest prompt alone" in study.format_plan(list(rows.values()))
 
@@ -221,8 +224,7 @@ def test_refill_with_stop_strings_equals_one_prompt_at_a_time(method):
                       token_bytes=STOP_PIECES, **settings)
     ended = 0
     for index, (output, single) in enumerate(zip(refilled.outputs, alone)):
-        got, want = dataclasses.asdict(output), dataclasses.asdict(single)
-        got["counters"] = want["counters"] = got["advance_seconds"] = None
+        got, want = dict(_untimed(output), counters=None), dict(_untimed(single), counters=None)
         for name in want:
             assert _bits(got[name]) == _bits(want[name]), f"prompt {index}: {name} differs from the prompt alone"
         ended += sum(c.ended for c in output.candidates)

@@ -2,6 +2,7 @@
 synthetic study directory (no model), and the study end to end on the embedded model
 (CPU), interrupted and resumed."""
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -611,6 +612,8 @@ def test_raw_prompts_give_a_benchmark_its_own_format(embedded_model, tmp_path):
     assert request.raw_benchmarks == ("gsm8k",) and not request.chat_for("gsm8k") and request.chat_for("math500")
     with pytest.raises(ValueError, match="unknown benchmark 'gsm9k'"):
         StudyRequest(benchmarks={"gsm8k": 1}, methods=("greedy",), raw_benchmarks=("gsm9k",))
+    with pytest.raises(ValueError, match="--raw-prompts humaneval: not a benchmark of this study"):
+        StudyRequest(benchmarks={"gsm8k": 1}, methods=("greedy",), raw_benchmarks=("humaneval",))
     with Grader() as grader:
         study.run_study(embedded_model, tmp_path, request, progress=False, grader=grader, log=lambda m: None)
     chat = {b: json.loads((tmp_path / "runs" / b / "greedy" / "run.json").read_text())["config"]["chat"]
@@ -620,6 +623,13 @@ def test_raw_prompts_give_a_benchmark_its_own_format(embedded_model, tmp_path):
     configs = {key: data["run"]["config"] for key, data in deviations._all_runs(loaded).items()}
     (model_row,) = deviations._model_rows(loaded, configs)
     assert model_row["used"].endswith("; raw text for gsm8k")
+    # a resume that forgets the flag is refused before anything runs, naming the fix
+    forgot = dataclasses.replace(request, raw_benchmarks=())
+    with pytest.raises(ValueError, match="gsm8k's prompts as raw text; .* add --raw-prompts gsm8k"):
+        study.check_prompt_formats(tmp_path, forgot)
+    with pytest.raises(ValueError, match="math500's prompts through the chat template"):
+        study.check_prompt_formats(tmp_path, dataclasses.replace(request, raw_benchmarks=("gsm8k", "math500")))
+    study.check_prompt_formats(tmp_path, request)  # the same formats: nothing to say
 
 
 def test_paired_table_holm_over_the_comparisons_made():
@@ -1137,5 +1147,5 @@ def test_the_default_batch_shrinks_to_what_fits_and_a_given_one_is_kept(embedded
     # the given size is kept, and the study warns before compiling that the estimate fits 2
     warnings = [m for m in messages[1:] if "warning" in m]
     assert len(warnings) == 1 and warnings[0].startswith(
-        "gsm8k greedy: warning: batch size 16 kept as given, but the memory estimate fits 2 "
-        "(batch size 2 (auto, limited by memory")
+        "gsm8k greedy: warning: batch size 16 kept as given, but the memory estimate fits fewer: "
+        "batch size 2 (auto, limited by memory")

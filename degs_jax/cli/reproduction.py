@@ -72,7 +72,7 @@ def add_commands(sub, load_model) -> None:
                         "Table 1 runs")
     g.add_argument("--raw-prompts", default="none", metavar="BENCHMARKS",
                    help="comma-separated benchmarks whose prompts go as raw text while the others "
-                        "use the chat template, so that one study holds each benchmark in its "
+                        "use the chat template, so that one study holds each benchmark in its own "
                         "format: 'humaneval' for the paper's HumanEval (the model completes the "
                         "signature and docstring); --no-chat makes every prompt raw")
     g.add_argument("--methods", default=None,
@@ -102,7 +102,8 @@ def add_commands(sub, load_model) -> None:
     s.add_argument("--batch-size", action="append", default=[], metavar="[SCOPE=]N",
                    help="problems per decode call for every decoder, or SCOPE=N for one "
                         "method or the pool (rows per call = N x candidates/chains); kept as "
-                        f"given. Default: {DEFAULT_BATCH_SIZE}, or fewer where the memory estimate "
+                        "given (with a warning where the memory estimate fits fewer). "
+                        f"Default: {DEFAULT_BATCH_SIZE}, or fewer where the memory estimate "
                         "of degs eval's --batch-size auto says that many do not fit (the study "
                         "prints the size it took)")
     s.add_argument("--no-refill", dest="refill", action="store_false", help=REFILL_HELP)
@@ -118,7 +119,7 @@ def add_commands(sub, load_model) -> None:
     m = r.add_argument_group("modes")
     m.add_argument("--plan", action="store_true",
                    help="print the jobs, what is done, worst-case tokens and measured cost per "
-                        "problem with the estimate of what is left (with refill: at least the "
+                        "problem with the estimate of what is left (MCMC with refill: at least the "
                         "job's slowest chain alone, from the measured seconds per decode step); "
                         "load nothing, run nothing")
     m.add_argument("--report-only", action="store_true",

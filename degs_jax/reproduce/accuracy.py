@@ -97,7 +97,13 @@ def table1(study: Study, verdict: Mapping[tuple[str, str], Mapping[int, bool]]) 
     return {"benchmarks": benchmarks, "rows": rows}
 
 
-def pooled_comparisons(study: Study, verdict, comparisons: Sequence[Mapping[str, Any]]) -> list[dict]:
+def _common_pairs(verdict, benchmark: str, treatment: str, baseline: str) -> list[tuple[bool, bool]]:
+    """(baseline correct, treatment correct) on each problem of ``benchmark`` both answered."""
+    base, treat = verdict[(benchmark, baseline)], verdict[(benchmark, treatment)]
+    return [(base[i], treat[i]) for i in sorted(set(base) & set(treat))]
+
+
+def pooled_comparisons(verdict, comparisons: Sequence[Mapping[str, Any]]) -> list[dict]:
     """Each comparison made on two or more benchmarks, pooled over them: every common
     problem of every benchmark is one pair (so a benchmark weighs by its problems), with
     Newcombe's interval and the exact McNemar p of the pooled pairs. They restate the
@@ -107,8 +113,7 @@ def pooled_comparisons(study: Study, verdict, comparisons: Sequence[Mapping[str,
         benchmarks = [c["benchmark"] for c in comparisons if (c["treatment"], c["baseline"]) == (treat, base)]
         if len(benchmarks) < 2:
             continue
-        pairs = [(verdict[(b, base)][i], verdict[(b, treat)][i]) for b in benchmarks
-                 for i in sorted(set(verdict[(b, treat)]) & set(verdict[(b, base)]))]
+        pairs = [pair for b in benchmarks for pair in _common_pairs(verdict, b, treat, base)]
         c = compare_paired([a for a, _ in pairs], [t for _, t in pairs])
         pooled.append({"treatment": treat, "baseline": base, "question": question,
                        "benchmarks": benchmarks, **asdict(c)})
@@ -125,11 +130,10 @@ def paired_table(study: Study, verdict) -> dict:
         for b in study.benchmarks:
             if (b, treat) not in verdict or (b, base) not in verdict:
                 continue
-            common = sorted(set(verdict[(b, treat)]) & set(verdict[(b, base)]))
-            if not common:
+            pairs = _common_pairs(verdict, b, treat, base)
+            if not pairs:
                 continue
-            c = compare_paired([verdict[(b, base)][i] for i in common],
-                               [verdict[(b, treat)][i] for i in common])
+            c = compare_paired([a for a, _ in pairs], [t for _, t in pairs])
             comparisons.append({"treatment": treat, "baseline": base, "question": question,
                                 "benchmark": b, **asdict(c)})
     for c, adjusted in zip(comparisons, holm([c["p_value"] for c in comparisons])):
@@ -146,7 +150,7 @@ def paired_table(study: Study, verdict) -> dict:
     m = len(comparisons)
     crn = common_random_numbers(study)
     return {"comparisons": comparisons, "comparisons_made": m, "holm_family": family,
-            "pooled": pooled_comparisons(study, verdict, comparisons),
+            "pooled": pooled_comparisons(verdict, comparisons),
             "beta_sign_tests": beta, "common_random_numbers": crn,
             "common_random_numbers_notes": _crn_statements(crn),
             "note": "difference = accuracy(treatment) − accuracy(baseline) on the problems both "

@@ -97,8 +97,7 @@ def _model_rows(study: Study, configs: Mapping) -> list[dict]:
         described.append("raw prompts (no chat template)")
     elif chat:  # each benchmark in its own format (`degs reproduce --raw-prompts`)
         raw = sorted({b for (_, b, _), c in configs.items() if not c.get("chat")})
-        described.append(("prompts through its chat template" if template != [False] else "raw prompts")
-                         + f"; raw text for {', '.join(raw)}")
+        described.append(f"prompts through its chat template; raw text for {', '.join(raw)}")
     rows = [_deviation("model", f"{', '.join(paper.MODELS)}: 7B base and math models",
                        "; ".join(described),
                        not any(m.lower() in name.lower() for m in paper.MODELS))]

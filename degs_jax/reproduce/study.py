@@ -249,6 +249,10 @@ class StudyRequest:
                 raise ValueError(f"the limit of {b} must be a non-negative integer, got {n!r}")
         object.__setattr__(self, "benchmarks", benchmarks)
         object.__setattr__(self, "pool_benchmarks", pool)
+        outside = [b for b in raw if b not in benchmarks and b not in pool]
+        if outside:  # else it would be ignored without a word
+            raise ValueError(f"--raw-prompts {', '.join(outside)}: not a benchmark of this study "
+                             f"({', '.join([*benchmarks, *pool]) or 'none'})")
         rows = available_methods()
         unknown = [m for m in self.methods if m not in rows]
         if unknown:
@@ -629,6 +633,25 @@ def _next_call(job: Job, chunks: Iterator[list[int]], width: int, out: Path, rat
     return call
 
 
+def check_prompt_formats(out: Path, request: StudyRequest) -> None:
+    """ValueError, before anything runs, where a benchmark of the request already has runs
+    in ``out`` made in the other prompt format (chat template or raw text: ``--raw-prompts``,
+    ``--no-chat``), so that a resume that forgets the flag neither stops at that job's turn
+    nor adds a method in another format beside the benchmark's runs."""
+    stored = [(f.parent.parent.name, f) for f in sorted(out.glob("runs/*/*/run.json"))]
+    stored += [(f.parent.name, f) for f in sorted(out.glob("pool/*/run.json"))]
+    for benchmark, run_file in stored:
+        if benchmark not in {*request.benchmarks, *request.pool_benchmarks}:
+            continue
+        chat = results.read_run_file(run_file)["config"].get("chat")
+        if chat is not None and bool(chat) != request.chat_for(benchmark):
+            fix = (f"leave {benchmark} out of --raw-prompts, without --no-chat" if chat
+                   else f"add --raw-prompts {benchmark}")
+            raise ValueError(f"{run_file.parent} has {benchmark}'s prompts "
+                             f"{'through the chat template' if chat else 'as raw text'}; this invocation "
+                             f"would give them the other format: {fix}")
+
+
 def _fit_to_memory(model, job: Job, request: StudyRequest, problems: Sequence, log) -> Job:
     """``job`` with a batch that fits the device: where the request gives no size for it
     (the study's default, ``DEFAULT_BATCH_SIZE`` problems), at most what ``--batch-size
@@ -644,16 +667,17 @@ def _fit_to_memory(model, job: Job, request: StudyRequest, problems: Sequence, l
     given = request.gives_batch_size(job.scope)
     try:
         choice = runner.choose_problem_batch(model, AUTO, job.decoder, problems, request.chat_for(job.benchmark))
-    except BatchDoesNotFitError:
-        if given:  # the user's size is kept, and the run will say what does not fit
+    except BatchDoesNotFitError as error:
+        if given:  # the user's size is kept
+            log(f"{job.label}: warning: batch size {job.batch_size} kept as given, but {error}")
             return job
         raise
     if choice["limited_by"] != "memory" or choice["batch_size"] >= job.batch_size:
         return job
     if given:
         log(f"{job.label}: warning: batch size {job.batch_size} kept as given, but the memory "
-            f"estimate fits {choice['batch_size']} ({describe_batch_choice(choice)}); a larger "
-            "batch may run out of memory (leave --batch-size to the study to fit it)")
+            f"estimate fits fewer: {describe_batch_choice(choice)}; a larger batch may run out "
+            "of memory (leave --batch-size to the study to fit it)")
         return job
     log(f"{job.label}: {choice['batch_size']} problems per batch instead of the default "
         f"{job.batch_size} ({describe_batch_choice(choice)})")
@@ -713,6 +737,7 @@ def run_study(model, out_dir, request: StudyRequest, *, time_budget: Optional[fl
                 for b in {j.benchmark for j in jobs}}
     targets = {j.directory: len(problems[j.benchmark]) if j.limit is None
                else min(j.limit, len(problems[j.benchmark])) for j in jobs}
+    check_prompt_formats(out, request)
     rates = _Rates()
     skipped: list[str] = []
     if lead:  # process 0 alone cuts batches (_next_call)
@@ -1089,10 +1114,10 @@ def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
             total += r["estimate_s"] or 0.0
             refill = r.get("refill_estimate_s", r["estimate_s"])
             refill_total += refill or 0.0
-            if r.get("fixed_batch_utilisation") is not None:
-                est += f" (refill {refill:.0f} s: fixed batches {100 * r['fixed_batch_utilisation']:.0f}% used)"
-            elif refill is not None and refill != r["estimate_s"]:
+            if refill is not None and refill == r.get("slowest_prompt_s"):
                 est += f" (refill {refill:.0f} s: its slowest prompt alone)"
+            elif r.get("fixed_batch_utilisation") is not None:
+                est += f" (refill {refill:.0f} s: fixed batches {100 * r['fixed_batch_utilisation']:.0f}% used)"
         wt, ws = r["worst_case_tokens_per_problem"], r["worst_case_steps_per_batch"]
         lines.append(f"{r['job']:<28} {r['target']:>6} {r['done']:>5} {r['batch_size']:>5} "
                      f"{'?' if wt is None else f'{wt:,}':>17} {'?' if ws is None else f'{ws:,}':>17} "
