@@ -581,11 +581,17 @@ def _job_rate_keys(job: Job) -> tuple[str, ...]:
     shape (e.g. DEGS-MCMC from power MCMC's batches: a batch lasts as long as its slowest
     chain, and both chains have the same worst case), so that a job never measured does
     not start a batch the budget cannot hold."""
-    keys = (f"job:{job.directory}", f"method:{job.kind}:{job.method}")
+    keys = _job_and_method_keys(job)
     worst = job.decoder.worst_case_cost()
     if worst is None:
         return keys
     return keys + (f"shape:{job.kind}:{job.benchmark}:{job.batch_size}:{worst[0]}:{worst[1]}",)
+
+
+def _job_and_method_keys(job: Job) -> tuple[str, str]:
+    """The job's own key and its method's (the first two of `_job_rate_keys`): where a
+    measurement of this very decoder is looked up (the pace of an advance: `plan_table`)."""
+    return f"job:{job.directory}", f"method:{job.kind}:{job.method}"
 
 
 # --------------------------------------------------------------------------- running
@@ -1054,26 +1060,26 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     out = Path(out_dir)
     jobs = plan_jobs(request)
     sizes = {b: len(load_benchmark(b, data_dir=data_dir)) for b in {j.benchmark for j in jobs}}
+    records = {job.directory: read_records(out / job.directory) for job in jobs}
     rates = _Rates()
     paces: dict[str, float] = {}  # the fastest measured seconds per advance, per job and per method
     for job in jobs:
-        recs = read_records(out / job.directory)
+        recs = records[job.directory]
         if recs:
             rates.add(_job_rate_keys(job), sum(r["wall_clock_s"] for r in recs), len(recs))
-        for key in _job_rate_keys(job)[:2]:
-            for r in recs:
-                if r.get("advance_s") is not None:
-                    paces[key] = min(paces.get(key, r["advance_s"]), r["advance_s"])
+        measured = [r["advance_s"] for r in recs if r.get("advance_s") is not None]
+        for key in _job_and_method_keys(job) if measured else ():
+            paces[key] = min(paces.get(key, min(measured)), min(measured))
     rows = []
     for job in jobs:
         target = sizes[job.benchmark] if job.limit is None else min(job.limit, sizes[job.benchmark])
-        done = len({r["index"] for r in read_records(out / job.directory) if r["index"] < target})
+        done = len({r["index"] for r in records[job.directory] if r["index"] < target})
         rate = rates.per_unit(_job_rate_keys(job))
         worst = job.decoder.worst_case_cost()
-        utilisation = fixed_batch_utilisation(read_records(out / job.directory), job.decoder)
+        utilisation = fixed_batch_utilisation(records[job.directory], job.decoder)
         estimate = None if rate is None else rate * (target - done)
         refill_estimate = estimate if estimate is None or utilisation is None else estimate * utilisation
-        pace = next((paces[k] for k in _job_rate_keys(job)[:2] if k in paces), None)
+        pace = next((paces[k] for k in _job_and_method_keys(job) if k in paces), None)
         advances = job.decoder.worst_case_advances()
         slowest = None if pace is None or advances is None or done >= target else pace * advances
         if slowest is not None and refill_estimate is not None:
