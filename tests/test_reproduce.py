@@ -482,6 +482,7 @@ def test_report_tables_by_hand(synthetic_study, tmp_path):
 
     text = Path(result["report"]).read_text()
     assert "Partial results" in text and "0.667 [" in text
+    assert "not a random sample" not in text  # its invocation did not refill
     assert "## Deviations from the paper" in text and "| mh_steps | 10 | 2: degs_mcmc on gsm8k |" in text
     mcmc_statement = study_row(DegsMCMC).common_random_numbers
     assert "**5 comparisons**" in text and mcmc_statement in text
@@ -1061,7 +1062,9 @@ def test_study_end_to_end_interrupted_and_resumed(degs, tmp_path, monkeypatch):
     st = json.loads((budgeted / "study.json").read_text())
     assert st["invocations"][0]["status"] == "stopped by the time budget"
     assert len(st["invocations"][0]["skipped"]) == 3  # the pool, both humaneval batches
+    # refilled (the default): the finished problems lean towards the shorter chains, said so
     assert "Partial results" in (budgeted / "report.md").read_text()
+    assert "lean towards the shorter chains: they are not a random sample" in (budgeted / "report.md").read_text()
     assert "Left for a later invocation" in (budgeted / "report.md").read_text()
     rc, out, err = degs("reproduce", "--out", budgeted, "--plan", *E2E)
     assert rc == 0 and "gsm8k greedy" in out and "never measured" in out

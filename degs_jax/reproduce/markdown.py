@@ -88,7 +88,11 @@ def _status_section(status: Mapping[str, Any]) -> list[str]:
     if not status["complete"]:
         md += ["", "**Partial results**: not every job reached its target (see *What ran*); "
                    "every number below is over the problems that finished, and paired "
-                   "comparisons use the problems both methods finished."]
+                   "comparisons use the problems both methods finished."
+                   + (" Under refill a problem is stored when its chain ends, so the problems "
+                      "a partial job finished lean towards the shorter chains: they are not a "
+                      "random sample of the benchmark." if any(i.get("refill") for i in status["invocations"])
+                      else "")]
     md += ["", "## What ran", ""]
     md.append(_md_table(
         ["job", "target", "done"],

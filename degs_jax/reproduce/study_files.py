@@ -119,7 +119,7 @@ def status_table(study: Study) -> dict:
             row["layer_pass_done"] = len(data.get("layers", {}))
         rows.append(row)
     invocations = [{k: inv.get(k) for k in ("started", "finished", "status", "device", "seconds",
-                                            "argv", "skipped")}
+                                            "argv", "skipped", "refill")}
                    for inv in study.meta["invocations"]]
     complete = all(r["done"] >= r["target"] and r.get("layer_pass_done", r["done"]) >= r["done"]
                    for r in rows)
