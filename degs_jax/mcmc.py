@@ -294,14 +294,19 @@ class MCMCMethod(Method):
                           kernel=REFERENCE_KERNEL if self.reference_quirks else EXACT_KERNEL, stop=stop)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
-        b, l, t = self.num_blocks, self.block_len, self.mh_steps
-        steps = int(b * l + t * l * b * (b + 1) / 4)
+        steps = self.worst_case_advances()
         return self.n_chains * steps, steps
 
-    def worst_case_advances(self) -> int:
+    def worst_case_advances(self, snapshot: Optional[Mapping[str, np.ndarray]] = None) -> int:
         """A chain's decode steps when nothing ends early (an `advance` is one decode step
-        of every row's proposal, `chain_step`): the chain is the prompt's critical path."""
-        return self.worst_case_cost()[1]
+        of every row's proposal, `chain_step`): the chain is the prompt's critical path.
+        Block k (of l tokens) is extended by l steps and regenerated T times from a cut
+        uniform over its k·l tokens (k·l/2 steps each, in expectation); a snapshot's chains
+        have done `block` blocks (its least advanced chain is the critical path):
+        sum over k = done+1 .. b of (l + T·k·l/2)."""
+        b, l, t = self.num_blocks, self.block_len, self.mh_steps
+        done = 0 if snapshot is None else int(np.min(snapshot["block"]))
+        return int((b - done) * l + t * l * (b * (b + 1) - done * (done + 1)) / 4)
 
     def sequential_steps(self, n_tokens: int) -> float:
         """Blocks k = 1..ceil(n / l) of l tokens, each extended and then regenerated T times

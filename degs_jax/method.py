@@ -417,11 +417,13 @@ class Method(abc.ABC):
         ends early (no EOS): the cost ceiling; None where no formula is known."""
         return None
 
-    def worst_case_advances(self) -> Optional[int]:
+    def worst_case_advances(self, snapshot: Optional[Mapping[str, np.ndarray]] = None) -> Optional[int]:
         """`advance` calls one prompt needs when nothing ends early: the length of its
         critical path in the units `decode_stream` times (`Output.advance_seconds`), so that
-        `degs reproduce --plan` can price a refilled job's slowest prompt alone; None where no
-        formula is known (the default: the plan then prices the work only)."""
+        `degs reproduce --plan` can price a refilled job's slowest prompt alone; from
+        `snapshot` (a stored checkpoint of the prompt, the named arrays of `checkpoint`):
+        the advances it still needs. None where no formula is known (the default: the plan
+        then prices the work only)."""
         return None
 
     def sequential_steps(self, n_tokens: int) -> float:

@@ -208,6 +208,18 @@ def test_plan_prices_a_refilled_job_at_least_as_its_slowest_chain(tmp_path):
     assert rows["runs/math500/greedy"]["slowest_prompt_s"] is None
     assert "its slowest prompt alone" in study.format_plan(list(rows.values()))
 
+    # A problem left whose chain is checkpointed after block 1 of 2: only the rest of it.
+    from degs_jax.eval.checkpoints import CheckpointStore
+    mcmc_method = PowerMCMC(block_len=4, num_blocks=2, mh_steps=2)
+    for done in range(3):  # sum over the blocks left of l + T·k·l/2
+        assert mcmc_method.worst_case_advances({"block": np.array([done, 2])}) == sum(
+            4 + 2 * k * 4 / 2 for k in range(done + 1, 3))
+    CheckpointStore(tmp_path / "runs/gsm8k/power_mcmc").save("2", {"block": np.array([1])})
+    CheckpointStore(tmp_path / "runs/math500/power_mcmc").save("x", {"block": np.array([1])})
+    rows = {r["directory"]: r for r in study.plan_table(tmp_path, request)}
+    assert rows["runs/gsm8k/power_mcmc"]["slowest_prompt_s"] == 0.25 * (4 + 2 * 2 * 4 / 2)  # block 2 alone
+    assert rows["runs/math500/power_mcmc"]["slowest_prompt_s"] == 0.25 * steps  # another problem has none
+
 
 # Stop strings with refill: the tiny vocabulary spelled as bytes "a".."d" (EOS: none), so
 # that "ab" ends many completions at different lengths, the stop states live in the carry.

@@ -120,7 +120,8 @@ def add_commands(sub, load_model) -> None:
     m.add_argument("--plan", action="store_true",
                    help="print the jobs, what is done, worst-case tokens and measured cost per "
                         "problem with the estimate of what is left (MCMC with refill: at least the "
-                        "job's slowest chain alone, from the measured seconds per decode step); "
+                        "job's slowest chain alone, from the measured seconds per decode step; a "
+                        "checkpointed chain: the blocks it has left); "
                         "load nothing, run nothing")
     m.add_argument("--report-only", action="store_true",
                    help="rewrite OUT/report.md, tables/ and figures/ from the stored files (no model)")

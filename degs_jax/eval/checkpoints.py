@@ -56,6 +56,12 @@ class CheckpointStore:
             np.savez(file, **arrays)
         os.replace(partial, path)
 
+    def problem_ids(self) -> list[str]:
+        """The ids of the problems with a stored snapshot, sorted."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(urllib.parse.unquote(path.name[:-len(SUFFIX)]) for path in self.directory.glob("*" + SUFFIX))
+
     def remove(self, problem_id: str) -> None:
         self.path(problem_id).unlink(missing_ok=True)
 

@@ -80,6 +80,7 @@ import numpy as np
 from degs_jax.batching import AUTO, BatchDoesNotFitError, describe_batch_choice
 from degs_jax.eval import Grader, results, runner, sandbox
 from degs_jax.eval.benchmarks import canonical_name, load_benchmark
+from degs_jax.eval.checkpoints import CheckpointStore
 from degs_jax.eval.processes import (ProcessGroup, failures_published, from_process_0,
                                      gathered_on_process_0, process_group)
 from degs_jax.eval.prompts import problem_prompt_ids, uses_chat_template
@@ -1056,7 +1057,8 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     `advance`, this job's or its method's elsewhere) and the method knows its worst case
     (`Method.worst_case_advances`), the refill estimate is at least the slowest prompt
     alone (``slowest_prompt_s``): a refilled job lasts as long as its longest chain
-    whatever its slots. No model is loaded."""
+    whatever its slots; where every problem left has a checkpoint, the most any of their
+    chains still needs (`_slowest_advances_left`). No model is loaded."""
     out = Path(out_dir)
     jobs = plan_jobs(request)
     sizes = {b: len(load_benchmark(b, data_dir=data_dir)) for b in {j.benchmark for j in jobs}}
@@ -1080,7 +1082,7 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
         estimate = None if rate is None else rate * (target - done)
         refill_estimate = estimate if estimate is None or utilisation is None else estimate * utilisation
         pace = next((paces[k] for k in _job_and_method_keys(job) if k in paces), None)
-        advances = job.decoder.worst_case_advances()
+        advances = _slowest_advances_left(out / job.directory, job.decoder, records[job.directory], target - done)
         slowest = None if pace is None or advances is None or done >= target else pace * advances
         if slowest is not None and refill_estimate is not None:
             refill_estimate = max(refill_estimate, slowest)
@@ -1103,6 +1105,21 @@ def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
                          "seconds_per_problem": rate,
                          "estimate_s": None if rate is None else rate * (target - len(stored))})
     return rows
+
+
+def _slowest_advances_left(run_dir: Path, decoder: Method, records: Sequence[Mapping], left: int) -> Optional[int]:
+    """The worst-case advances of the job's slowest prompt still to run: a whole prompt's
+    (`Method.worst_case_advances`) while a problem left has no checkpoint, else the most
+    that one of the checkpointed chains still needs from its snapshot (its blocks done)."""
+    whole = decoder.worst_case_advances()
+    if whole is None or left <= 0:
+        return whole
+    store = CheckpointStore(run_dir)
+    stored = {r["id"] for r in records}
+    in_flight = [i for i in store.problem_ids() if i not in stored]
+    if len(in_flight) < left:
+        return whole
+    return max(decoder.worst_case_advances(store.load(i)) for i in in_flight)
 
 
 def format_plan(rows: Sequence[Mapping[str, Any]]) -> str:
