@@ -117,7 +117,7 @@ def test_worst_case_cost_by_hand():
 
 def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():
     """DEGS-MCMC's first batch is estimated from power MCMC's (same benchmark, batch and
-    worst case), so a budget that cannot hold another batch does not start it (on the GPU
+    worst case; before the method's records on other benchmarks), so a budget that cannot hold another batch does not start it (on the GPU
     a 400 s DEGS batch started with 128 s of a 540 s budget left, before this)."""
     def job(method, benchmark="math500", batch=64, **hp):
         return study.Job(kind="decoder", benchmark=benchmark, method=method, hyperparameters=hp,
@@ -132,6 +132,13 @@ def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():
         assert rates.per_unit(study._job_rate_keys(other)) is None
     rates.add(study._job_rate_keys(job("degs_mcmc")), 400.0, 64)  # its own measurement wins
     assert rates.per_unit(study._job_rate_keys(job("degs_mcmc"))) == pytest.approx(400.0 / 64)
+    # the same benchmark's chains price a job before its method's chains on another benchmark
+    # (the 1.5B study: HumanEval's short power-MCMC chains priced MATH500's at 0.66 s a problem)
+    rates = study._Rates()
+    rates.add(study._job_rate_keys(job("power_mcmc", benchmark="humaneval")), 66.0, 100)
+    rates.add(study._job_rate_keys(job("degs_mcmc")), 239.0, 100)
+    assert rates.per_unit(study._job_rate_keys(job("power_mcmc"))) == pytest.approx(2.39)
+    assert rates.per_unit(study._job_rate_keys(job("power_mcmc", benchmark="gsm8k"))) == pytest.approx(0.66)
 
 
 def test_a_refill_call_takes_every_batch_the_budget_holds(tmp_path):

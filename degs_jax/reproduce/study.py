@@ -42,8 +42,9 @@ estimate of ``--batch-size auto`` (``degs_jax.batching``) says that many do not 
 (the partition then follows the smaller size; a resumed run on the same device cuts the
 same batches). With a
 ``time_budget`` a batch starts only if its estimated time fits in what is left (the
-estimate: seconds per problem measured on this job, else on the same method elsewhere,
-times the batch's problems; work never measured starts while 15% of the budget is left);
+estimate: seconds per problem measured on this job, else on a job of the same benchmark
+and worst case, else on the same method elsewhere (`_job_rate_keys`), times the batch's
+problems; work never measured starts while 15% of the budget is left);
 the study then stops cleanly and the report says what ran.
 
 Randomness is ``run_eval``'s: problem ``i`` uses ``fold_in(key(seed), i)``, whatever
@@ -578,15 +579,17 @@ class _Rates:
 
 def _job_rate_keys(job: Job) -> tuple[str, ...]:
     """Where a job's cost per problem is looked up, the most specific first: the job itself,
-    its method elsewhere, then any job of the same benchmark, batch size and worst-case
-    shape (e.g. DEGS-MCMC from power MCMC's batches: a batch lasts as long as its slowest
-    chain, and both chains have the same worst case), so that a job never measured does
-    not start a batch the budget cannot hold."""
-    keys = _job_and_method_keys(job)
+    then any job of the same benchmark, batch size and worst-case shape (e.g. power MCMC
+    from DEGS-MCMC's records: the chains have the same schedule and the same worst case, and
+    a problem's cost follows its benchmark's completion lengths), then its method on other
+    benchmarks (HumanEval's power-MCMC chains of a few hundred tokens priced MATH500's at a
+    quarter of their DEGS-MCMC cost), so that a job never measured does not start a batch
+    the budget cannot hold."""
+    own, method = _job_and_method_keys(job)
     worst = job.decoder.worst_case_cost()
     if worst is None:
-        return keys
-    return keys + (f"shape:{job.kind}:{job.benchmark}:{job.batch_size}:{worst[0]}:{worst[1]}",)
+        return own, method
+    return own, f"shape:{job.kind}:{job.benchmark}:{job.batch_size}:{worst[0]}:{worst[1]}", method
 
 
 def _job_and_method_keys(job: Job) -> tuple[str, str]:
@@ -1050,8 +1053,8 @@ def fixed_batch_utilisation(records: Sequence[Mapping[str, Any]], method: Method
 
 def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     """Per job: target and finished problems, the worst-case generated tokens per problem
-    and the measured seconds per problem (this job, else the same method elsewhere in the
-    study) with the estimate for what is left; where the job's records come from fixed
+    and the measured seconds per problem (this job, else one of the same benchmark and
+    worst case, else the same method elsewhere in the study: `_job_rate_keys`) with the estimate for what is left; where the job's records come from fixed
     batches, also the estimate with refill (`fixed_batch_utilisation`); and where refilled
     records measured the pace of an advance (``advance_s``: the stream's fastest seconds per
     `advance`, this job's or its method's elsewhere) and the method knows its worst case
