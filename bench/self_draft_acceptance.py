@@ -44,8 +44,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_record  # noqa: E402
 
+from degs_jax.methods import hyperparameters_for  # noqa: E402
 
-BLOCK_LEN = 192  # the paper's block (16 x 192 = 3072): a power chain's completion length at its block
+BLOCK_LEN = hyperparameters_for("power_mcmc").block_len  # the paper's block (16 x 192 = 3072)
 
 
 def run_survival(logq: np.ndarray) -> np.ndarray:
@@ -92,11 +93,14 @@ def expected_forwards(logq: np.ndarray, ks) -> dict:
 def completion_start(state) -> int:
     """Index of the first completion token: the prompt's positions carry logq 0 and depth
     -1; a DEGS chain records every completion token's depth, a power chain none, so there
-    the completion is the last block · block_len tokens (a chain at its block boundary)."""
+    the completion is the last block · block_len tokens (a chain at its block boundary that
+    has not ended)."""
     depth = state["depth"][0]
     probed = np.flatnonzero(depth >= 0)
     if len(probed):
         return int(probed[0])
+    if bool(state["ended"][0]):
+        raise ValueError("an ended chain without depths: its prompt's end is not recorded")
     return int(state["length"][0]) - int(state["block"][0]) * BLOCK_LEN
 
 
