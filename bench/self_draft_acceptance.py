@@ -70,6 +70,11 @@ def forwards(aligned: np.ndarray, suffix: np.ndarray, k: int | None) -> np.ndarr
     return verifications + (suffix - span)
 
 
+def forwards_name(k: int | None) -> str:
+    """The record's field of the expected forwards with k draft tokens per forward."""
+    return f"forwards_k{'all' if k is None else k}"
+
+
 def expected_forwards(logq: np.ndarray, ks) -> dict:
     """Per k: expected forwards of one MH step at this state (cut uniform over its n
     tokens), with the expected regenerated tokens (today's decode steps), the expected
@@ -86,7 +91,7 @@ def expected_forwards(logq: np.ndarray, ks) -> dict:
            "null_move": float(survival[np.arange(n), n - np.arange(n)].mean())}
     for k in ks:
         steps = forwards(np.broadcast_to(j, law.shape), np.broadcast_to(suffix, law.shape), k)
-        out[f"forwards_k{'all' if k is None else k}"] = float((law * steps).sum(axis=1).mean())
+        out[forwards_name(k)] = float((law * steps).sum(axis=1).mean())
     return out
 
 
@@ -122,7 +127,10 @@ def main(argv=None) -> int:
     ks = list(args.k) + [None]
     rows = []
     for file, state in states(args.dirs):
-        start, length = completion_start(state), int(state["length"][0])
+        try:
+            start, length = completion_start(state), int(state["length"][0])
+        except ValueError as err:
+            raise SystemExit(f"{file}: {err}")
         logq = state["logq"][0, start:length].astype(np.float64)
         if len(logq) == 0 or not np.all(np.isfinite(logq)) or np.any(logq > 1e-6):
             raise SystemExit(f"{file}: no completion or a log q outside (-inf, 0]")
@@ -135,7 +143,7 @@ def main(argv=None) -> int:
         rows.append(row)
     if not rows:
         raise SystemExit(f"no checkpoints under {', '.join(args.dirs)}")
-    names = [f"forwards_k{'all' if k is None else k}" for k in ks]
+    names = [forwards_name(k) for k in ks]
     regenerated = sum(r["regenerated"] for r in rows)
     summary = {"states": len(rows), "mh_step_speedup": {n: regenerated / sum(r[n] for r in rows) for n in names},
                # one block at each state's length: its extension (block_len decode steps, not drafted) and its MH steps

@@ -117,8 +117,9 @@ def test_worst_case_cost_by_hand():
 
 def test_a_job_never_measured_is_estimated_from_one_of_the_same_shape():
     """DEGS-MCMC's first batch is estimated from power MCMC's (same benchmark, batch and
-    worst case; before the method's records on other benchmarks), so a budget that cannot hold another batch does not start it (on the GPU
-    a 400 s DEGS batch started with 128 s of a 540 s budget left, before this)."""
+    worst case; before the method's records on other benchmarks), so a budget that cannot
+    hold another batch does not start it (on the GPU a 400 s DEGS batch started with 128 s
+    of a 540 s budget left, before this)."""
     def job(method, benchmark="math500", batch=64, **hp):
         return study.Job(kind="decoder", benchmark=benchmark, method=method, hyperparameters=hp,
                          limit=None, batch_size=batch, keep_candidates=False,

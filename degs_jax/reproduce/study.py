@@ -1054,10 +1054,11 @@ def fixed_batch_utilisation(records: Sequence[Mapping[str, Any]], method: Method
 def plan_table(out_dir, request: StudyRequest, data_dir=None) -> list[dict]:
     """Per job: target and finished problems, the worst-case generated tokens per problem
     and the measured seconds per problem (this job, else one of the same benchmark and
-    worst case, else the same method elsewhere in the study: `_job_rate_keys`) with the estimate for what is left; where the job's records come from fixed
-    batches, also the estimate with refill (`fixed_batch_utilisation`); and where refilled
-    records measured the pace of an advance (``advance_s``: the stream's fastest seconds per
-    `advance`, this job's or its method's elsewhere) and the method knows its worst case
+    worst case, else the same method elsewhere in the study: `_job_rate_keys`) with the
+    estimate for what is left; where the job's records come from fixed batches, also the
+    estimate with refill (`fixed_batch_utilisation`); and where refilled records measured
+    the pace of an advance (``advance_s``: the stream's fastest seconds per `advance`, this
+    job's or its method's elsewhere) and the method knows its worst case
     (`Method.worst_case_advances`), the refill estimate is at least the slowest prompt
     alone (``slowest_prompt_s``): a refilled job lasts as long as its longest chain
     whatever its slots; where every problem left has a checkpoint, the most any of their
