@@ -574,15 +574,19 @@ def test_a_committed_study_renders_its_committed_report(name, tmp_path):
     assert Path(result["report"]).read_text() == (source / "report.md").read_text()
 
 
-def test_the_decision_anatomy_of_the_whole_math500_run():
-    """The report's MH-decision table on the committed DEGS-MCMC chains at 1.5B (MATH500's
-    500 among them), against counts made directly from the records' `mh_decisions` here, on
-    every benchmark of the study (the partial ones too); a study whose MCMC records predate
-    decision records has no row and no section."""
+def test_the_decision_anatomy_of_the_whole_runs():
+    """The report's MH-decision table on the committed DEGS-MCMC chains at 1.5B (every
+    benchmark whole: 500 + 500 + 1,319 + 164 + 198 problems), against counts made directly
+    from the records' `mh_decisions` here; the power-MCMC runs have rows of their own with
+    no depth term; a study whose MCMC records predate decision records has no row and no
+    section."""
     source = Path(__file__).parents[1] / "docs" / "reproduction"
     study = report.load_study(source / "qwen2.5-coder-1.5b-whole")
-    rows = {r["benchmark"]: r for r in report.build_tables(study)["decisions"]["rows"]}
-    assert sorted(rows) == ["deepmind500", "gpqa_diamond", "gsm8k", "humaneval", "math500"]
+    all_rows = report.build_tables(study)["decisions"]["rows"]
+    rows = {r["benchmark"]: r for r in all_rows if r["method"] == "degs_mcmc"}
+    power = {r["benchmark"]: r for r in all_rows if r["method"] == "power_mcmc"}
+    assert sorted(rows) == sorted(power) == ["deepmind500", "gpqa_diamond", "gsm8k", "humaneval", "math500"]
+    assert len(all_rows) == 10 and all(r["beta"] is None and r["chains_depth_decided"] is None for r in power.values())
     for benchmark, row in rows.items():
         decided = accepted = decisions = null = 0
         chains = set()
@@ -596,16 +600,16 @@ def test_the_decision_anatomy_of_the_whole_math500_run():
                     if m["depth_decided"][b][s]:
                         decided += 1
                         chains.add(r["index"])
-        assert (row["method"], row["beta"]) == ("degs_mcmc", 5.0)
+        assert row["beta"] == 5.0
         assert (row["decisions"], row["depth_decided"], row["chains_depth_decided"]) == (decisions, decided, len(chains))
         assert row["accepted"] == pytest.approx(accepted / decisions) and row["null_moves"] == pytest.approx(null / decisions)
-    row, humaneval = rows["math500"], rows["humaneval"]
-    # docs/reproduction.md quotes these (the two complete runs; the others are still running)
-    assert (row["problems"], row["decisions"], row["depth_decided"], row["chains_depth_decided"]) == (500, 20250, 7, 7)
-    # HumanEval (completion format, alpha 2, all 164): the depth term decides more
-    assert (humaneval["problems"], humaneval["decisions"], humaneval["depth_decided"],
-            humaneval["chains_depth_decided"]) == (164, 1800, 11, 10)
-    assert row["beta_half_chains_depart"] == 200.0  # the moving beta the study states before running it
+    # docs/reproduction.md quotes these: (problems, decisions, decided by beta*dD, chains
+    # it decided, the beta the records predict to move half the chains)
+    quoted = {"math500": (500, 20250, 7, 7, 200.0), "deepmind500": (500, 17250, 12, 12, 500.0),
+              "gsm8k": (1319, 27930, 26, 25, 200.0), "humaneval": (164, 1800, 11, 10, 200.0),
+              "gpqa_diamond": (198, 10220, 1, 1, 500.0)}
+    assert {b: (r["problems"], r["decisions"], r["depth_decided"], r["chains_depth_decided"],
+                r["beta_half_chains_depart"]) for b, r in rows.items()} == quoted
     older = report.load_study(source / "qwen2.5-coder-1.5b")
     assert report.build_tables(older)["decisions"]["rows"] == []
     assert "## Where the depth term acts" not in (source / "qwen2.5-coder-1.5b" / "report.md").read_text()
