@@ -372,44 +372,112 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
 
     active, limit, fresh_from: [B]; keys: [B] PRNG keys. Returns (state, active [B]: rows
     that still have work after this step: a token to draw, or a last token to consume).
+    `drafted_decode_step` with no draft.
     """
+    B = state.tokens.shape[0]
+    return drafted_decode_step(model, params, state, active, limit, keys, fresh_from, sampler,
+                               jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32))
+
+
+# Streams under a drafted slot's key fold_in(keys[b], t) (a slot without a draft draws its
+# token with that key itself, as `decode_step` does).
+DRAFT_ACCEPT_STREAM = 1  # the uniform of the draft token's accept test
+DRAFT_RESIDUAL_STREAM = 2  # the draw from q with the draft token removed
+
+
+def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: Array, limit: Array,
+                        keys: Array, fresh_from: Array, sampler: SamplerSpec, draft: Array,
+                        draft_len: Array) -> tuple[GenState, Array]:
+    """One step of every `active` row that verifies a draft of the row's next tokens in the
+    same forward (speculative sampling with a point-mass draft: Leviathan et al. 2023, Chen
+    et al. 2023). draft: [B, K] int32 tokens proposed for slots n .. n + K - 1 of a row of
+    length n; draft_len: [B] int32, how many of them are proposed (0 .. K).
+
+    The forward runs x_{n-1} and the proposed tokens at their positions (K + 1 per row;
+    positions past a row's draft or limit write nothing), giving q at slots n .. n + K.
+    Then, slot by slot: a proposed token d is kept with probability q(d | prefix) (uniform
+    from DRAFT_ACCEPT_STREAM under the slot's key); the first one not kept is replaced by a
+    draw from q with d removed and renormalised (DRAFT_RESIDUAL_STREAM), and the step ends
+    there; after the last kept one (or with no draft) one token is drawn from q as
+    `decode_step` draws it. Each token is therefore drawn from q given its prefix exactly
+    (P(d) = q(d); P(t != d) = (1 - q(d)) · q(t) / (1 - q(d))), whatever the draft: the
+    chain or sampler that uses it keeps its law. With K = 0 this is `decode_step` (its
+    program); with guesses of length 0 it draws the same tokens from a wider forward's
+    logits (equal up to rounding). Stored log p and log q are the target's at each slot
+    (never the draft's); the lens statistics of a kept token come from its own position in
+    this forward. EOS, a stop string and `limit` end the step as they end a row. A greedy
+    proposal takes no draft (its q is a point mass: nothing to verify).
+
+    Returns (state, [B] bool: rows that still have work after this step)."""
     B, S = state.tokens.shape
+    K = draft.shape[1]
+    if K and sampler.proposal.greedy:
+        raise ValueError("a greedy proposal has nothing to verify: draft only sampled proposals")
     rows = jnp.arange(B)
     lens_layers = sampler.lens.lsub if sampler.lens is not None else ()
     n = state.length
     consumed = jnp.take_along_axis(state.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
-    # Inactive rows write their KV to slot S, which the model drops (model_api contract 3).
-    pos = jnp.where(active, n - 1, S)[:, None]
+    offsets = jnp.arange(K + 1)[None]
+    # Input j >= 1 is the proposed token of slot n + j - 1. Inactive rows, and positions
+    # past a row's draft or limit, write their KV to slot S, which the model drops
+    # (model_api contract 3).
+    runs = active[:, None] & ((offsets == 0) | ((offsets <= draft_len[:, None]) & (n[:, None] + offsets <= limit[:, None])))
+    pos = jnp.where(runs, n[:, None] - 1 + offsets, S)
     with jax.named_scope("model_step"):
-        out = model.step(params, consumed, pos, state.cache, lens_layers)
-    logits = out.logits[:, 0]  # [B, V] fp32
-    logp_all, h_final, logq_all = row_tiled(functools.partial(_densities, sampler=sampler), logits,
-                                             sum_rows(model.batch_invariant))
-    write_stats = active & (n - 1 >= fresh_from)
-    final_entropy = _set(state.final_entropy, n - 1, h_final, write_stats)
-    depth = state.depth
-    if sampler.lens is not None:
-        d = collapse_depth(out.layer_entropy[:, :, 0], sampler.lens.lsub, model.num_layers, sampler.lens.tau)
-        depth = _set(depth, n - 1, d, write_stats)
-
-    sample = active & (n < limit)
-    with jax.named_scope("sample"):
-        tok, logq_tok = sampler.proposal.sample(fold_in_rows(keys, n), logits, logq_all)
-    logp_tok = logp_all[rows, tok]
-    hit_end, stop_state = ends_at(state, n, tok, sample, sampler)
+        out = model.step(params, jnp.concatenate([consumed, draft], axis=1), pos, state.cache, lens_layers)
+    new = state
+    consumes = active  # input j is a real token of the row (j = 0: x_{n-1}; then a kept draft)
+    drawing = active  # the row draws the token of slot n + j
+    sampled = jnp.zeros_like(active)
+    hit = jnp.zeros_like(active)
+    for j in range(K + 1):
+        at = n + j
+        logits = out.logits[:, j]  # [B, V] fp32: q at slot n + j
+        logp_j, h_final, logq_j = row_tiled(functools.partial(_densities, sampler=sampler), logits,
+                                            sum_rows(model.batch_invariant))
+        write_stats = consumes & (at - 1 >= fresh_from)
+        final_entropy = _set(new.final_entropy, at - 1, h_final, write_stats)
+        depth = new.depth
+        if sampler.lens is not None:
+            d = collapse_depth(out.layer_entropy[:, :, j], sampler.lens.lsub, model.num_layers, sampler.lens.tau)
+            depth = _set(depth, at - 1, d, write_stats)
+        sample = drawing & (at < limit)
+        slot_keys = fold_in_rows(keys, at)
+        with jax.named_scope("sample"):
+            tok, _ = sampler.proposal.sample(slot_keys, logits, logq_j)
+        if j < K:  # slot n + j may have a proposed token
+            proposed = draft[:, j]
+            has_draft = j < draft_len
+            log_u = jnp.log(jax.vmap(jax.random.uniform)(fold_in_rows(slot_keys, DRAFT_ACCEPT_STREAM)))
+            kept = has_draft & (log_u < logq_j[rows, proposed])
+            residual = jax.vmap(jax.random.categorical)(fold_in_rows(slot_keys, DRAFT_RESIDUAL_STREAM),
+                                                        logq_j.at[rows, proposed].set(-jnp.inf)).astype(jnp.int32)
+            tok = jnp.where(has_draft, jnp.where(kept, proposed, residual), tok)
+        else:
+            kept = jnp.zeros_like(active)
+        logq_tok = jnp.zeros((B,), jnp.float32) if logq_j is None else logq_j[rows, tok]
+        hit_end, stop_state = ends_at(new, at, tok, sample, sampler)
+        new = dataclasses.replace(
+            new,
+            tokens=_set(new.tokens, at, tok, sample),
+            logp=_set(new.logp, at, logp_j[rows, tok], sample),
+            logq=_set(new.logq, at, logq_tok, sample),
+            depth=depth, final_entropy=final_entropy, stop_state=stop_state,
+            length=new.length + sample.astype(jnp.int32),
+            ended=new.ended | hit_end,
+        )
+        sampled |= sample
+        hit |= hit_end
+        consumes = sample & kept & ~hit_end
+        drawing = consumes
+    positions = runs.sum(axis=1, dtype=jnp.int32)
     new = dataclasses.replace(
-        state,
-        tokens=_set(state.tokens, n, tok, sample),
-        logp=_set(state.logp, n, logp_tok, sample),
-        logq=_set(state.logq, n, logq_tok, sample),
-        depth=depth, final_entropy=final_entropy,
-        length=n + sample.astype(jnp.int32),
-        ended=state.ended | hit_end, cache=out.cache, stop_state=stop_state,
-        n_generated=state.n_generated + sample,
-        n_forward=state.n_forward + active,
-        n_probed=state.n_probed + active * len(lens_layers),
+        new, cache=out.cache,
+        n_generated=state.n_generated + (new.length - n),
+        n_forward=state.n_forward + positions,
+        n_probed=state.n_probed + positions * len(lens_layers),
     )
-    return new, sample & ~hit_end
+    return new, sampled & ~hit
 
 
 @jax.tree_util.register_dataclass

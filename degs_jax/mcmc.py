@@ -59,13 +59,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .generation import GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, replay_cache
+from .generation import (GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, drafted_decode_step,
+                         replay_cache)
 from .lens import LensConfig, sequence_depth, span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Comparison, Method, RunDetails, StudyRow,
                      method_field, positive_int, require_lens, validate_alpha, validate_beta)
@@ -146,16 +147,60 @@ class MetropolisAccept:
         return log_u < log_r
 
 
+class Draft(Protocol):
+    """Where a running proposal's next tokens are guessed from, for verification in one
+    forward (`generation.drafted_decode_step`): any guess keeps the proposal's law exact
+    (each token is still drawn from q given its prefix); a good one draws several tokens
+    per forward. Static: `tokens` sets the forward's width (K + 1 positions per row)."""
+
+    tokens: int
+
+    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
+        """([B, tokens] int32 guesses for slots proposal.length ..., [B] int32 how many are
+        proposed) for every row, from the chain x (`current`) and its running proposal."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixDraft:
+    """The chain's own suffix as the draft: a regeneration from the cut guesses that it
+    rewrites x, so slot t is guessed as x_t, up to `tokens` at a time and up to x's end,
+    while the proposal still equals x past the cut; after its first difference the
+    proposal is drawn without a draft (position-aligned guesses would be wrong). The
+    block's extension runs past x's end: no guess. At the paper's temperature 1/α = 0.25
+    a third of all regenerations rewrite x exactly (docs/benchmarks.md, issue 55)."""
+
+    tokens: int
+
+    def __post_init__(self):
+        positive_int("draft tokens", self.tokens)
+
+    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
+        n = proposal.length
+        pos = jnp.arange(current.max_len)[None]
+        # The proposal's slots from the cut up equal x's wherever x's and the proposal's
+        # tokens agree below n: rows equal below the cut by construction, so any difference
+        # below n is past the cut.
+        diverged = jnp.any((current.tokens != proposal.tokens) & (pos < n[:, None]), axis=1)
+        slots = jnp.clip(n[:, None] + jnp.arange(self.tokens)[None], 0, current.max_len - 1)
+        guesses = jnp.take_along_axis(current.tokens, slots, axis=1)
+        return guesses, jnp.where(diverged, 0, jnp.clip(current.length - n, 0, self.tokens)).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainKernel:
     """An MH kernel variant: its cut rule (with its ratio term), the regeneration's extent
-    (with the suffix the ratio sums), the accept rule, and the top-k applied to the
-    proposal when no top-k is given (0: none). Static: one compiled program per variant."""
+    (with the suffix the ratio sums), the accept rule, the top-k applied to the proposal
+    when no top-k is given (0: none), and the draft its proposals are verified against
+    (`Draft`; None: one token per forward). Static: one compiled program per variant. The
+    draft changes how each token is drawn, not its law: a drafted chain is another chain of
+    the same kernel (other tokens for the same seed, the same target)."""
 
     cut: UniformCut = UniformCut()
     extent: ToBlockBoundary = ToBlockBoundary()
     accept: MetropolisAccept = MetropolisAccept()
     default_top_k: int = 0
+    draft: Optional[Draft] = None
 
 
 # The chain of docs/design.md §4, and the public reference implementation of power sampling
@@ -258,6 +303,9 @@ class MCMCMethod(Method):
     n_chains: int = method_field(1, "independent chains per prompt")
     reference_quirks: bool = method_field(False, "reproduce the public power-sampling code's "
                                           "deviations (top-k 50, no cut-index ratio, ...; not exact)")
+    draft_tokens: int = method_field(0, "verify up to this many tokens of the chain's own suffix per "
+                                     "forward in each MH regeneration (exact speculative sampling; "
+                                     "0: one token per forward)")
 
     smallest_run: ClassVar[Mapping[str, Any]] = dict(block_len=SMALLEST_RUN_TOKENS // 2, num_blocks=2, mh_steps=2,
                                                      n_chains=2)
@@ -266,6 +314,8 @@ class MCMCMethod(Method):
         super().__post_init__()
         check_chain_hyperparameters(self)
         positive_int("n_chains", self.n_chains)
+        if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool) or self.draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be an int >= 0, got {self.draft_tokens!r}")
 
     @property
     def probed(self) -> bool:
@@ -291,7 +341,13 @@ class MCMCMethod(Method):
                           num_blocks=self.num_blocks, mh_steps=self.mh_steps,
                           lens=self.lens_config(num_layers) if self.probed else None,
                           eos_ids=tuple(eos_ids), truncations=self.truncations(),
-                          kernel=REFERENCE_KERNEL if self.reference_quirks else EXACT_KERNEL, stop=stop)
+                          kernel=self.chain_kernel(), stop=stop)
+
+    def chain_kernel(self) -> ChainKernel:
+        """The kernel variant: exact or the reference code's, drafted from the chain's suffix
+        when draft_tokens > 0."""
+        kernel = REFERENCE_KERNEL if self.reference_quirks else EXACT_KERNEL
+        return dataclasses.replace(kernel, draft=SuffixDraft(self.draft_tokens)) if self.draft_tokens else kernel
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         steps = self.worst_case_advances()
@@ -726,8 +782,14 @@ def chain_step(model: CausalLM, params: Any, rows: ChainRows, keys: Array, mcmc:
     if until is not None:
         running &= rows.block <= until
     with jax.named_scope("propose"):
-        proposal, still = decode_step(model, params, rows.proposal, running, rows.limit, rows.proposal_keys,
-                                      rows.cut, mcmc.proposal)
+        draft = mcmc.kernel.draft
+        if draft is None:
+            proposal, still = decode_step(model, params, rows.proposal, running, rows.limit, rows.proposal_keys,
+                                          rows.cut, mcmc.proposal)
+        else:
+            guesses, proposed = draft.propose(rows.current, rows.proposal)
+            proposal, still = drafted_decode_step(model, params, rows.proposal, running, rows.limit,
+                                                  rows.proposal_keys, rows.cut, mcmc.proposal, guesses, proposed)
     ended = running & ~still
     extended = ended & (rows.step == EXTENDING)
     with jax.named_scope("accept_reject"):
