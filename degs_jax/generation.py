@@ -70,6 +70,9 @@ class GenState:
     n_generated: Array = work_counter("generated_tokens")  # tokens sampled
     n_forward: Array = work_counter("forward_tokens")  # token positions run (prefill included)
     n_probed: Array = work_counter("probed_token_layers")  # probed token-layers (K per lensed position)
+    # decode or verification forwards the row took part in (a drafted step draws several
+    # tokens in one: generated_tokens / decode_steps is the tokens per forward)
+    n_steps: Array = work_counter("decode_steps")
     # [B, S] int32: the stop-string automaton's state after each completion token
     # (`degs_jax.stops`; STOPPED at a token that completes a stop string), or None when the
     # decoder has no stop strings (`prefill(stop_states=True)` makes it).
@@ -476,6 +479,7 @@ def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: A
         n_generated=state.n_generated + (new.length - n),
         n_forward=state.n_forward + positions,
         n_probed=state.n_probed + positions * len(lens_layers),
+        n_steps=state.n_steps + active.astype(jnp.int32),
     )
     return new, sampled & ~hit
 
@@ -576,7 +580,7 @@ def prefill(model: CausalLM, params: Any, prompts: Array, prompt_len: Array,
         length=prompt_len.astype(jnp.int32), prompt_len=prompt_len.astype(jnp.int32),
         ended=jnp.zeros((B,), bool), cache=out.cache,
         n_generated=jnp.zeros((B,), jnp.int32), n_forward=prompt_len.astype(jnp.int32),
-        n_probed=jnp.zeros((B,), jnp.int32),
+        n_probed=jnp.zeros((B,), jnp.int32), n_steps=jnp.zeros((B,), jnp.int32),
         stop_state=jnp.full((B, max_len), START, jnp.int32) if stop_states else None,
         cache_row_axis=model.cache_row_axis,
     )

@@ -408,9 +408,16 @@ class MCMCMethod(Method):
         arrays = _snapshot_arrays(carry, slice(None))
         S = arrays["tokens"].shape[1]
         mask = np.zeros(len(arrays["length"]), bool)
+        prompt_lens = np.asarray(jax.device_get(carry.current.prompt_len))
         for prompt, snapshot in enumerate(saved):
             if snapshot is None:
                 continue
+            if "n_steps" not in snapshot and not self.draft_tokens:
+                # Written before the decode-step counter: an undrafted chain runs one
+                # position per decode step, so its steps are its forwards past the prefill.
+                prompt_len = prompt_lens[prompt * n:(prompt + 1) * n]
+                steps = snapshot["n_forward"] - prompt_len.astype(snapshot["n_forward"].dtype)
+                snapshot = {**snapshot, "n_steps": steps}
             if set(snapshot) != set(arrays):
                 raise ValueError(f"a stored chain snapshot has the fields {sorted(snapshot)}, this run's chains "
                                  f"{sorted(arrays)}: it was written by another version or configuration")
@@ -639,11 +646,13 @@ class ChainSnapshot:
     n_generated: Array  # [B] int32 (the work counters, as `GenState`'s)
     n_forward: Array
     n_probed: Array
+    n_steps: Array
     block: Array  # [B] int32: blocks the chain had completed (num_blocks: finished); 0: none yet
 
     # The fields taken from the chain's GenState (the rest: `block`).
     STATE_FIELDS: ClassVar[tuple[str, ...]] = ("tokens", "logp", "logq", "depth", "final_entropy", "stop_state",
-                                               "length", "ended", "n_generated", "n_forward", "n_probed")
+                                               "length", "ended", "n_generated", "n_forward", "n_probed",
+                                               "n_steps")
 
     @classmethod
     def of(cls, chains: GenState, block: Array) -> "ChainSnapshot":

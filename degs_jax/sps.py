@@ -283,7 +283,7 @@ def complete(state: GenState, sps: SPSConfig) -> Array:
 def _sampled_candidates(model: CausalLM, params: Any, main: GenState, keys: Array, block: Array,
                         sps: SPSConfig):
     """Block form: L sampled blocks per prompt, deduplicated, the K most likely kept.
-    Returns (store [P·K rows], log p of each kept block [P, K], valid [P, K], work [3, P])."""
+    Returns (store [P·K rows], log p of each kept block [P, K], valid [P, K], work [C, P]: the C work counters)."""
     P, S = main.tokens.shape
     L, K = sps.candidate_pool, sps.candidates_kept
     budget_end = main.prompt_len + sps.max_new_tokens
@@ -334,7 +334,7 @@ def _top_token_candidates(model: CausalLM, params: Any, main: GenState, sps: SPS
     valid = active[:, None] | (jnp.arange(K)[None] == 0)
     score = jnp.where(active[:, None], logp_top, 0.0)
     ran = active.astype(jnp.int32)
-    work = jnp.stack([K * ran, ran, jnp.zeros_like(ran)])
+    work = jnp.stack([K * ran, ran, jnp.zeros_like(ran), ran])  # (`work_counter_names` order)
     return store, score, valid, work
 
 
@@ -347,7 +347,7 @@ def rollout_log_weights(model: CausalLM, params: Any, store: GenState, valid: Ar
                         block: Array, sps: SPSConfig):
     """M rollouts from p of every valid candidate row that is not complete.
     store: P·K candidate rows (prompt-major); valid: [P, K]. Returns (log p(f)^(alpha-1) [P, K, M],
-    needs_rollouts [P, K], work [3, P], rollout rows run [P])."""
+    needs_rollouts [P, K], work [C, P], rollout rows run [P])."""
     K, M = sps.candidates_kept, sps.rollouts
     P = store.length.shape[0] // K
     needs = valid.reshape(-1) & ~complete(store, sps)

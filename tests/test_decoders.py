@@ -488,7 +488,7 @@ def hand_state(logp, logq, depth, length, prompt_len, ended, S):
         prompt_len=jnp.asarray(prompt_len, jnp.int32), ended=jnp.asarray(ended),
         cache=KVCache(k=jnp.zeros((1, B, S, 1, 2)), v=jnp.zeros((1, B, S, 1, 2))),
         n_generated=jnp.zeros(B, jnp.int32), n_forward=jnp.zeros(B, jnp.int32),
-        n_probed=jnp.zeros(B, jnp.int32))
+        n_probed=jnp.zeros(B, jnp.int32), n_steps=jnp.zeros(B, jnp.int32))
 
 
 @pytest.mark.parametrize("quirks", [False, True])

@@ -271,13 +271,16 @@ def _stream(prompts, keys, **kwargs):
         outputs[index] = output
 
 
-def test_a_killed_chain_resumes_from_its_last_block_as_if_never_stopped():
+@pytest.mark.parametrize("written", ["now", "before_step_counter"])
+def test_a_killed_chain_resumes_from_its_last_block_as_if_never_stopped(written):
     """A run stopped as soon as some chain has completed 2 of its 4 blocks (the kill: an
     exception from `on_checkpoint`, so nothing after it runs), then resumed with the last
     snapshot of every unfinished prompt, gives every prompt the Output of a run never
     stopped, bitwise: tokens, scores, decision records, acceptance and work counters (the
     replay that rebuilds a resumed chain's cache is not counted as work). The resumed run
-    takes fewer decode steps than the same prompts started afresh."""
+    takes fewer decode steps than the same prompts started afresh. A snapshot written
+    before the decode-step counter (no n_steps: the study's checkpoints of 2026-12-02)
+    resumes to the same counters."""
     uninterrupted, _ = _stream(PROMPTS, KEYS)
     snapshots = {}
 
@@ -295,6 +298,8 @@ def test_a_killed_chain_resumes_from_its_last_block_as_if_never_stopped():
     left = [i for i in range(len(PROMPTS)) if i not in finished]
     stopped = {i: snapshots[i] for i in left if i in snapshots}
     assert any(s["block"].min() >= 2 for s in stopped.values()), "no chain was stopped past block 1"
+    if written == "before_step_counter":
+        stopped = {i: {name: value for name, value in s.items() if name != "n_steps"} for i, s in stopped.items()}
     prompts, keys = [PROMPTS[i] for i in left], KEYS[np.asarray(left)]
     resumed, resumed_stats = _stream(prompts, keys, resume={left.index(i): s for i, s in stopped.items()})
     _, restarted_stats = _stream(prompts, keys)

@@ -25,7 +25,8 @@ def _state(seed: int) -> GenState:
     return GenState(tokens=ints(B, S), logp=floats(B, S), logq=floats(B, S), depth=ints(B, S),
                     final_entropy=floats(B, S), length=ints(B), prompt_len=ints(B),
                     ended=jnp.asarray(rng.random(B) < 0.5), cache=cache, n_generated=ints(B),
-                    n_forward=ints(B), n_probed=ints(B), stop_state=ints(B, S), cache_row_axis=1)
+                    n_forward=ints(B), n_probed=ints(B), n_steps=ints(B), stop_state=ints(B, S),
+                    cache_row_axis=1)
 
 
 def _row(state: GenState, r: int) -> dict:
@@ -36,7 +37,7 @@ def _row(state: GenState, r: int) -> dict:
     return out
 
 
-COUNTERS = ("n_generated", "n_forward", "n_probed")
+COUNTERS = ("n_generated", "n_forward", "n_probed", "n_steps")
 
 
 def _assert_row(got: GenState, r: int, want: GenState, w: int, counters_from: GenState | None = None):
@@ -50,10 +51,11 @@ def _assert_row(got: GenState, r: int, want: GenState, w: int, counters_from: Ge
 def test_pytree_and_counters_are_declared_on_the_fields():
     state = _state(0)
     leaves, treedef = jax.tree.flatten(state)
-    assert len(leaves) == 14  # 12 array fields + the cache's two leaves; cache_row_axis is static
+    assert len(leaves) == 15  # 13 array fields + the cache's two leaves; cache_row_axis is static
     assert jax.tree.unflatten(treedef, leaves).cache_row_axis == 1
     assert rows.work_counter_names(GenState) == COUNTERS
-    assert list(rows.work_totals(state)) == ["generated_tokens", "forward_tokens", "probed_token_layers"]
+    assert list(rows.work_totals(state)) == ["generated_tokens", "forward_tokens", "probed_token_layers",
+                                             "decode_steps"]
     assert rows.work_totals(state)["forward_tokens"] == int(np.asarray(state.n_forward).sum())
 
 

@@ -480,7 +480,8 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, problems, d
                 checkpoints.remove(record["id"])
                 bar.update(1)
                 if finished % batch_size == 0 or finished == len(batch):
-                    bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}")
+                    bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}",
+                                    **tokens_per_step_postfix(store.records))
                     write_summary(out, run_summary(store.records, run))
         bar.close()
         records = list(store.records)
@@ -660,6 +661,7 @@ def _record(model, problem: Problem, index: int, output, result, batch_len: int,
         "generated_tokens": counters["generated_tokens"],
         "forward_tokens": counters["forward_tokens"],
         "probed_token_layers": counters["probed_token_layers"],
+        "decode_steps": counters.get("decode_steps"),  # (a method of its own may not count them)
         "forward_equivalents": fwd_eq,
         "decode_s": decode_s / batch_len, "grade_s": grade_s,
         "wall_clock_s": decode_s / batch_len + grade_s,
@@ -689,6 +691,9 @@ def run_summary(records: Sequence[Mapping[str, Any]], run: Mapping[str, Any]) ->
                         n_problems=len(records))
     summary["means"].pop("index", None)
     summary["means"].pop("ended_by", None)  # token ids, not quantities
+    per_step = tokens_per_decode_step(records)
+    if per_step is not None:
+        summary["tokens_per_decode_step"] = per_step
     extras = extras_summary(records)
     if extras:  # the method's own statistics
         summary["extras"] = extras
@@ -738,6 +743,23 @@ _METHOD_ROWS = (("acceptance rate", "mean_acceptance", ".3f", ""),
 SHOWN_COUNTS = 5
 
 
+def tokens_per_decode_step(records: Sequence[Mapping[str, Any]]) -> Optional[float]:
+    """Generated tokens per decode step over the records that count decode steps (None if
+    none does: runs stored before the counter). A drafted proposal verifies several guessed
+    tokens in one forward (`generation.drafted_decode_step`); undrafted runs are just under
+    1 (a proposal that reaches its limit takes one more step, for its last token's lens
+    statistics)."""
+    counted = [r for r in records if r.get("decode_steps") is not None]
+    steps = sum(r["decode_steps"] for r in counted)
+    return sum(r["generated_tokens"] for r in counted) / steps if steps else None
+
+
+def tokens_per_step_postfix(records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The progress line's `tokens_per_decode_step` (nothing where the records have none)."""
+    value = tokens_per_decode_step(records)
+    return {} if value is None else {"tok/step": f"{value:.2f}"}
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The printed table of a run's summary."""
     cfg = summary["config"]
@@ -758,6 +780,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("completion tokens", m("n_tokens", ".1f", " / problem")),
         *((label, m(name, fmt, unit)) for label, name, fmt, unit in _METHOD_ROWS if name in means),
         ("generated tokens", m("generated_tokens", ".1f", " / problem")),
+        *((("generated tokens per decode step", f"{summary['tokens_per_decode_step']:.2f}"),)
+          if "tokens_per_decode_step" in summary else ()),
         ("forward-equivalents", m("forward_equivalents", ".1f", " / problem")),
         ("wall-clock", m("wall_clock_s", ".2f", " s / problem")),
         ("mean log p(x)", m("log_p", ".2f")),
