@@ -63,6 +63,13 @@ class CompileSeconds:
             self.seconds += duration
 
 
+def _setting(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not value.strip().lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"--set takes NAME=INT (e.g. num_blocks=8), got {text!r}")
+    return name.strip(), int(value)
+
+
 def run_value(model, run_config: dict, index: int, draft_tokens: int, out: Path, compiles: CompileSeconds,
               data_dir) -> dict:
     """One problem decoded alone with `draft_tokens`; the record of the bench."""
@@ -96,8 +103,16 @@ def main():
     ap.add_argument("--model", default=None, help="what `degs_jax.models.load` takes (default: the run's model)")
     ap.add_argument("--out", type=Path, default=None, help="directory for the per-value runs (default: a temporary one)")
     ap.add_argument("--data-dir", default=None, help="benchmark files (default: those installed with degs_jax)")
+    ap.add_argument("--set", type=_setting, action="append", default=[], metavar="NAME=INT",
+                    help="override an integer hyperparameter of the run (e.g. num_blocks=8: the chain's first "
+                         "8 blocks, a shorter chain of the same problem); repeatable")
     args = ap.parse_args()
     run_config = json.loads((args.run / "run.json").read_text())["config"]
+    unknown = [name for name, _ in args.set if name not in run_config["hyperparameters"]]
+    if unknown:
+        ap.error(f"--set: the run's method has no {', '.join(unknown)} "
+                 f"(it has {', '.join(sorted(run_config['hyperparameters']))})")
+    run_config["hyperparameters"].update(dict(args.set))
     problems = load_benchmark(run_config["benchmark"], args.data_dir)
     ids = [p.id for p in problems]
     if args.problem not in ids:

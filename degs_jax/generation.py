@@ -357,6 +357,13 @@ def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
     return buf.at[rows, idx].set(jnp.where(where, value.astype(buf.dtype), buf[rows, idx]))
 
 
+def _set_slots(buf: Array, idx: Array, value: Array, where: Array) -> Array:
+    """buf[b, idx[b, j]] = value[b, j] where `where[b, j]`; buf: [B, S]; idx, value, where:
+    [B, J], the written slots of a row distinct. The others go to slot S and are dropped."""
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, jnp.where(where, idx, buf.shape[1])].set(value.astype(buf.dtype), mode="drop")
+
+
 def _densities(logits: Array, sampler: SamplerSpec):
     """Per row of logits [n, V]: log p over the vocabulary, the final-layer entropy H_L
     and (when sampling) log q. Under batch invariance `decode_step` runs this on tiles of
@@ -416,72 +423,79 @@ def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: A
     K = draft.shape[1]
     if K and sampler.proposal.greedy:
         raise ValueError("a greedy proposal has nothing to verify: draft only sampled proposals")
-    rows = jnp.arange(B)
     lens_layers = sampler.lens.lsub if sampler.lens is not None else ()
     n = state.length
     consumed = jnp.take_along_axis(state.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
     offsets = jnp.arange(K + 1)[None]
+    at = n[:, None] + offsets  # [B, K + 1]: the slot whose q input j gives
     # Input j >= 1 is the proposed token of slot n + j - 1. Inactive rows, and positions
     # past a row's draft or limit, write their KV to slot S, which the model drops
     # (model_api contract 3).
-    runs = active[:, None] & ((offsets == 0) | ((offsets <= draft_len[:, None]) & (n[:, None] + offsets <= limit[:, None])))
-    pos = jnp.where(runs, n[:, None] - 1 + offsets, S)
+    runs = active[:, None] & ((offsets == 0) | ((offsets <= draft_len[:, None]) & (at <= limit[:, None])))
+    pos = jnp.where(runs, at - 1, S)
     with jax.named_scope("model_step"):
         out = model.step(params, jnp.concatenate([consumed, draft], axis=1), pos, state.cache, lens_layers)
-    new = state
+    # Everything over the vocabulary runs once for all K + 1 slots ([B, K + 1, V]; under
+    # batch invariance on the same row tiles as one slot's); only the walk along the slots
+    # (which tokens are kept, where the step ends) is sequential, on [B] values.
+    logp, h_final, logq = over_slots(lambda logits: row_tiled(functools.partial(_densities, sampler=sampler),
+                                                              logits, sum_rows(model.batch_invariant)), out.logits)
+    depth = (collapse_depth(out.layer_entropy, sampler.lens.lsub, model.num_layers, sampler.lens.tau)
+             if sampler.lens is not None else None)
+    slot_keys = jax.vmap(fold_in_rows, in_axes=(None, 1), out_axes=1)(keys, at)  # [B, K + 1]
+    with jax.named_scope("sample"):
+        tok = over_slots(sampler.proposal.sample, slot_keys, out.logits, logq)[0]
+    if K:  # slot n + j (j < K) may have a proposed token
+        has_draft = offsets[:, :K] < draft_len[:, None]
+        draft_keys = slot_keys[:, :K]
+        log_u = jnp.log(over_slots(lambda k: jax.vmap(jax.random.uniform)(fold_in_rows(k, DRAFT_ACCEPT_STREAM)),
+                                   draft_keys))
+        kept = has_draft & (log_u < jnp.take_along_axis(logq[:, :K], draft[..., None], -1)[..., 0])
+        without_draft = jnp.where(jnp.arange(logq.shape[-1]) == draft[..., None], -jnp.inf, logq[:, :K])
+        residual = over_slots(
+            lambda k, lq: jax.vmap(jax.random.categorical)(fold_in_rows(k, DRAFT_RESIDUAL_STREAM), lq),
+            draft_keys, without_draft).astype(jnp.int32)
+        tok = tok.at[:, :K].set(jnp.where(has_draft, jnp.where(kept, draft, residual), tok[:, :K]))
+    else:
+        kept = jnp.zeros((B, 0), bool)
+    stop_state = state.stop_state
     consumes = active  # input j is a real token of the row (j = 0: x_{n-1}; then a kept draft)
-    drawing = active  # the row draws the token of slot n + j
-    sampled = jnp.zeros_like(active)
-    hit = jnp.zeros_like(active)
+    samples, writes_stats, hit = [], [], jnp.zeros_like(active)
     for j in range(K + 1):
-        at = n + j
-        logits = out.logits[:, j]  # [B, V] fp32: q at slot n + j
-        logp_j, h_final, logq_j = row_tiled(functools.partial(_densities, sampler=sampler), logits,
-                                            sum_rows(model.batch_invariant))
-        write_stats = consumes & (at - 1 >= fresh_from)
-        final_entropy = _set(new.final_entropy, at - 1, h_final, write_stats)
-        depth = new.depth
-        if sampler.lens is not None:
-            d = collapse_depth(out.layer_entropy[:, :, j], sampler.lens.lsub, model.num_layers, sampler.lens.tau)
-            depth = _set(depth, at - 1, d, write_stats)
-        sample = drawing & (at < limit)
-        slot_keys = fold_in_rows(keys, at)
-        with jax.named_scope("sample"):
-            tok, _ = sampler.proposal.sample(slot_keys, logits, logq_j)
-        if j < K:  # slot n + j may have a proposed token
-            proposed = draft[:, j]
-            has_draft = j < draft_len
-            log_u = jnp.log(jax.vmap(jax.random.uniform)(fold_in_rows(slot_keys, DRAFT_ACCEPT_STREAM)))
-            kept = has_draft & (log_u < logq_j[rows, proposed])
-            residual = jax.vmap(jax.random.categorical)(fold_in_rows(slot_keys, DRAFT_RESIDUAL_STREAM),
-                                                        logq_j.at[rows, proposed].set(-jnp.inf)).astype(jnp.int32)
-            tok = jnp.where(has_draft, jnp.where(kept, proposed, residual), tok)
-        else:
-            kept = jnp.zeros_like(active)
-        logq_tok = jnp.zeros((B,), jnp.float32) if logq_j is None else logq_j[rows, tok]
-        hit_end, stop_state = ends_at(new, at, tok, sample, sampler)
-        new = dataclasses.replace(
-            new,
-            tokens=_set(new.tokens, at, tok, sample),
-            logp=_set(new.logp, at, logp_j[rows, tok], sample),
-            logq=_set(new.logq, at, logq_tok, sample),
-            depth=depth, final_entropy=final_entropy, stop_state=stop_state,
-            length=new.length + sample.astype(jnp.int32),
-            ended=new.ended | hit_end,
-        )
-        sampled |= sample
+        sample = consumes & (at[:, j] < limit)  # the row draws the token of slot n + j
+        hit_end, stop_state = ends_at(dataclasses.replace(state, stop_state=stop_state), at[:, j],
+                                      tok[:, j], sample, sampler)
+        writes_stats.append(consumes & (at[:, j] - 1 >= fresh_from))
+        samples.append(sample)
         hit |= hit_end
-        consumes = sample & kept & ~hit_end
-        drawing = consumes
+        consumes = sample & kept[:, j] & ~hit_end if j < K else None
+    sample, write_stats = jnp.stack(samples, 1), jnp.stack(writes_stats, 1)  # [B, K + 1]
+    logq_tok = (jnp.zeros(tok.shape, jnp.float32) if logq is None
+                else jnp.take_along_axis(logq, tok[..., None], -1)[..., 0])
     positions = runs.sum(axis=1, dtype=jnp.int32)
     new = dataclasses.replace(
-        new, cache=out.cache,
-        n_generated=state.n_generated + (new.length - n),
+        state, cache=out.cache, stop_state=stop_state,
+        tokens=_set_slots(state.tokens, at, tok, sample),
+        logp=_set_slots(state.logp, at, jnp.take_along_axis(logp, tok[..., None], -1)[..., 0], sample),
+        logq=_set_slots(state.logq, at, logq_tok, sample),
+        final_entropy=_set_slots(state.final_entropy, at - 1, h_final, write_stats),
+        depth=state.depth if depth is None else _set_slots(state.depth, at - 1, depth, write_stats),
+        length=n + sample.sum(axis=1, dtype=jnp.int32),
+        ended=state.ended | hit,
+        n_generated=state.n_generated + sample.sum(axis=1, dtype=jnp.int32),
         n_forward=state.n_forward + positions,
         n_probed=state.n_probed + positions * len(lens_layers),
         n_steps=state.n_steps + active.astype(jnp.int32),
     )
-    return new, sampled & ~hit
+    return new, sample.any(axis=1) & ~hit
+
+
+def over_slots(fn, *arrays: Optional[Array]):
+    """fn over per-row arrays ([N, ...] each, or None), applied to the B·J rows of [B, J, ...]
+    arrays at once (a row per slot of a row); returns fn's outputs as [B, J, ...]."""
+    B, J = arrays[0].shape[:2]
+    flat = fn(*(None if a is None else a.reshape((B * J,) + a.shape[2:]) for a in arrays))
+    return jax.tree.map(lambda o: o.reshape((B, J) + o.shape[1:]), flat)
 
 
 @jax.tree_util.register_dataclass

@@ -21,7 +21,8 @@ was allocated. How the number of slots read is chosen is `cfg.kv_read`:
   `while_loop` whose trip count is data-dependent waits for the host (it reads the loop
   condition back), so a loop per layer would stall the device L times per step; the
   switch does it once per call. It compiles the layer stack once per window: use stacked
-  layers. Calls of several tokens (prefills) "loop" under "auto": a switch reserves the
+  layers. Short calls of several tokens (up to SHORT_CALL_TOKENS per row: a drafted
+  decode step's verification) use it too. Longer calls (prefills) "loop" under "auto": a switch reserves the
   temporary memory of its largest branch, and the [B, T, S] scores of the whole-buffer
   window made a 1024-token prefill at batch 64 (7B shape, 3072 new-token slots) ask for
   48 GiB on an H100 and fail; a prefill's few loop trips cost little.
@@ -320,6 +321,15 @@ def window_buckets(max_len: int, chunk: int) -> tuple[int, ...]:
     return tuple(windows) + (max_len,)
 
 
+# Calls of 2 .. this many tokens per row (the verification forwards of drafted decode
+# steps, `generation.drafted_decode_step`) read the cache with "buckets" on accelerators,
+# as decode steps do where the kernel cannot run: a per-layer loop waits for the host at
+# every trip, and measured on an H200 at the 1.5B shape, batch 1, a step of 5 tokens per row
+# cost 3.1x a one-token step with it (docs/benchmarks.md). Their [B, T, S] scores are
+# small (T <= 32); longer calls (prefills) loop.
+SHORT_CALL_TOKENS = 32
+
+
 def read_mode(cfg: ModelConfig, tokens: int, slots: int, batch: int) -> str:
     """The cache read of a call of `tokens` tokens per row for `batch` rows into a
     `slots`-slot cache (module docstring)."""
@@ -330,8 +340,10 @@ def read_mode(cfg: ModelConfig, tokens: int, slots: int, batch: int) -> str:
     if cfg.kv_read != "auto":
         return cfg.kv_read
     backend = jax.default_backend()
-    if tokens != 1 or backend == "cpu":
+    if backend == "cpu" or tokens > SHORT_CALL_TOKENS:
         return "loop"
+    if tokens > 1:
+        return "buckets"
     if (backend == "gpu" and decode_kernel.supported(cfg.head_dim, slots)
             and (not under_mesh() or mesh_split(batch, cfg.num_kv_heads) is not None)):
         return "kernel"

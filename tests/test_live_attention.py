@@ -137,11 +137,14 @@ def test_read_settings_are_checked():
     ("cpu", 1, "loop"), ("cpu", 64, "loop"),
     ("gpu", 1, "kernel"),  # decode steps: the Pallas kernel reads each row's own slots
     ("tpu", 1, "buckets"),  # no Triton: one switch per call instead of a loop per layer
+    ("gpu", 5, "buckets"),  # a drafted step's verification: one switch, not a host wait per layer
+    ("tpu", 5, "buckets"), ("cpu", 5, "loop"),
     ("gpu", 64, "loop"),  # prefills: a switch reserves its largest (whole-buffer) window's memory
 ])
 def test_auto_read_by_backend_and_call_length(monkeypatch, backend, tokens, expected):
     """`kv_read="auto"`: the GPU decode step uses the kernel, other accelerators the
-    buckets, a multi-token call the loop (a 1024-token prefill at batch 64 ran out of
+    buckets, a short multi-token call (a drafted step) the buckets on accelerators, a
+    long one the loop (a 1024-token prefill at batch 64 ran out of
     memory on an H100 with buckets); an explicit setting and batch invariance are kept
     whatever the call (an explicit "kernel" loops for several tokens)."""
     from degs_jax.models import attention
@@ -200,3 +203,30 @@ def test_large_prefill_runs_in_chunks_with_the_same_result(params, monkeypatch):
     # the prompt's slots (the last chunk's padding writes slots 21..23, read by no query)
     np.testing.assert_allclose(got.cache.k[:, :, :, :21], whole.cache.k[:, :, :, :21], atol=1e-5, rtol=0)
     np.testing.assert_allclose(got.cache.v[..., :21], whole.cache.v[..., :21], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_a_short_multi_token_call_reads_like_the_full_buffer(params, stacked):
+    """A drafted decode step's call (`generation.drafted_decode_step`): 5 tokens per row
+    after cached contexts of 20 and 27 tokens, row 1's last two positions past its draft
+    (position S: written nowhere, seen by no query), row 2 idle. Every read gives the
+    full-buffer read's logits at the real positions and its cache: "buckets" (what
+    accelerators use for such calls) attends to the cache below each row's first position
+    and then, causally, to the call's own keys."""
+    p = stack_layers(params) if stacked else params
+    tokens = jax.random.randint(jax.random.key(4), (3, 27), 0, CFG.vocab_size)
+    context = jnp.broadcast_to(jnp.arange(27), (3, 27))
+    step_tokens = jax.random.randint(jax.random.key(5), (3, 5), 0, CFG.vocab_size)
+    step_pos = jnp.array([[20, 21, 22, 23, 24], [27, 28, 29, S, S], [S] * 5])
+    real = np.asarray(step_pos < S)
+    results = {}
+    for read in READS:
+        cfg = dataclasses.replace(CFG, kv_read=read, kv_chunk=8)
+        cache = forward(p, cfg, tokens, context, init_cache(cfg, 3, S, jnp.float32)).cache
+        out = forward(p, cfg, step_tokens, step_pos, cache)
+        results[read] = (np.asarray(out.logits), out.cache)
+    want, want_cache = results["all"]
+    for read, (got, cache) in results.items():
+        # fp32, different blocking of the same sums (as above): errors ~1e-6.
+        np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0, err_msg=read)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), cache, want_cache)
