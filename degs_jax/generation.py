@@ -473,6 +473,7 @@ def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: A
     logq_tok = (jnp.zeros(tok.shape, jnp.float32) if logq is None
                 else jnp.take_along_axis(logq, tok[..., None], -1)[..., 0])
     positions = runs.sum(axis=1, dtype=jnp.int32)
+    drawn = sample.sum(axis=1, dtype=jnp.int32)
     new = dataclasses.replace(
         state, cache=out.cache, stop_state=stop_state,
         tokens=_set_slots(state.tokens, at, tok, sample),
@@ -480,9 +481,9 @@ def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: A
         logq=_set_slots(state.logq, at, logq_tok, sample),
         final_entropy=_set_slots(state.final_entropy, at - 1, h_final, write_stats),
         depth=state.depth if depth is None else _set_slots(state.depth, at - 1, depth, write_stats),
-        length=n + sample.sum(axis=1, dtype=jnp.int32),
+        length=n + drawn,
         ended=state.ended | hit,
-        n_generated=state.n_generated + sample.sum(axis=1, dtype=jnp.int32),
+        n_generated=state.n_generated + drawn,
         n_forward=state.n_forward + positions,
         n_probed=state.n_probed + positions * len(lens_layers),
         n_steps=state.n_steps + active.astype(jnp.int32),
