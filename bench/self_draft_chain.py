@@ -1,7 +1,9 @@
 r"""The slowest chain alone, with and without self-drafted proposals (issue 55): one problem
 of a committed run, decoded again at batch 1 with the run's own method, hyperparameters,
 prompt format and seed, once per `draft_tokens` value (`MCMCMethod.draft_tokens`: verify
-up to k tokens of the chain's own suffix per forward; 0 is the undrafted chain).
+up to k tokens of the chain's own suffix per forward; 0 is the undrafted chain), with
+`--draft-lookup N` the drafted values also guess from n-gram lookups where the suffix
+guesses nothing (`MCMCMethod.draft_lookup`).
 
     python bench/self_draft_chain.py docs/reproduction/qwen2.5-coder-1.5b-whole/runs/math500/degs_mcmc \
         --problem test/intermediate_algebra/834.json --draft-tokens 16,0 --out /tmp/draft_chain
@@ -70,10 +72,13 @@ def _setting(text: str) -> tuple[str, int]:
     return name.strip(), int(value)
 
 
-def run_value(model, run_config: dict, index: int, draft_tokens: int, out: Path, compiles: CompileSeconds,
-              data_dir) -> dict:
-    """One problem decoded alone with `draft_tokens`; the record of the bench."""
-    method = as_method(run_config["method"], {**run_config["hyperparameters"], "draft_tokens": draft_tokens})
+def run_value(model, run_config: dict, index: int, draft_tokens: int, draft_lookup: int, out: Path,
+              compiles: CompileSeconds, data_dir) -> dict:
+    """One problem decoded alone with `draft_tokens` (and `draft_lookup` where it drafts);
+    the record of the bench."""
+    draft_lookup = draft_lookup if draft_tokens else 0
+    method = as_method(run_config["method"], {**run_config["hyperparameters"], "draft_tokens": draft_tokens,
+                                              "draft_lookup": draft_lookup})
     before, t0 = compiles.seconds, time.perf_counter()
     summary = run_eval(model, out, benchmark=run_config["benchmark"], method=method, seed=run_config["seed"],
                        indices=[index], batch_size=1, chat=run_config["chat"], print_table=False,
@@ -84,7 +89,7 @@ def run_value(model, run_config: dict, index: int, draft_tokens: int, out: Path,
     steps = record["decode_steps"]
     run_s = record["decode_s"] - compile_s
     return {
-        "draft_tokens": draft_tokens, "wall_s": wall, "decode_s": record["decode_s"], "compile_s": compile_s,
+        "draft_tokens": draft_tokens, "draft_lookup": draft_lookup, "wall_s": wall, "decode_s": record["decode_s"], "compile_s": compile_s,
         "decode_s_without_compile": run_s, "generated_tokens": record["generated_tokens"], "decode_steps": steps,
         "tokens_per_decode_step": record["generated_tokens"] / steps, "ms_per_decode_step": 1000 * run_s / steps,
         "ms_per_generated_token": 1000 * run_s / record["generated_tokens"], "n_tokens": record["n_tokens"],
@@ -100,6 +105,9 @@ def main():
     ap.add_argument("--problem", required=True, help="the problem's id in that benchmark")
     ap.add_argument("--draft-tokens", type=_draft_values, default=[16, 0], metavar="K,K,...",
                     help="the values to run, in this order (default: 16,0)")
+    ap.add_argument("--draft-lookup", type=int, default=0, metavar="N",
+                    help="draft_lookup of the drafted values (n-gram lookups where the suffix guesses nothing; "
+                         "default 0: off)")
     ap.add_argument("--model", default=None, help="what `degs_jax.models.load` takes (default: the run's model)")
     ap.add_argument("--out", type=Path, default=None, help="directory for the per-value runs (default: a temporary one)")
     ap.add_argument("--data-dir", default=None, help="benchmark files (default: those installed with degs_jax)")
@@ -126,8 +134,9 @@ def main():
             "hyperparameters": run_config["hyperparameters"], "chat": run_config["chat"], "seed": run_config["seed"],
             "batch": 1}
     for k in args.draft_tokens:
-        emit({**head, **run_value(model, run_config, index, k, out / f"draft_{k}", compiles, args.data_dir)},
-             "self_draft_chain.jsonl")
+        name = f"draft_{k}" + (f"_lookup_{args.draft_lookup}" if k and args.draft_lookup else "")
+        emit({**head, **run_value(model, run_config, index, k, args.draft_lookup, out / name, compiles,
+                                  args.data_dir)}, "self_draft_chain.jsonl")
 
 
 if __name__ == "__main__":

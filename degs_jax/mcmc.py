@@ -188,6 +188,61 @@ class SuffixDraft:
 
 
 @dataclasses.dataclass(frozen=True)
+class LookupDraft:
+    """The chain's suffix as the draft (`SuffixDraft`) while the proposal still equals x;
+    where that guesses nothing (after the proposal's first difference from x, and in the
+    block's extension, past x's end) the proposal's last `ngram` tokens are looked up in
+    x's text (prompt, prefix and suffix) and then in the proposal's own earlier text, and
+    the tokens that followed the occurrence nearest the proposal's end are the guess
+    (prompt-lookup decoding, Saxena 2023; vLLM's n-gram proposer). So a regeneration that
+    inserted or dropped a few tokens re-aligns with x where x's text resumes, and an
+    extension that repeats an expression of the prompt or the prefix guesses its rest.
+    Any guess keeps the proposal's law (`generation.drafted_decode_step`); a lookup costs
+    [B, S, ngram] comparisons per step, nothing next to a forward."""
+
+    tokens: int
+    ngram: int
+
+    def __post_init__(self):
+        positive_int("draft tokens", self.tokens)
+        positive_int("lookup n-gram", self.ngram)
+
+    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
+        guesses, proposed = SuffixDraft(self.tokens).propose(current, proposal)
+        n = proposal.length
+        for text in (current, proposal):  # x's text first; then the proposal's own, below its end
+            found, found_len = lookup_ngram(text.tokens, text.length, proposal.tokens, n, self.ngram, self.tokens)
+            take = (proposed == 0) & (found_len > 0)
+            guesses = jnp.where(take[:, None], found, guesses)
+            proposed = jnp.where(take, found_len, proposed)
+        return guesses, proposed
+
+
+def lookup_ngram(text: Array, text_len: Array, query: Array, n: Array, ngram: int,
+                 tokens: int) -> tuple[Array, Array]:
+    """The n-gram lookup of `LookupDraft`: ([B, tokens] int32 the tokens that follow, in
+    `text`, the occurrence of query[n - ngram : n] that starts nearest n - ngram (the
+    earlier one on a tie), [B] int32 how many of them lie below text_len (0: no
+    occurrence with a token after it, or n < ngram)). text, query: [B, S] int32; text_len,
+    n: [B] int32. An occurrence is whole below text_len, and in `query`'s own text it
+    ends below n - 1 (a token must follow it)."""
+    B, S = text.shape
+    starts = jnp.arange(S - ngram + 1)
+    key = jnp.take_along_axis(query, jnp.clip(n[:, None] - ngram + jnp.arange(ngram)[None], 0, S - 1), axis=1)
+    match = jnp.ones((B, S - ngram + 1), bool)
+    for i in range(ngram):
+        match &= text[:, i:S - ngram + 1 + i] == key[:, i:i + 1]
+    follow = starts[None] + ngram  # the first guessed slot of an occurrence at p
+    match &= (follow < text_len[:, None]) & (n[:, None] >= ngram)
+    distance = jnp.where(match, jnp.abs(starts[None] - (n[:, None] - ngram)), S)
+    best = jnp.argmin(distance, axis=1)
+    found = jnp.any(match, axis=1)
+    first = best + ngram
+    guesses = jnp.take_along_axis(text, jnp.clip(first[:, None] + jnp.arange(tokens)[None], 0, S - 1), axis=1)
+    return guesses, jnp.where(found, jnp.clip(text_len - first, 0, tokens), 0).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
 class ChainKernel:
     """An MH kernel variant: its cut rule (with its ratio term), the regeneration's extent
     (with the suffix the ratio sums), the accept rule, the top-k applied to the proposal
@@ -306,6 +361,10 @@ class MCMCMethod(Method):
     draft_tokens: int = method_field(0, "verify up to this many tokens of the chain's own suffix per "
                                      "forward in each MH regeneration (exact speculative sampling; "
                                      "0: one token per forward)")
+    draft_lookup: int = method_field(0, "where the chain's suffix guesses nothing (after the proposal "
+                                     "leaves x, and in the block's extension), guess from the occurrence of "
+                                     "the proposal's last N tokens in the prompt and the chain's text "
+                                     "(prompt-lookup; needs draft_tokens; 0: off)")
 
     smallest_run: ClassVar[Mapping[str, Any]] = dict(block_len=SMALLEST_RUN_TOKENS // 2, num_blocks=2, mh_steps=2,
                                                      n_chains=2)
@@ -316,6 +375,11 @@ class MCMCMethod(Method):
         positive_int("n_chains", self.n_chains)
         if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool) or self.draft_tokens < 0:
             raise ValueError(f"draft_tokens must be an int >= 0, got {self.draft_tokens!r}")
+        if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
+            raise ValueError(f"draft_lookup must be an int >= 0 (an n-gram length), got {self.draft_lookup!r}")
+        if self.draft_lookup and not self.draft_tokens:
+            raise ValueError(f"draft_lookup={self.draft_lookup} guesses tokens for a drafted step: "
+                             "set draft_tokens > 0 too")
 
     @property
     def probed(self) -> bool:
@@ -345,9 +409,13 @@ class MCMCMethod(Method):
 
     def chain_kernel(self) -> ChainKernel:
         """The kernel variant: exact or the reference code's, drafted from the chain's suffix
-        when draft_tokens > 0."""
+        when draft_tokens > 0 (and from n-gram lookups when draft_lookup > 0)."""
         kernel = REFERENCE_KERNEL if self.reference_quirks else EXACT_KERNEL
-        return dataclasses.replace(kernel, draft=SuffixDraft(self.draft_tokens)) if self.draft_tokens else kernel
+        if not self.draft_tokens:
+            return kernel
+        draft = (LookupDraft(self.draft_tokens, self.draft_lookup) if self.draft_lookup
+                 else SuffixDraft(self.draft_tokens))
+        return dataclasses.replace(kernel, draft=draft)
 
     def worst_case_cost(self) -> Optional[tuple[int, int]]:
         steps = self.worst_case_advances()

@@ -707,8 +707,8 @@ def test_resolved_hyperparameters_match_runs_recorded_before_the_dataclasses(tmp
                                                        "invocations": []}))
         old = method_from_record(read_run_file(tmp_path / "run.json")["config"])
         assert hyperparameters_for(method) == old, method
-        # A field added later (draft_tokens, issue 55) is new in the resolved record, at the
+        # Fields added later (draft_tokens, draft_lookup: issue 55) are new in the resolved record, at the
         # default an old run read back gets (the line above): its directory still resumes.
-        added = {"draft_tokens": 0} if "mh_steps" in values else {}
+        added = {"draft_tokens": 0, "draft_lookup": 0} if "mh_steps" in values else {}
         assert resolve_hyperparameters(method, {}) == {**{k: v for k, v in {**common, **values}.items()
                                                           if k != "lens_chunk"}, **added}, method

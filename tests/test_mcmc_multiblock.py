@@ -122,9 +122,9 @@ def exact_laws(model, depth_setup):  # noqa: F811
     return {case: exact_answer_law(logp_next, depth, ALPHA, beta) for case, beta in CASES.items()}
 
 
-def method_for(case, tau, draft_tokens=0):
+def method_for(case, tau, draft_tokens=0, draft_lookup=0):
     sizes = dict(alpha=ALPHA, block_len=1, num_blocks=NUM_BLOCKS, mh_steps=MH_STEPS, n_chains=1,
-                 draft_tokens=draft_tokens)
+                 draft_tokens=draft_tokens, draft_lookup=draft_lookup)
     if CASES[case] == 0:
         return PowerMCMC(**sizes)
     return DegsMCMC(beta=CASES[case], tau=tau, lsub=LSUB, **sizes)
@@ -165,16 +165,20 @@ def test_answer_law_after_three_blocks_is_exact(model, depth_setup, exact_laws, 
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f} (answer law after {NUM_BLOCKS} blocks)"
 
 
-@pytest.mark.parametrize(("case", "driver"), [("degs", "decode_tokens"), ("power", "decode")])
-def test_self_drafted_answer_law_after_three_blocks_is_exact(model, depth_setup, exact_laws, case, driver):  # noqa: F811
+@pytest.mark.parametrize(("case", "driver", "draft_lookup"),
+                         [("degs", "decode_tokens", 0), ("power", "decode", 0), ("degs", "decode", 1)])
+def test_self_drafted_answer_law_after_three_blocks_is_exact(model, depth_setup, exact_laws, case, driver,  # noqa: F811
+                                                             draft_lookup):
     """The same law with every MH regeneration verified against the chain's own suffix,
-    2 tokens per forward (`draft_tokens`; issue 55): drafting changes how each token is
-    drawn, not its law, so the answers' law after three blocks is the undrafted chain's."""
+    2 tokens per forward (`draft_tokens`; issue 55), and where that guesses nothing against
+    1-gram lookups in the prompt and the chain (`draft_lookup`): drafting changes how each
+    token is drawn, not its law, so the answers' law after three blocks is the undrafted
+    chain's."""
     cfg, params = model
     tau, seqs, _, _ = depth_setup
     law = exact_laws[case]
-    seed = 31 + sorted(CASES).index(case)
+    seed = 31 + sorted(CASES).index(case) + 2 * draft_lookup
     keys = jax.random.split(jax.random.key(seed), N_CHAINS)
-    samples = answers(driver, cfg, params, method_for(case, tau, draft_tokens=2), keys)
+    samples = answers(driver, cfg, params, method_for(case, tau, draft_tokens=2, draft_lookup=draft_lookup), keys)
     tv, threshold = tv_and_threshold(seqs, law, samples, seed=seed)
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f} (drafted answer law after {NUM_BLOCKS} blocks)"

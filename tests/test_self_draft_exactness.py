@@ -28,6 +28,7 @@ check (off by 2.27 nats) while stationarity at this size does not see it.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ import pytest
 
 from degs_jax.generation import decode_step, drafted_decode_step
 from degs_jax.lens import LensConfig
-from degs_jax.mcmc import EXACT_KERNEL, MCMCConfig, SuffixDraft, mh_steps
+from degs_jax.mcmc import EXACT_KERNEL, LookupDraft, MCMCConfig, SuffixDraft, lookup_ngram, mh_steps
 from degs_jax.models import TransformerLM
 from test_mcmc_exactness import (BLOCK, EOS, LSUB, N_CHAINS, PROMPT, WARM_STEPS, _completions, depth_setup,  # noqa: F401
                                  model, run_from_target, states_at, target, tv_and_threshold)
@@ -48,23 +49,23 @@ CHAIN = (0, 2, 1)
 CUT = 1
 
 
-def _mc(tau, beta, steps, draft_tokens=0):
-    kernel = dataclasses.replace(EXACT_KERNEL, draft=SuffixDraft(draft_tokens)) if draft_tokens else EXACT_KERNEL
+def _mc(tau, beta, steps, draft=None):
+    kernel = dataclasses.replace(EXACT_KERNEL, draft=draft)
     return MCMCConfig(alpha=ALPHA, beta=beta, block_len=BLOCK, num_blocks=1, mh_steps=steps,
                       lens=LensConfig(lsub=LSUB, tau=tau), eos_ids=(EOS,), kernel=kernel)
 
 
-def regenerate(cfg, params, mc, n_rows, draft_tokens, seed):
+def regenerate(cfg, params, mc, n_rows, seed):
     """n_rows proposals regenerated from CUT of the chain at CHAIN to EOS or the block's end,
-    with drafted steps (`draft_tokens` guesses of the chain's suffix; 0: none) until every
-    row is done. Returns (the proposals' states, decode steps run)."""
+    with drafted steps (the guesses of `mc`'s kernel draft; None: none) until every row is
+    done. Returns (the proposals' states, decode steps run)."""
     lm = TransformerLM(cfg)
     current = states_at(cfg, params, [CHAIN] * n_rows, mc)
     cut = jnp.full((n_rows,), len(PROMPT) + CUT, jnp.int32)
     proposal = dataclasses.replace(current, length=cut, ended=jnp.zeros_like(current.ended))
     limit = jnp.full((n_rows,), len(PROMPT) + BLOCK, jnp.int32)
     keys = jax.random.split(jax.random.key(seed), n_rows)
-    draft = SuffixDraft(draft_tokens) if draft_tokens else None
+    draft = mc.kernel.draft
 
     @jax.jit
     def step(proposal, active):
@@ -94,18 +95,22 @@ def exact_suffix_law(cfg, params, mc):
     return law, {x[CUT:]: logq[i, P + CUT:P + len(x)] for i, x in enumerate(reach)}
 
 
-@pytest.mark.parametrize("draft_tokens", [1, 2, 3])
-def test_drafted_regeneration_has_the_proposal_law(model, depth_setup, draft_tokens):
+DRAFTS = [SuffixDraft(1), SuffixDraft(2), SuffixDraft(3), LookupDraft(2, 1), LookupDraft(3, 2)]
+
+
+@pytest.mark.parametrize("draft", DRAFTS, ids=repr)
+def test_drafted_regeneration_has_the_proposal_law(model, depth_setup, draft):
     cfg, params = model
     tau = depth_setup[0]
-    mc = _mc(tau, 0.0, 1)
+    mc = _mc(tau, 0.0, 1, draft)
     law, exact_logq = exact_suffix_law(cfg, params, mc)
-    proposal, steps = regenerate(cfg, params, mc, N_CHAINS, draft_tokens, seed=5 + draft_tokens)
+    seed = DRAFTS.index(draft)
+    proposal, steps = regenerate(cfg, params, mc, N_CHAINS, seed=5 + seed)
     P = len(PROMPT)
     suffixes = [x[CUT:] for x in _completions(proposal)]
     names = sorted(law)
-    tv, threshold = tv_and_threshold(names, np.array([law[s] for s in names]), suffixes, seed=draft_tokens)
-    assert tv < threshold, f"k = {draft_tokens}: TV {tv:.4f} >= {threshold:.4f}"
+    tv, threshold = tv_and_threshold(names, np.array([law[s] for s in names]), suffixes, seed=seed)
+    assert tv < threshold, f"{draft}: TV {tv:.4f} >= {threshold:.4f}"
     # Stored log q is the target's density of each drawn token (1e-4: fp32 forwards of
     # different widths and cached against uncached attention differ by ~1e-5; a draft's
     # density, 0, or another prefix's is off by nats).
@@ -119,7 +124,7 @@ def test_drafted_regeneration_has_the_proposal_law(model, depth_setup, draft_tok
 def test_an_empty_draft_is_decode_step(model, depth_setup):
     cfg, params = model
     mc = _mc(depth_setup[0], 0.0, 1)
-    plain, _ = regenerate(cfg, params, mc, 64, 0, seed=3)
+    plain, _ = regenerate(cfg, params, mc, 64, seed=3)
     lm = TransformerLM(cfg)
     current = states_at(cfg, params, [CHAIN] * 64, mc)
     cut = jnp.full((64,), len(PROMPT) + CUT, jnp.int32)
@@ -139,12 +144,61 @@ def test_an_empty_draft_is_decode_step(model, depth_setup):
         np.testing.assert_allclose(np.asarray(getattr(proposal, name)), np.asarray(getattr(plain, name)), atol=1e-6)
 
 
-@pytest.mark.parametrize(("beta", "draft_tokens"), [(0.0, 1), (3.0, 2), (3.0, 3)])
-def test_self_drafted_chains_stay_at_the_target(model, depth_setup, beta, draft_tokens):
+@pytest.mark.parametrize(("beta", "draft"), [(0.0, SuffixDraft(1)), (3.0, SuffixDraft(2)), (3.0, SuffixDraft(3)),
+                                           (3.0, LookupDraft(2, 1))], ids=repr)
+def test_self_drafted_chains_stay_at_the_target(model, depth_setup, beta, draft):
     cfg, params = model
     tau, seqs, logp, depth = depth_setup
     pi = target(logp, depth, ALPHA, beta)
-    samples, accepted = run_from_target(cfg, params, _mc(tau, beta, WARM_STEPS, draft_tokens), seqs, pi)
+    samples, accepted = run_from_target(cfg, params, _mc(tau, beta, WARM_STEPS, draft), seqs, pi)
     tv, threshold = tv_and_threshold(seqs, pi, samples)
     assert accepted.mean() / WARM_STEPS > 0.3, "the chains should move"
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+
+
+def _texts(rows):
+    """Stand-ins for GenState in `Draft.propose`: (tokens, length) per row, right-padded."""
+    S = max(len(r) for r, _ in rows)
+    tokens = jnp.asarray([list(r) + [0] * (S - len(r)) for r, _ in rows], jnp.int32)
+    return types.SimpleNamespace(tokens=tokens, length=jnp.asarray([n for _, n in rows], jnp.int32), max_len=S)
+
+
+def test_the_lookup_takes_the_occurrence_nearest_the_end():
+    own = _texts([
+        ((1, 2, 7, 1, 2, 8, 1, 2), 8),  # "1 2" at 0 and 3 (at 6 it is the query): the one at 3
+        ((3, 4, 3, 4, 0, 0, 0, 0), 4),  # at 0: two tokens follow it before the query
+        ((3, 4, 5, 6, 7, 0, 0, 0), 5),  # "6 7" does not occur before: nothing
+    ])
+    guesses, proposed = lookup_ngram(own.tokens, own.length, own.tokens, own.length, 2, 3)
+    np.testing.assert_array_equal(np.asarray(proposed), [3, 2, 0])
+    np.testing.assert_array_equal(np.asarray(guesses)[0], [8, 1, 2])
+    np.testing.assert_array_equal(np.asarray(guesses)[1, :2], [3, 4])
+    # In another text, occurrences 2 slots before and 2 after the query's place: the earlier.
+    text, query = jnp.asarray([[1, 2, 7, 9, 1, 2, 8, 0]]), jnp.asarray([[9, 9, 1, 2, 0, 0, 0, 0]])
+    guesses, proposed = lookup_ngram(text, jnp.asarray([7]), query, jnp.asarray([4]), 2, 3)
+    np.testing.assert_array_equal(np.asarray(guesses), [[7, 9, 1]])
+    assert int(proposed[0]) == 3
+    # Nothing after an occurrence below the text's end, or a query shorter than the n-gram.
+    assert int(lookup_ngram(text, jnp.asarray([2]), query, jnp.asarray([4]), 2, 3)[1][0]) == 0
+    assert int(lookup_ngram(text, jnp.asarray([7]), query, jnp.asarray([1]), 2, 3)[1][0]) == 0
+
+
+def test_the_lookup_draft_realigns_where_the_suffix_draft_stops():
+    x = (9, 8, 1, 2, 3, 4, 5, 6, 0, 0)  # prompt 9 8, completion 1 2 3 4 5 6 (length 8)
+    repeating = (4, 5, 6, 1, 4, 5, 0, 0, 0, 0)  # a chain x whose end repeats its prompt's start
+    current = _texts([(x, 8)] * 4 + [(repeating, 6)])
+    proposal = _texts([
+        (x, 4),  # still x: both drafts guess x's next tokens
+        ((9, 8, 1, 7, 2, 3, 0, 0, 0, 0), 6),  # 7 inserted, then x again: "2 3" realigns at x's slot 3
+        (x, 8),  # at x's end (an extension): "5 6" occurs only as the query
+        ((9, 8, 1, 7, 5, 7, 5, 0, 0, 0), 7),  # not in x; in its own text at slot 3
+        (repeating, 6),  # an extension: "4 5" at the prompt's start
+    ])
+    suffix = SuffixDraft(3).propose(current, proposal)
+    lookup = LookupDraft(3, 2).propose(current, proposal)
+    np.testing.assert_array_equal(np.asarray(suffix[1]), [3, 0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(lookup[1]), [3, 3, 0, 2, 3])
+    guesses = np.asarray(lookup[0])
+    np.testing.assert_array_equal(guesses[[0, 1, 4]], [[3, 4, 5], [4, 5, 6], [6, 1, 4]])
+    np.testing.assert_array_equal(guesses[3, :2], [7, 5])
+    np.testing.assert_array_equal(guesses[0], np.asarray(suffix[0])[0])
