@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,9 @@ from .rows import fold_in_rows, rows_at, work_counter
 from .stops import START, STOPPED, StopAutomaton
 from .tiling import row_tiled
 from .traced_fields import concrete_values_satisfy, is_value, is_zero, register_traced_dataclass
+
+if TYPE_CHECKING:  # drafts reads GenState from here
+    from .drafts import Draft
 
 Array = jax.Array
 
@@ -351,10 +354,8 @@ def advance_stop(state: GenState, n: Array, tok: Array, write: Array,
 
 
 def _set(buf: Array, idx: Array, value: Array, where: Array) -> Array:
-    """buf[b, idx[b]] = value[b] for rows where `where[b]`; buf: [B, S]."""
-    rows = jnp.arange(buf.shape[0])
-    idx = jnp.clip(idx, 0, buf.shape[1] - 1)
-    return buf.at[rows, idx].set(jnp.where(where, value.astype(buf.dtype), buf[rows, idx]))
+    """buf[b, idx[b]] = value[b] for rows where `where[b]` (one slot per row of `_set_slots`)."""
+    return _set_slots(buf, idx[:, None], value[:, None], where[:, None])
 
 
 def _set_slots(buf: Array, idx: Array, value: Array, where: Array) -> Array:
@@ -415,14 +416,14 @@ def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: A
     program); with guesses of length 0 it draws the same tokens from a wider forward's
     logits (equal up to rounding). Stored log p and log q are the target's at each slot
     (never the draft's); the lens statistics of a kept token come from its own position in
-    this forward. EOS, a stop string and `limit` end the step as they end a row. A greedy
-    proposal takes no draft (its q is a point mass: nothing to verify).
+    this forward. EOS, a stop string and `limit` end the step as they end a row. Under a
+    greedy proposal (q a point mass at the argmax) a guess is kept when it is the argmax,
+    and the first one that is not is replaced by the argmax: greedy's tokens, read from a
+    wider forward (equal up to its rounding).
 
     Returns (state, [B] bool: rows that still have work after this step)."""
     B, S = state.tokens.shape
     K = draft.shape[1]
-    if K and sampler.proposal.greedy:
-        raise ValueError("a greedy proposal has nothing to verify: draft only sampled proposals")
     lens_layers = sampler.lens.lsub if sampler.lens is not None else ()
     n = state.length
     consumed = jnp.take_along_axis(state.tokens, jnp.clip(n - 1, 0, S - 1)[:, None], 1)
@@ -445,8 +446,10 @@ def drafted_decode_step(model: CausalLM, params: Any, state: GenState, active: A
     slot_keys = jax.vmap(fold_in_rows, in_axes=(None, 1), out_axes=1)(keys, at)  # [B, K + 1]
     with jax.named_scope("sample"):
         tok = over_slots(sampler.proposal.sample, slot_keys, out.logits, logq)[0]
-    if K:  # slot n + j (j < K) may have a proposed token
-        has_draft = offsets[:, :K] < draft_len[:, None]
+    has_draft = offsets[:, :K] < draft_len[:, None]  # slot n + j (j < K) has a proposed token
+    if K and sampler.proposal.greedy:
+        kept = has_draft & (draft == tok[:, :K])  # a wrong guess is replaced by the argmax, tok
+    elif K:
         draft_keys = slot_keys[:, :K]
         log_u = jnp.log(over_slots(lambda k: jax.vmap(jax.random.uniform)(fold_in_rows(k, DRAFT_ACCEPT_STREAM)),
                                    draft_keys))
@@ -514,9 +517,9 @@ def initial_active(state: GenState, limit: Array) -> Array:
     return ~state.ended & (state.length < limit)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
+@functools.partial(jax.jit, static_argnames=("model", "draft"))
 def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: Array,
-             sampler: SamplerSpec, fresh_from: Optional[Array] = None) -> GenState:
+             sampler: SamplerSpec, fresh_from: Optional[Array] = None, draft: Optional[Draft] = None) -> GenState:
     """Continue every row from its current length until EOS or `limit` tokens, in one
     jitted `lax.while_loop` (a pure function: call it under your own jit or vmap).
 
@@ -526,22 +529,31 @@ def generate(model: CausalLM, params: Any, state: GenState, limit: Array, keys: 
     limit: [B] int32 total-length cap per row (prompt included), <= S.
     keys: [B] PRNG keys. fresh_from: [B] int32 first slot whose statistics may be
       (re)written; defaults to the current lengths.
+    draft: guesses verified in each step (`degs_jax.drafts`, e.g. `LookupDraft(4, 3)`:
+      prompt-lookup decoding), static; None: one token per step. The law of the tokens
+      is the same either way (`drafted_decode_step`), the keys' draws are not.
     Rows that are already ended or at their limit are left untouched.
     """
     fresh_from = state.length if fresh_from is None else fresh_from
     start = GenerationLoop(state, initial_active(state, limit), jnp.zeros(state.length.shape, jnp.int32))
     return jax.lax.while_loop(
         lambda loop: jnp.any(loop.active),
-        lambda loop: loop_step(model, params, loop, limit, keys, fresh_from, sampler), start).state
+        lambda loop: loop_step(model, params, loop, limit, keys, fresh_from, sampler, draft), start).state
 
 
 def loop_step(model: CausalLM, params: Any, loop: GenerationLoop, limit: Array, keys: Array,
-              fresh_from: Array, sampler: SamplerSpec) -> GenerationLoop:
-    """One `decode_step` of the loop's active rows, counted: the body of `generate`'s
-    while_loop and of the sampling methods' `advance`."""
+              fresh_from: Array, sampler: SamplerSpec, draft: Optional[Draft] = None) -> GenerationLoop:
+    """One `decode_step` of the loop's active rows (a `drafted_decode_step` verifying the
+    `draft`'s guesses, given one), counted: the body of `generate`'s while_loop and of the
+    sampling methods' `advance`."""
     with jax.named_scope("decode_step"):
-        state, active = decode_step(model, params, loop.state, loop.active, limit, keys, fresh_from,
-                                    sampler)
+        if draft is None:
+            state, active = decode_step(model, params, loop.state, loop.active, limit, keys, fresh_from,
+                                        sampler)
+        else:
+            guesses, proposed = draft.propose(loop.state, loop.state)
+            state, active = drafted_decode_step(model, params, loop.state, loop.active, limit, keys, fresh_from,
+                                                sampler, guesses, proposed)
     return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
 
 

@@ -59,12 +59,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Mapping, Optional, Protocol, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .drafts import Draft, LookupDraft, SuffixDraft, validate_draft_fields
 from .generation import (GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, drafted_decode_step,
                          replay_cache)
 from .lens import LensConfig, sequence_depth, span_sum
@@ -145,101 +146,6 @@ class MetropolisAccept:
 
     def accepts(self, log_u: Array, log_r: Array) -> Array:
         return log_u < log_r
-
-
-class Draft(Protocol):
-    """Where a running proposal's next tokens are guessed from, for verification in one
-    forward (`generation.drafted_decode_step`): any guess keeps the proposal's law exact
-    (each token is still drawn from q given its prefix); a good one draws several tokens
-    per forward. Static: `tokens` sets the forward's width (K + 1 positions per row)."""
-
-    tokens: int
-
-    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
-        """([B, tokens] int32 guesses for slots proposal.length ..., [B] int32 how many are
-        proposed) for every row, from the chain x (`current`) and its running proposal."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class SuffixDraft:
-    """The chain's own suffix as the draft: a regeneration from the cut guesses that it
-    rewrites x, so slot t is guessed as x_t, up to `tokens` at a time and up to x's end,
-    while the proposal still equals x past the cut; after its first difference the
-    proposal is drawn without a draft (position-aligned guesses would be wrong). The
-    block's extension runs past x's end: no guess. At the paper's temperature 1/α = 0.25
-    a third of all regenerations rewrite x exactly (docs/benchmarks.md, issue 55)."""
-
-    tokens: int
-
-    def __post_init__(self):
-        positive_int("draft tokens", self.tokens)
-
-    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
-        n = proposal.length
-        pos = jnp.arange(current.max_len)[None]
-        # The proposal's slots from the cut up equal x's wherever x's and the proposal's
-        # tokens agree below n: rows equal below the cut by construction, so any difference
-        # below n is past the cut.
-        diverged = jnp.any((current.tokens != proposal.tokens) & (pos < n[:, None]), axis=1)
-        slots = jnp.clip(n[:, None] + jnp.arange(self.tokens)[None], 0, current.max_len - 1)
-        guesses = jnp.take_along_axis(current.tokens, slots, axis=1)
-        return guesses, jnp.where(diverged, 0, jnp.clip(current.length - n, 0, self.tokens)).astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class LookupDraft:
-    """The chain's suffix as the draft (`SuffixDraft`) while the proposal still equals x;
-    where that guesses nothing (after the proposal's first difference from x, and in the
-    block's extension, past x's end) the proposal's last `ngram` tokens are looked up in
-    x's text (prompt, prefix and suffix) and then in the proposal's own earlier text, and
-    the tokens that followed the occurrence nearest the proposal's end are the guess
-    (prompt-lookup decoding, Saxena 2023; vLLM's n-gram proposer). So a regeneration that
-    inserted or dropped a few tokens re-aligns with x where x's text resumes, and an
-    extension that repeats an expression of the prompt or the prefix guesses its rest.
-    Any guess keeps the proposal's law (`generation.drafted_decode_step`); a lookup costs
-    [B, S, ngram] comparisons per step, nothing next to a forward."""
-
-    tokens: int
-    ngram: int
-
-    def __post_init__(self):
-        positive_int("draft tokens", self.tokens)
-        positive_int("lookup n-gram", self.ngram)
-
-    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
-        guesses, proposed = SuffixDraft(self.tokens).propose(current, proposal)
-        n = proposal.length
-        for text in (current, proposal):  # x's text first; then the proposal's own, below its end
-            found, found_len = lookup_ngram(text.tokens, text.length, proposal.tokens, n, self.ngram, self.tokens)
-            take = (proposed == 0) & (found_len > 0)
-            guesses = jnp.where(take[:, None], found, guesses)
-            proposed = jnp.where(take, found_len, proposed)
-        return guesses, proposed
-
-
-def lookup_ngram(text: Array, text_len: Array, query: Array, n: Array, ngram: int,
-                 tokens: int) -> tuple[Array, Array]:
-    """The n-gram lookup of `LookupDraft`: ([B, tokens] int32 the tokens that follow, in
-    `text`, the occurrence of query[n - ngram : n] that starts nearest n - ngram (the
-    earlier one on a tie), [B] int32 how many of them lie below text_len (0: no
-    occurrence with a token after it, or n < ngram)). text, query: [B, S] int32; text_len,
-    n: [B] int32. An occurrence is whole below text_len, and in `query`'s own text it
-    ends below n - 1 (a token must follow it)."""
-    B, S = text.shape
-    starts = jnp.arange(S - ngram + 1)
-    key = jnp.take_along_axis(query, jnp.clip(n[:, None] - ngram + jnp.arange(ngram)[None], 0, S - 1), axis=1)
-    match = jnp.ones((B, S - ngram + 1), bool)
-    for i in range(ngram):
-        match &= text[:, i:S - ngram + 1 + i] == key[:, i:i + 1]
-    follow = starts[None] + ngram  # the first guessed slot of an occurrence at p
-    match &= (follow < text_len[:, None]) & (n[:, None] >= ngram)
-    distance = jnp.where(match, jnp.abs(starts[None] - (n[:, None] - ngram)), S)
-    best = jnp.argmin(distance, axis=1)
-    found = jnp.any(match, axis=1)
-    first = best + ngram
-    guesses = jnp.take_along_axis(text, jnp.clip(first[:, None] + jnp.arange(tokens)[None], 0, S - 1), axis=1)
-    return guesses, jnp.where(found, jnp.clip(text_len - first, 0, tokens), 0).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,10 +279,7 @@ class MCMCMethod(Method):
         super().__post_init__()
         check_chain_hyperparameters(self)
         positive_int("n_chains", self.n_chains)
-        if not isinstance(self.draft_tokens, int) or isinstance(self.draft_tokens, bool) or self.draft_tokens < 0:
-            raise ValueError(f"draft_tokens must be an int >= 0, got {self.draft_tokens!r}")
-        if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
-            raise ValueError(f"draft_lookup must be an int >= 0 (an n-gram length), got {self.draft_lookup!r}")
+        validate_draft_fields(self.draft_tokens, self.draft_lookup)
         if self.draft_lookup and not self.draft_tokens:
             raise ValueError(f"draft_lookup={self.draft_lookup} guesses tokens for a drafted step: "
                              "set draft_tokens > 0 too")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .drafts import DEFAULT_LOOKUP_NGRAM, LookupDraft, validate_draft_fields
 from .generation import GenerationLoop, Proposal, SamplerSpec, initial_active, loop_step
 from .method import (DEFAULT_ALPHA, Answer, Comparison, DEFAULT_BETA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_POOL_SIZE,
                      SMALLEST_RUN_TOKENS, Method, PoolRows, StudyRow, method_field, positive_int,
@@ -44,10 +45,25 @@ class SamplingMethod(Method):
     max_new_tokens: int = method_field(DEFAULT_MAX_NEW_TOKENS, "token budget of the sampling methods")
     probe: bool = method_field(True, "record collapse depths d_t while sampling (K/L of a forward "
                                "per token)", cli=False)
+    draft_tokens: int = method_field(0, "verify up to this many prompt-lookup guesses per forward "
+                                     "(exact: the tokens' law is unchanged; greedy keeps a guess that is "
+                                     "the argmax; 0: one token per forward)", recorded_at_default=False)
+    draft_lookup: int = method_field(DEFAULT_LOOKUP_NGRAM, "n-gram length of the prompt lookup: the "
+                                     "last N tokens are looked up in the prompt and the completion, and "
+                                     "what followed them is the guess (with draft_tokens > 0)",
+                                     recorded_at_default=False)
 
     def __post_init__(self):
         super().__post_init__()
         positive_int("max_new_tokens", self.max_new_tokens)
+        validate_draft_fields(self.draft_tokens, self.draft_lookup)
+        if self.draft_tokens and not self.draft_lookup:
+            raise ValueError("draft_tokens > 0 guesses by prompt lookup: draft_lookup must be >= 1")
+
+    def draft(self) -> Optional[LookupDraft]:
+        """The generation loop's draft: prompt lookups of draft_lookup tokens, draft_tokens
+        guesses per forward; None when draft_tokens is 0."""
+        return LookupDraft(self.draft_tokens, self.draft_lookup) if self.draft_tokens else None
 
     @property
     def probed(self) -> bool:
@@ -72,7 +88,7 @@ class SamplingMethod(Method):
 
     def advance(self, model, params, carry: GenerationLoop, keys: Array, settings: SamplerSpec) -> GenerationLoop:
         return loop_step(model, params, carry, carry.state.prompt_len + self.max_new_tokens, keys,
-                         carry.state.prompt_len, settings)
+                         carry.state.prompt_len, settings, self.draft())
 
     def prompt_done(self, carry: GenerationLoop, settings: SamplerSpec) -> Array:
         return ~jnp.any(carry.active.reshape(-1, self.pool_size), axis=1)
