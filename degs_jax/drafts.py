@@ -12,15 +12,15 @@ draws. The drafts here guess from text that exists already, so they cost no mode
                   up in x's text and in its own (prompt-lookup decoding); for plain
                   sampling (no chain), the lookup in the sequence's own prompt and text
 
-A draft is static (its `tokens` set the forward's width, K + 1 positions per row); the
-MH kernel holds one (`mcmc.ChainKernel.draft`), and so does a sampling method's
-generation loop (`generation.loop_step`), which passes its state as both arguments.
+A draft (the `generation.Draft` protocol) is static (its `tokens` set the forward's
+width, K + 1 positions per row); the MH kernel holds one (`mcmc.ChainKernel.draft`), and
+so does a sampling method's generation loop (`generation.loop_step`), which passes its
+state as both arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,21 +40,6 @@ def validate_draft_fields(draft_tokens, draft_lookup) -> None:
     for name, value in (("draft_tokens", draft_tokens), ("draft_lookup", draft_lookup)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
-class Draft(Protocol):
-    """Where a running proposal's next tokens are guessed from, for verification in one
-    forward (`generation.drafted_decode_step`): any guess keeps the proposal's law exact
-    (each token is still drawn from q given its prefix); a good one draws several tokens
-    per forward. Static: `tokens` sets the forward's width (K + 1 positions per row)."""
-
-    tokens: int
-
-    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
-        """([B, tokens] int32 guesses for slots proposal.length ..., [B] int32 how many are
-        proposed) for every row, from the chain x (`current`) and its running proposal; a
-        sampling loop, which has no chain, passes its state as both."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +45,6 @@ from .rows import fold_in_rows, rows_at, work_counter
 from .stops import START, STOPPED, StopAutomaton
 from .tiling import row_tiled
 from .traced_fields import concrete_values_satisfy, is_value, is_zero, register_traced_dataclass
-
-if TYPE_CHECKING:  # drafts reads GenState from here
-    from .drafts import Draft
 
 Array = jax.Array
 
@@ -388,6 +385,22 @@ def decode_step(model: CausalLM, params: Any, state: GenState, active: Array, li
     B = state.tokens.shape[0]
     return drafted_decode_step(model, params, state, active, limit, keys, fresh_from, sampler,
                                jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32))
+
+
+class Draft(Protocol):
+    """Where a running proposal's next tokens are guessed from, for verification in one
+    forward (`drafted_decode_step`; the drafts themselves are in `degs_jax.drafts`): any
+    guess keeps the proposal's law exact (each token is still drawn from q given its
+    prefix); a good one draws several tokens per forward. Static: `tokens` sets the
+    forward's width (K + 1 positions per row)."""
+
+    tokens: int
+
+    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
+        """([B, tokens] int32 guesses for slots proposal.length ..., [B] int32 how many are
+        proposed) for every row, from the chain x (`current`) and its running proposal; a
+        sampling loop, which has no chain, passes its state as both."""
+        ...
 
 
 # Streams under a drafted slot's key fold_in(keys[b], t) (a slot without a draft draws its

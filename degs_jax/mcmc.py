@@ -65,8 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .drafts import Draft, LookupDraft, SuffixDraft, validate_draft_fields
-from .generation import (GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, drafted_decode_step,
+from .drafts import LookupDraft, SuffixDraft, validate_draft_fields
+from .generation import (Draft, GenState, Proposal, SamplerSpec, TopK, Truncation, decode_step, drafted_decode_step,
                          replay_cache)
 from .lens import LensConfig, sequence_depth, span_sum
 from .method import (DEFAULT_ALPHA, DEFAULT_BETA, SMALLEST_RUN_TOKENS, Answer, Comparison, Method, RunDetails, StudyRow,

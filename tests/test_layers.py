@@ -41,8 +41,9 @@ LAYERS = [
     ("examples", ("degs_jax.examples",)),
     ("statistics", ("degs_jax.stats",)),
     ("stop strings / traced fields", ("degs_jax.stops", "degs_jax.traced_fields")),
-    ("lens / rows / generation / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
-                                                     "degs_jax.scoring", "degs_jax.method")),
+    ("lens / rows / generation / drafts / scoring / method", ("degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
+                                                              "degs_jax.drafts", "degs_jax.scoring",
+                                                              "degs_jax.method")),
     ("sampling / mcmc / smc / sps", ("degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc", "degs_jax.sps")),
     ("decoders", ("degs_jax.methods", "degs_jax.hyperparameters", "degs_jax.decoders", "degs_jax.batching")),
     ("text API", ("degs_jax.text",)),
@@ -54,8 +55,8 @@ LAYERS = [
 ]
 PROTOCOL = ("degs_jax.model_api", "degs_jax.tiling", "degs_jax.chat")
 SAMPLERS = ("degs_jax.stops", "degs_jax.traced_fields", "degs_jax.lens", "degs_jax.rows", "degs_jax.generation",
-            "degs_jax.scoring", "degs_jax.method", "degs_jax.sampling", "degs_jax.mcmc", "degs_jax.smc",
-            "degs_jax.sps", "degs_jax.methods", "degs_jax.decoders", "degs_jax.batching")
+            "degs_jax.drafts", "degs_jax.scoring", "degs_jax.method", "degs_jax.sampling", "degs_jax.mcmc",
+            "degs_jax.smc", "degs_jax.sps", "degs_jax.methods", "degs_jax.decoders", "degs_jax.batching")
 LOCAL_IMPORTS_MAX = 20
 
 
