@@ -89,7 +89,8 @@ def run_value(model, run_config: dict, index: int, draft_tokens: int, draft_look
     steps = record["decode_steps"]
     run_s = record["decode_s"] - compile_s
     return {
-        "draft_tokens": draft_tokens, "draft_lookup": draft_lookup, "wall_s": wall, "decode_s": record["decode_s"], "compile_s": compile_s,
+        "draft_tokens": draft_tokens, "draft_lookup": draft_lookup, "wall_s": wall, "decode_s": record["decode_s"],
+        "compile_s": compile_s,
         "decode_s_without_compile": run_s, "generated_tokens": record["generated_tokens"], "decode_steps": steps,
         "tokens_per_decode_step": record["generated_tokens"] / steps, "ms_per_decode_step": 1000 * run_s / steps,
         "ms_per_generated_token": 1000 * run_s / record["generated_tokens"], "n_tokens": record["n_tokens"],

@@ -14,13 +14,14 @@ draws. The drafts here guess from text that exists already, so they cost no mode
 
 A draft (the `generation.Draft` protocol) is static (its `tokens` set the forward's
 width, K + 1 positions per row); the MH kernel holds one (`mcmc.ChainKernel.draft`), and
-so does a sampling method's generation loop (`generation.loop_step`), which passes its
-state as both arguments.
+so does a sampling method's generation loop (`generation.loop_step`), which has no chain
+and passes None for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +79,8 @@ class LookupDraft:
     (prompt-lookup decoding, Saxena 2023; vLLM's n-gram proposer). So a regeneration that
     inserted or dropped a few tokens re-aligns with x where x's text resumes, and an
     extension that repeats an expression of the prompt or the prefix guesses its rest.
-    In plain sampling (the state passed as both) it is prompt-lookup decoding of the
-    sequence's own prompt and completion.
+    In plain sampling (no chain: `current` is None) it is prompt-lookup decoding of the
+    sequence's own prompt and completion, one lookup per step.
     Any guess keeps the proposal's law (`generation.drafted_decode_step`); a lookup costs
     [B, S, ngram] comparisons per step, nothing next to a forward."""
 
@@ -90,10 +91,14 @@ class LookupDraft:
         positive_int("draft tokens", self.tokens)
         positive_int("lookup n-gram", self.ngram)
 
-    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
-        guesses, proposed = SuffixDraft(self.tokens).propose(current, proposal)
+    def propose(self, current: Optional[GenState], proposal: GenState) -> tuple[Array, Array]:
+        B = proposal.length.shape[0]
+        if current is None:
+            guesses, proposed, texts = jnp.zeros((B, self.tokens), jnp.int32), jnp.zeros((B,), jnp.int32), (proposal,)
+        else:  # x's suffix; then x's text; then the proposal's own, below its end
+            (guesses, proposed), texts = SuffixDraft(self.tokens).propose(current, proposal), (current, proposal)
         n = proposal.length
-        for text in (current, proposal):  # x's text first; then the proposal's own, below its end
+        for text in texts:
             found, found_len = lookup_ngram(text.tokens, text.length, proposal.tokens, n, self.ngram, self.tokens)
             take = (proposed == 0) & (found_len > 0)
             guesses = jnp.where(take[:, None], found, guesses)

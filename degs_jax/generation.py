@@ -396,10 +396,10 @@ class Draft(Protocol):
 
     tokens: int
 
-    def propose(self, current: GenState, proposal: GenState) -> tuple[Array, Array]:
+    def propose(self, current: Optional[GenState], proposal: GenState) -> tuple[Array, Array]:
         """([B, tokens] int32 guesses for slots proposal.length ..., [B] int32 how many are
         proposed) for every row, from the chain x (`current`) and its running proposal; a
-        sampling loop, which has no chain, passes its state as both."""
+        sampling loop, which has no chain, passes None and its state."""
         ...
 
 
@@ -564,7 +564,7 @@ def loop_step(model: CausalLM, params: Any, loop: GenerationLoop, limit: Array, 
             state, active = decode_step(model, params, loop.state, loop.active, limit, keys, fresh_from,
                                         sampler)
         else:
-            guesses, proposed = draft.propose(loop.state, loop.state)
+            guesses, proposed = draft.propose(None, loop.state)
             state, active = drafted_decode_step(model, params, loop.state, loop.active, limit, keys, fresh_from,
                                                 sampler, guesses, proposed)
     return GenerationLoop(state=state, active=active, steps=loop.steps + 1)
