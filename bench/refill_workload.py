@@ -11,7 +11,9 @@ Schedules (--schedules, both by default, in the same call on the same problems):
   fixed    batches of --batch problems, each lasting as long as its slowest problem
            (`decode` without slots; the schedule before issue 39)
   refill   the problems stream through --batch problem slots; a finished problem's slot
-           takes the next one at once (`decode(..., slots=--batch)`, issue 39)
+           takes the next one at once (`decode(..., slots=--batch)`, issue 39); once none waits
+           and at most --tail-fraction of the slots are live, those go on in a smaller carry
+           (run twice, with --tail-fraction 0 and the default, to see what the tail costs)
 --batch counts problems, not rows: a slot (and a fixed batch's problem) holds the
 method's `pool_size` rows: 1 for the MCMC methods (one chain) and scalable_power (its
 main row), n_particles (16) for power_smc / degs_smc, n for best_of_n. So --batch 16 is
@@ -70,7 +72,7 @@ import jax
 import numpy as np
 
 from common import ROW_STEPS, PromptCodedEOSLM, emit, encode_target, environment, random_model, target_lengths
-from degs_jax.decoders import decode
+from degs_jax.decoders import TAIL_FRACTION, decode
 from degs_jax.methods import METHODS, field_names, hyperparameters_for, method_record
 
 OUT_NAME = "refill.jsonl"
@@ -126,6 +128,10 @@ def main():
                          "the remainder, when --problems is not a multiple of --batch) with their "
                          "targets cut to 8 tokens: the same programs compile outside the timed runs; "
                          "with --repeats 1 a long workload is timed once")
+    ap.add_argument("--tail-fraction", type=float, default=TAIL_FRACTION,
+                    help="the refill's tail: once no problem waits and at most this share of the slots "
+                         "are live, they go on in a smaller carry (decode_stream; 0: never; default "
+                         "%(default)s, the library's)")
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[128, 321], metavar=("LO", "HI"),
                     help="prompt lengths drawn uniformly in [LO, HI)")
     args = ap.parse_args()
@@ -164,7 +170,7 @@ def main():
                 """(outputs, counters summed over the calls) of the problems' decode."""
                 if schedule == "refill":
                     results = [decode(model, params, problem_prompts, config, keys=keys[:len(problem_prompts)],
-                                      eos_ids=(eos,), slots=batch)]
+                                      eos_ids=(eos,), slots=batch, tail_fraction=args.tail_fraction)]
                 else:
                     results = [decode(model, params, problem_prompts[s:s + batch], config, keys=keys[s:s + batch],
                                       eos_ids=(eos,)) for s in range(0, len(problem_prompts), batch)]
@@ -198,6 +204,8 @@ def main():
                 "mean_acceptance": float(np.mean(acc)) if acc else None,
                 "completion_tokens": float(done.mean()), "counters": counters,
                 "tokens": [o.chosen.tokens for o in outputs]}
+            if schedule == "refill":
+                record["tail_fraction"] = args.tail_fraction
             emit({"bench": "refill_workload", "schedule": schedule, **shared, **hyperparameters,
                   "buffer_new_slots": config.max_new_tokens,
                   **{k: v for k, v in record.items() if k != "tokens"}}, OUT_NAME)

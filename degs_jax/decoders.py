@@ -26,9 +26,10 @@ Two drivers, same tokens for the same per-prompt keys:
   `slots`, or as `decode_stream`, it batches continuously: a fixed number of prompt slots,
   and when a slot's prompt is done (`Method.prompt_done`) its answer is read from the
   slot's rows alone and the next waiting prompts, prefilled together and `init`-ed, are
-  written over the free slots (`rows.take_slot` / `put_slots`, the carry donated: no other
+  written over the free slots (`rows.take_slots` / `put_slots`, the carry donated: no other
   row's cache is copied, nothing is recompiled; the other rows go on where they were).
-  Each prompt keeps its own keys and every counter of its phase is per row, so with a
+  Once no prompt waits and few slots are live, the live ones are gathered into a smaller
+  carry (the tail: a step costs what its batch costs, live rows or not). Each prompt keeps its own keys and every counter of its phase is per row, so with a
   batch-invariant model a prompt's answer is bitwise the one it gets alone, whatever the
   schedule (tests/test_refill.py); a method with checkpoints (MCMC: a chain after each
   block) also hands out its prompts' snapshots and resumes prompts from them;
@@ -55,7 +56,7 @@ from .methods import MCMC_METHODS, METHODS, RERANK_METHODS, SMC_METHODS, as_meth
 from .lens import masked_sum, mean_final_entropy, sequence_depth
 from .method import NO_TOKEN, Method, PoolRows, positive_int
 from .model_api import CausalLM, params_dtype
-from .rows import put_slots, repeat_rows, take_slot, work_totals
+from .rows import gather_slots, put_slots, repeat_rows, take_slots, work_totals
 from .stops import TokenBytes
 
 Array = jax.Array
@@ -314,11 +315,22 @@ def advance_on_host(model: CausalLM, params: Any, carry: Any, keys: Array, metho
         advances = next_chunk(advances, time.perf_counter() - started)
 
 
+# The tail (`decode_stream`): once no prompt waits and at most this fraction of the slots
+# hold an unfinished prompt, the live slots are gathered into a carry of `tail_slots` slots
+# (their rows and caches copied once; the done slots' dropped) and the stream goes on with
+# it. A decode step costs what its batch costs, live or not: measured on an H200 at 1.5B
+# with drafted proposals (k = 4), 28.9 ms per MCMC step with 256 slots against 2.2 ms with
+# 2 (docs/benchmarks.md), so the last chains of a benchmark, its critical path, otherwise
+# run at the full batch's price. Each new slot count compiles the method's programs once
+# (sizes are powers of two, so at most log2(slots) of them).
+TAIL_FRACTION = 1 / 4
+
+
 def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
            method: str | Method, key: Optional[Array] = None, *,
            keys: Optional[Array] = None, eos_ids: Sequence[int], progress: bool = False,
            token_bytes: Optional[TokenBytes] = None, slots: Optional[int] = None,
-           **hyperparameters) -> DecodeResult:
+           tail_fraction: float = TAIL_FRACTION, **hyperparameters) -> DecodeResult:
     """Run a decoder on token-id prompts, returning to the host between chunks of the
     method's work (`advance_on_host`: progress bars, Ctrl-C, early stop).
 
@@ -337,6 +349,8 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
     slots: decode through this many prompt slots, refilling each with the next waiting
       prompt as soon as its prompt is done (`decode_stream`; needs `keys`); outputs in
       prompt order, each with its own `counters`. None: one fixed batch of every prompt.
+    tail_fraction: with slots, the share of live slots at which the stream's tail goes on
+      in a smaller carry (`decode_stream`; 0: never).
     """
     config = as_method(method, hyperparameters)
     if slots is not None:
@@ -344,7 +358,8 @@ def decode(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]],
             raise ValueError("decoding with slots (refill) needs keys, one per prompt (a prompt's draws must "
                              "not depend on its slot)")
         return _collect(decode_stream(model, params, prompts, config, keys=keys, eos_ids=eos_ids, slots=slots,
-                                      progress=progress, token_bytes=token_bytes), config)
+                                      progress=progress, token_bytes=token_bytes, tail_fraction=tail_fraction),
+                        config)
     settings = config.plan(model, eos_ids, token_bytes)
     n, max_new = config.pool_size, config.max_new_tokens
     tokens, lengths = _checked_prompts(model, config, prompts, key, keys)
@@ -468,12 +483,34 @@ def admission_size(free: int, slots: int) -> int:
     return min(1 << (free - 1).bit_length(), slots)
 
 
+def tail_slots(live: int, slots: int) -> int:
+    """The slots of the tail carry for `live` unfinished prompts in a carry of `slots`: the
+    next power of two, at least the devices of the current mesh (the rows may be split over
+    them), at most `slots`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return min(max(admission_size(live, slots), 1 if mesh.empty else mesh.size), slots)
+
+
+def _stop_at(watch: np.ndarray, prompts_wait: bool, admit_at: int, tail_fraction: float) -> int:
+    """The done slots among `watch` at which a stream's chunk stops: `admit_at` while prompts
+    wait (to admit them); then as many as bring the live slots to the tail's share, if that
+    gathers them into fewer slots; else none (more than the slots: a done slot is read out
+    after the chunk)."""
+    if prompts_wait:
+        return admit_at
+    live, slots = int(watch.sum()), len(watch)
+    done = live - int(tail_fraction * slots)  # done slots that leave tail_fraction of the slots live
+    if done >= 1 and tail_slots(live - done, slots) < slots:
+        return done
+    return slots + 1
+
+
 def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]], method: str | Method, *,
                   keys: Array, eos_ids: Sequence[int], slots: int, progress: bool = False,
                   token_bytes: Optional[TokenBytes] = None,
                   resume: Optional[Mapping[int, Mapping[str, np.ndarray]]] = None,
                   on_checkpoint: Optional[Callable[[int, dict[str, np.ndarray]], Any]] = None,
-                  **hyperparameters) -> Iterator[tuple[int, Output]]:
+                  tail_fraction: float = TAIL_FRACTION, **hyperparameters) -> Iterator[tuple[int, Output]]:
     """Continuous batching: decode `prompts` through `slots` prompt slots (each of the
     method's `pool_size` rows), yielding (prompt index, Output) as each prompt finishes,
     in the order they finish; the generator's return value is the seconds spent
@@ -488,7 +525,11 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     `init`-ed, overwrite the free slots in place (`rows.put_slots`, the carry donated; one
     compiled program for every choice of slots). The other slots' rows go on where they
     were: with a method whose rows are at their own phase (MCMC: each row at its own block
-    and MH step, `mcmc.chain_step`), no prompt waits for another. Buffers hold the longest
+    and MH step, `mcmc.chain_step`), no prompt waits for another. Once every prompt is
+    admitted and at most `tail_fraction` of the slots are live (0: never), the live slots
+    are gathered into a carry of `tail_slots` slots (`rows.gather_slots`, the done slots as
+    its padding; the old carry freed leaf by leaf, so memory does not rise by the new one) and the stream goes on with it: the tail's steps cost a small batch's,
+    at one compilation per new slot count. Buffers hold the longest
     prompt of the whole run (padded as `pad_prompts` does) plus the method's budget, so
     every prompt fits every slot. keys: [len(prompts)] PRNG keys, one per prompt (a
     prompt's rows use `split(keys[i], n)` whatever its slot: with a batch-invariant model
@@ -503,6 +544,9 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     """
     config = as_method(method, hyperparameters)
     positive_int("slots", slots)
+    if not 0 <= tail_fraction <= 1:
+        raise ValueError(f"tail_fraction must be in [0, 1] (the share of live slots at which the tail is "
+                         f"gathered into a smaller carry; 0: never), got {tail_fraction}")
     settings = config.plan(model, eos_ids, token_bytes)
     n = config.pool_size
     tokens, _ = _checked_prompts(model, config, prompts, None, keys)
@@ -531,10 +575,10 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     while any(h is not None for h in holding):
         watch = np.array([h is not None for h in holding])
         started = time.perf_counter()
-        # With no prompt waiting a done slot need not stop the chunk: it is read out after it.
         carry, prompt_done, _, ran = advance_chunk(model, params, carry, row_key, jnp.int32(advances), config,
                                                    settings, jnp.asarray(watch),
-                                                   jnp.int32(admit_at if waiting < len(prompts) else slots + 1))
+                                                   jnp.int32(_stop_at(watch, waiting < len(prompts), admit_at,
+                                                                      tail_fraction)))
         prompt_done, ran, versions = jax.device_get(
             (prompt_done, ran, config.checkpoint_versions(carry) if checkpointing else None))
         prompt_done = np.asarray(prompt_done)
@@ -553,7 +597,7 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
         for slot in free:
             index, rows = holding[slot], slice(slot * n, (slot + 1) * n)
             sub_keys = row_key[rows]
-            sub = take_slot(carry, jnp.int32(slot), n)
+            sub = take_slots(carry, jnp.asarray([slot], jnp.int32), n)
             details = config.run_details(model, sub, sub_keys, settings)
             answer = config.answer(model, params, sub, sub_keys, settings)
             (output,) = _outputs(model, config, answer.state, answer, details)
@@ -577,6 +621,17 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
             waiting += len(admitted)
             if checkpointing:  # (a resumed prompt's snapshot is stored already)
                 saved_versions = np.asarray(jax.device_get(config.checkpoint_versions(carry)))
+        live = [slot for slot, index in enumerate(holding) if index is not None]
+        if waiting == len(prompts) and live and len(live) <= tail_fraction * len(holding):
+            size = tail_slots(len(live), len(holding))
+            if size < len(holding):  # padded with done slots: they do no work
+                kept = live + [slot for slot, index in enumerate(holding) if index is None][:size - len(live)]
+                kept_rows = (np.asarray(kept)[:, None] * n + np.arange(n)[None]).reshape(-1)
+                row_key = row_key[jnp.asarray(kept_rows)]
+                carry = gather_slots(carry, np.asarray(kept, np.int32), n)  # (the old carry freed as it goes)
+                holding = [holding[slot] for slot in kept]
+                if checkpointing:
+                    saved_versions = saved_versions[kept_rows]
     bar.close()
     t2 = time.perf_counter()
     return dict(prefill=t1 - t0, decode=t2 - t1, total=t2 - t0, advances=total_advances)

@@ -18,9 +18,10 @@ operations need no list of field names:
   data and which are static is declared on the fields themselves.
 
 A method's carry (the drivers' loop state) is a dataclass of such fields, some of them
-states themselves: `take_slot` and `put_slots` read and overwrite the n rows (and one
+states themselves: `take_slots` and `put_slots` read and overwrite the n rows (and one
 per-prompt entry) of prompt slots of a whole carry, recursing into nested states
-(the host driver's refill, `decoders.decode_stream`).
+(the host driver's refill, `decoders.decode_stream`); `gather_slots` moves a carry's live
+slots into a smaller one, freeing the old one leaf by leaf (the stream's tail).
 
 Every operation is row-wise data movement (gathers, selects, scatters): no arithmetic, so
 a row's values are bitwise those of the row it came from.
@@ -246,12 +247,38 @@ def _map_slot(fn: Callable[..., Array], *carries):
 
 
 @functools.partial(jax.jit, static_argnames=("n",))
-def take_slot(carry, slot: Array, n: int):
-    """The carry of prompt slot `slot` alone (int32 scalar, traced): rows slot·n ..
-    slot·n + n - 1 and per-prompt entry `slot` of every leaf (a copy of that slot's caches
-    only)."""
-    return _map_slot(lambda a, axis, per_prompt: jax.lax.dynamic_slice_in_dim(
-        a, slot if per_prompt else slot * n, 1 if per_prompt else n, axis), carry)
+def take_slots(carry, slots: Array, n: int):
+    """The carry of prompt slots `slots` ([k] int32, in range, traced) alone, in that order:
+    rows slots[j]·n .. slots[j]·n + n - 1 and per-prompt entry slots[j] of every leaf become
+    prompt j's (a copy of those slots' caches only). One slot: a done prompt's rows, read
+    out alone (`decoders.decode_stream`); several: the live slots of a stream's tail,
+    gathered into a smaller carry."""
+    rows = (slots[:, None] * n + jnp.arange(n)[None]).reshape(-1)
+    return _map_slot(lambda a, axis, per_prompt: jnp.take(a, slots if per_prompt else rows, axis=axis), carry)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _take(a: Array, index: Array, axis: int) -> Array:
+    return jnp.take(a, index, axis=axis)
+
+
+def gather_slots(carry, slots: Array, n: int):
+    """`take_slots(carry, slots, n)` leaf by leaf, each leaf of `carry` deleted once its
+    slots are copied out: memory rises by one leaf's gathered part at most, not by the whole
+    smaller carry (the tail's gather, `decoders.decode_stream`, whose carry may fill the
+    device). `carry` is consumed: every array of it is deleted, so nothing else may hold
+    one (a leaf that appears twice is gathered once)."""
+    slots = jnp.asarray(slots, jnp.int32)
+    rows = (slots[:, None] * n + jnp.arange(n)[None]).reshape(-1)
+    gathered: dict[int, tuple[Array, Array]] = {}  # id(source leaf) -> (source, its gathered slots)
+
+    def take(a, axis, per_prompt):
+        if id(a) not in gathered:
+            gathered[id(a)] = (a, _take(a, slots if per_prompt else rows, axis))
+            a.delete()
+        return gathered[id(a)][1]
+
+    return _map_slot(take, carry)
 
 
 @functools.partial(jax.jit, static_argnames=("n",), donate_argnames=("carry",))

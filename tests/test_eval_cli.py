@@ -406,3 +406,31 @@ def test_batch_size_auto_is_recorded_and_an_integer_overrides_it(degs, tmp_path,
     assert sorted(r["id"] for r in runs["auto"][1]) == sorted(r["id"] for r in runs["one"][1])
     rc, _, err = degs("eval", "--benchmark", "gsm8k", "--out", tmp_path / "bad", "--batch-size", "0")
     assert rc == 2 and "degs: error: --batch-size takes a positive integer or 'auto'" in err
+
+
+def test_the_progress_line_follows_every_record(degs, tmp_path, shared_prompt_width, monkeypatch):
+    """The progress line's accuracy and tokens per step are set after every finished problem
+    (a refilled run of 256 slots set them once per 256 problems: an H200 run of MATH500
+    showed its first 256 problems' numbers until its end)."""
+    import degs_jax.eval.runner as runner
+
+    shown = []
+
+    class Bar:
+        def __init__(self, *args, initial=0, **kwargs):
+            self.n = initial
+
+        def update(self, count):
+            self.n += count
+
+        def set_postfix(self, **values):
+            shown.append((self.n, values))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runner, "tqdm", Bar)
+    rc, _, err = degs("eval", "--benchmark", "math500", "--method", "greedy", "--limit", 3, "--batch-size", 3,
+                      "--out", tmp_path / "run", *TINY)
+    assert rc == 0, err
+    assert [n for n, _ in shown] == [1, 2, 3] and all(set(values) == {"acc", "tok/step"} for _, values in shown)

@@ -147,6 +147,57 @@ def test_stream_pace_is_the_fastest_chunk_so_far(monkeypatch):
     assert len(chunks) >= 3 and checked, "the fastest chunk was always the last: the check is vacuous"
 
 
+# Prompt orders in which the tail gathers a live slot other than the first two (found by trying).
+TAIL_ORDERS = {"power_mcmc": (0, 1, 2, 3, 4, 5), "best_of_n": (2, 3, 0, 1, 4, 5), "power_smc": (2, 1, 0, 5, 4, 3)}
+
+
+@pytest.mark.parametrize("case", list(TAIL_ORDERS))
+def test_the_tail_goes_on_in_a_smaller_carry_as_if_never_moved(case, monkeypatch):
+    """Once every prompt is admitted and at most `tail_fraction` of the slots are live, the
+    live slots are gathered into a smaller carry (`rows.gather_slots`) and go on there: four
+    slots become two (and one, where the last prompt runs alone), a live slot moves to
+    another position, and every prompt's Output and counters stay bitwise those of the
+    prompt alone (one chain; a pool of n rows per slot; SMC's per-prompt fields). With
+    tail_fraction=0 the carry keeps its four slots."""
+    method, settings = CASES[case]
+    order = TAIL_ORDERS[case]
+    prompts, keys = [PROMPTS[i] for i in order], KEYS[np.asarray(order)]
+    model, params = _model("float32")
+    sizes, gathers = [], []
+    real_chunk, real_gather = decoders.advance_chunk, decoders.gather_slots
+
+    def watching_chunk(model_, params_, carry, keys, advances, method_, settings_, watch=None, admit_at=None):
+        if watch is not None:  # (a stream's chunk; the prompt alone runs as a fixed batch)
+            sizes.append(int(watch.shape[0]))
+        return real_chunk(model_, params_, carry, keys, advances, method_, settings_, watch, admit_at)
+
+    def watching_gather(carry, slots, n):
+        gathers.append([int(s) for s in np.asarray(slots)])
+        return real_gather(carry, slots, n)
+
+    monkeypatch.setattr(decoders, "advance_chunk", watching_chunk)
+    monkeypatch.setattr(decoders, "gather_slots", watching_gather)
+    result = decode(model, params, prompts, method, keys=keys, eos_ids=DECODER_EOS, slots=4, tail_fraction=1 / 2,
+                    **settings)
+    assert sizes[0] == 4 and 2 in sizes and sizes == sorted(sizes, reverse=True), sorted(set(sizes))
+    assert any(g != list(range(len(g))) for g in gathers), f"no live slot moved to another position: {gathers}"
+    for position, output in enumerate(result.outputs):
+        alone, counters = _alone(case, order[position])
+        got = dataclasses.asdict(output)
+        assert _bits(got.pop("counters")) == _bits(counters), f"prompt {order[position]}: counters"
+        alone = dict(alone, counters=None, advance_seconds=None)
+        got = dict(_untimed(output), counters=None)
+        for name in alone:
+            assert _bits(got[name]) == _bits(alone[name]), \
+                f"prompt {order[position]}: {name} differs from the prompt alone"
+    sizes.clear()
+    decode(model, params, prompts, method, keys=keys, eos_ids=DECODER_EOS, slots=4, tail_fraction=0, **settings)
+    assert set(sizes) == {4}
+    with pytest.raises(ValueError, match="tail_fraction must be in \\[0, 1\\]"):
+        decode(model, params, prompts, method, keys=keys, eos_ids=DECODER_EOS, slots=4, tail_fraction=2,
+               **settings)
+
+
 def test_refill_needs_one_key_per_prompt():
     model, params = _model("float32")
     with pytest.raises(ValueError, match="refill\\) needs keys"):

@@ -104,3 +104,19 @@ def test_fold_in_rows_folds_scalar_and_per_row_tags():
     got = jax.random.key_data(rows.fold_in_rows(keys, 2, per_row))
     want = [jax.random.key_data(jax.random.fold_in(jax.random.fold_in(keys[b], 2), 5 + b)) for b in range(4)]
     np.testing.assert_array_equal(np.asarray(got), np.stack([np.asarray(w) for w in want]))
+
+
+def test_gather_slots_takes_the_slots_and_frees_the_carry_leaf_by_leaf():
+    """`gather_slots` gives `take_slots`' carry (slots 5, 0, 9 of 12, one row each) and
+    deletes every leaf of the carry it was given, once, even a leaf that appears twice."""
+    state = _state(3)
+    state = dataclasses.replace(state, prompt_len=state.length)  # one array in two fields
+    slots = jnp.asarray([5, 0, 9], jnp.int32)
+    want = rows.take_slots(state, slots, 1)
+    for r, w in enumerate([5, 0, 9]):
+        _assert_row(want, r, state, w)
+    got = rows.gather_slots(state, np.asarray(slots), 1)
+    for r in range(3):
+        _assert_row(got, r, want, r)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+    assert got.prompt_len is got.length

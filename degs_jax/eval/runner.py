@@ -128,6 +128,10 @@ KEY_DERIVATION = "fold_in(key(seed), problem_index)"
 GPQA = "gpqa_diamond"
 
 SHARD_PATTERN = "results.process-*-of-*.jsonl"
+# A run rewrites its summary.json at most this often while records come in (and at the end
+# of each batch), so a killed run's summary lacks at most the records of its last this
+# many seconds. The progress line's accuracy and tokens per step follow every record.
+SUMMARY_SECONDS = 30.0
 
 __all__ = ["run_eval", "run_config", "problem_key", "run_summary", "extras_summary", "format_summary",
            "shard_file", "check_run_directory", "recorded_dtype",
@@ -469,6 +473,7 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, problems, d
             run["invocations"][-1]["resumed"] = {p.id: int(snapshot["block"].min()) for _, p in todo
                                                  if (snapshot := checkpoints.load(p.id)) is not None}
             write_json(out / RUN_FILE, run)
+        summarised = time.monotonic()
         bar = tqdm(total=len(selected), initial=len(selected) - len(todo), unit="problem",
                    desc=bar_label, disable=not progress, file=sys.stderr)
         # refill: one stream of every problem left through batch_size slots
@@ -479,10 +484,11 @@ def _run_single(out: Path, config: dict, invocation: dict, selected, problems, d
                 store.append(record)
                 checkpoints.remove(record["id"])
                 bar.update(1)
-                if finished % batch_size == 0 or finished == len(batch):
-                    bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}",
-                                    **tokens_per_step_postfix(store.records))
+                bar.set_postfix(acc=f"{np.mean([r['correct'] for r in store.records]):.3f}",
+                                **tokens_per_step_postfix(store.records))
+                if finished == len(batch) or time.monotonic() - summarised >= SUMMARY_SECONDS:
                     write_summary(out, run_summary(store.records, run))
+                    summarised = time.monotonic()
         bar.close()
         records = list(store.records)
         _record_peak_memory(out, run)
