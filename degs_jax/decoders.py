@@ -29,7 +29,8 @@ Two drivers, same tokens for the same per-prompt keys:
   written over the free slots (`rows.take_slots` / `put_slots`, the carry donated: no other
   row's cache is copied, nothing is recompiled; the other rows go on where they were).
   Once no prompt waits and few slots are live, the live ones are gathered into a smaller
-  carry (the tail: a step costs what its batch costs, live rows or not). Each prompt keeps its own keys and every counter of its phase is per row, so with a
+  carry (the tail: a step costs what its batch costs, live rows or not). Each prompt
+  keeps its own keys and every counter of its phase is per row, so with a
   batch-invariant model a prompt's answer is bitwise the one it gets alone, whatever the
   schedule (tests/test_refill.py); a method with checkpoints (MCMC: a chain after each
   block) also hands out its prompts' snapshots and resumes prompts from them;
@@ -528,8 +529,9 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     and MH step, `mcmc.chain_step`), no prompt waits for another. Once every prompt is
     admitted and at most `tail_fraction` of the slots are live (0: never), the live slots
     are gathered into a carry of `tail_slots` slots (`rows.gather_slots`, the done slots as
-    its padding; the old carry freed leaf by leaf, so memory does not rise by the new one) and the stream goes on with it: the tail's steps cost a small batch's,
-    at one compilation per new slot count. Buffers hold the longest
+    its padding; the old carry freed leaf by leaf, so memory does not rise by the new one)
+    and the stream goes on with it: the tail's steps cost a small batch's, at one
+    compilation per new slot count. Buffers hold the longest
     prompt of the whole run (padded as `pad_prompts` does) plus the method's budget, so
     every prompt fits every slot. keys: [len(prompts)] PRNG keys, one per prompt (a
     prompt's rows use `split(keys[i], n)` whatever its slot: with a batch-invariant model
