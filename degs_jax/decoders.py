@@ -317,9 +317,9 @@ def advance_on_host(model: CausalLM, params: Any, carry: Any, keys: Array, metho
 
 
 # The tail (`decode_stream`): once no prompt waits and at most this fraction of the slots
-# hold an unfinished prompt, the live slots are gathered into a carry of `tail_slots` slots
-# (their rows and caches copied once; the done slots' dropped) and the stream goes on with
-# it. A decode step costs what its batch costs, live or not: measured on an H200 at 1.5B
+# hold an unfinished prompt, the live slots are gathered into a carry of the next power of
+# two of slots (their rows and caches copied once; the done slots' dropped) and the stream
+# goes on with it. A decode step costs what its batch costs, live or not: measured on an H200 at 1.5B
 # with drafted proposals (k = 4), 28.9 ms per MCMC step with 256 slots against 2.2 ms with
 # 2 (docs/benchmarks.md), so the last chains of a benchmark, its critical path, otherwise
 # run at the full batch's price. Each new slot count compiles the method's programs once
@@ -479,17 +479,11 @@ def _fresh_carry(model: CausalLM, params: Any, config: Method, settings: Any, pr
 ADMIT_FRACTION = 1 / 8
 
 
-def admission_size(free: int, slots: int) -> int:
-    """Prompts prefilled by an admission into `free` slots: the next power of two, at most `slots`."""
-    return min(1 << (free - 1).bit_length(), slots)
-
-
-def tail_slots(live: int, slots: int) -> int:
-    """The slots of the tail carry for `live` unfinished prompts in a carry of `slots`: the
-    next power of two, at least the devices of the current mesh (the rows may be split over
-    them), at most `slots`."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return min(max(admission_size(live, slots), 1 if mesh.empty else mesh.size), slots)
+def admission_size(count: int, slots: int) -> int:
+    """The next power of two from `count`, at most `slots`: the prompts prefilled by an
+    admission into `count` free slots, and the slots of a stream's tail for `count` live
+    prompts (few compiled shapes either way)."""
+    return min(1 << (count - 1).bit_length(), slots)
 
 
 def _stop_at(watch: np.ndarray, prompts_wait: bool, admit_at: int, tail_fraction: float) -> int:
@@ -501,7 +495,7 @@ def _stop_at(watch: np.ndarray, prompts_wait: bool, admit_at: int, tail_fraction
         return admit_at
     live, slots = int(watch.sum()), len(watch)
     done = live - int(tail_fraction * slots)  # done slots that leave tail_fraction of the slots live
-    if done >= 1 and tail_slots(live - done, slots) < slots:
+    if done >= 1 and admission_size(live - done, slots) < slots:
         return done
     return slots + 1
 
@@ -521,18 +515,17 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
     The first `slots` prompts are prefilled together; then the method's `advance` runs in
     chunks (`advance_chunk`, each aiming at CHUNK_SECONDS) that also stop once
     ADMIT_FRACTION of the slots are done (`Method.prompt_done`) while prompts wait. Each
-    done slot's rows are read out alone (`rows.take_slot`: its answer, `Method.run_details`
+    done slot's rows are read out alone (`rows.take_slots`: its answer, `Method.run_details`
     and scores come from its rows only), and the waiting prompts, prefilled together and
     `init`-ed, overwrite the free slots in place (`rows.put_slots`, the carry donated; one
     compiled program for every choice of slots). The other slots' rows go on where they
     were: with a method whose rows are at their own phase (MCMC: each row at its own block
     and MH step, `mcmc.chain_step`), no prompt waits for another. Once every prompt is
     admitted and at most `tail_fraction` of the slots are live (0: never), the live slots
-    are gathered into a carry of `tail_slots` slots (`rows.gather_slots`, the done slots as
-    its padding; the old carry freed leaf by leaf, so memory does not rise by the new one)
-    and the stream goes on with it: the tail's steps cost a small batch's, at one
-    compilation per new slot count. Buffers hold the longest
-    prompt of the whole run (padded as `pad_prompts` does) plus the method's budget, so
+    are gathered into a carry of `admission_size` slots (`rows.gather_slots`, the done
+    slots as its padding; the old carry freed leaf by leaf, so memory does not rise by the
+    new one) and the stream goes on with it: the tail's steps cost a small batch's, at one
+    compilation per new slot count. Buffers hold the longest prompt of the whole run (padded as `pad_prompts` does) plus the method's budget, so
     every prompt fits every slot. keys: [len(prompts)] PRNG keys, one per prompt (a
     prompt's rows use `split(keys[i], n)` whatever its slot: with a batch-invariant model
     its Output is bitwise the one `decode` gives it alone). Each Output carries its own
@@ -625,7 +618,7 @@ def decode_stream(model: CausalLM, params: Any, prompts: Sequence[Sequence[int]]
                 saved_versions = np.asarray(jax.device_get(config.checkpoint_versions(carry)))
         live = [slot for slot, index in enumerate(holding) if index is not None]
         if waiting == len(prompts) and live and len(live) <= tail_fraction * len(holding):
-            size = tail_slots(len(live), len(holding))
+            size = admission_size(len(live), len(holding))  # (the next power of two)
             if size < len(holding):  # padded with done slots: they do no work
                 kept = live + [slot for slot, index in enumerate(holding) if index is None][:size - len(live)]
                 kept_rows = (np.asarray(kept)[:, None] * n + np.arange(n)[None]).reshape(-1)

@@ -52,7 +52,7 @@ What a method answers (the drivers never switch on a method's class or name):
   `settings` is what `plan` returned (a pytree: its numbers are data of the program).
   Every leaf of the carry has a row axis (or, marked
   `rows.per_prompt`, a prompt axis), so the host driver can read one prompt's slot out
-  and overwrite it with a freshly `init`-ed prompt (`rows.take_slot` / `put_slots`).
+  and overwrite it with a freshly `init`-ed prompt (`rows.take_slots` / `put_slots`).
   `decoders.decode_tokens` runs `advance` in a `lax.while_loop` until `done`;
 - for the host driver (`decoders.decode`, which calls `advance` in jitted chunks):
   `progress(carry)` (traced: units done), `progress_total(settings)` and `progress_unit`

@@ -225,3 +225,27 @@ def test_mesh_errors():
     odd = tiny_config(num_heads=4, num_kv_heads=4, vocab=97)
     assert param_specs(odd, 4).embed == P()
     assert param_shardings(CFG, make_mesh(1, 4)).embed.spec == P("model", None)
+
+
+def test_a_refilled_stream_and_its_tail_give_the_same_tokens_on_a_mesh(params, monkeypatch):
+    """Three prompts through two refilled slots on a (2, 2) mesh, the tail gathered into one
+    slot (tail_fraction 1/2): the tokens and acceptances of one device, unsharded."""
+    from degs_jax import decoders
+
+    gathers = []
+    real_gather = decoders.gather_slots
+    monkeypatch.setattr(decoders, "gather_slots", lambda carry, slots, n: gathers.append(len(slots)) or
+                        real_gather(carry, slots, n))
+    keys = jnp.stack([jax.random.key(20 + i) for i in range(len(PROMPTS))])
+    settings = dict(DECODES["degs_mcmc"], n_chains=1)
+
+    def run(weights):
+        r = decode(TransformerLM(CFG), weights, PROMPTS, "degs_mcmc", keys=keys, eos_ids=EOS, slots=2,
+                   tail_fraction=1 / 2, **settings)
+        return [list(o.chosen.tokens) for o in r.outputs], [o.chosen.acceptance for o in r.outputs]
+
+    want = run(params)
+    mesh = make_mesh(2, 2)
+    with jax.set_mesh(mesh):
+        assert run(shard_params(params, CFG, mesh)) == want
+    assert gathers == [1, 1], gathers  # the tail gathered, unsharded and sharded
